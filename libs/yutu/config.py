@@ -1,0 +1,80 @@
+"""Command-line options that can also be set from the environment.
+
+Every option ``--some-name`` reads ``YUTU_SOME_NAME`` when the flag is not given: flag beats
+environment beats default. ``--help`` shows the variable and the default next to each option.
+Services turn the parsed namespace into one frozen settings dataclass in their ``main`` and pass that
+down; nothing below ``main`` reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    return "YUTU_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    default: Any,
+    help: str,
+    type: Callable[[str], Any] = str,
+    **kwargs: Any,
+) -> None:
+    """Add ``flag`` whose default comes from ``YUTU_<FLAG>`` when that variable is set."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    if raw is not None:
+        try:
+            default = parse_bool(raw) if type is bool else type(raw)
+        except ValueError as exc:
+            raise SystemExit(f"error: environment variable {env}={raw!r} is invalid: {exc}") from None
+    shown = "none" if default is None else default
+    if type is bool:
+        parser.add_argument(
+            flag,
+            default=default,
+            action=argparse.BooleanOptionalAction,
+            help=f"{help} [env {env}; default {shown}]",
+        )
+    else:
+        parser.add_argument(
+            flag, default=default, type=type, help=f"{help} [env {env}; default {shown}]", **kwargs
+        )
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """Options every service takes: where Redis is, where to bind, logging."""
+    group = parser.add_argument_group("common")
+    option(group, "--redis-url", default=DEFAULT_REDIS_URL, help="Redis registry URL")
+    option(group, "--host", default="127.0.0.1", help="address to bind the service's sockets on")
+    option(
+        group,
+        "--advertise-host",
+        default=None,
+        help="address other services use to reach this one (default: --host, or 127.0.0.1 if --host is 0.0.0.0)",
+    )
+    option(
+        group, "--instance-id", default=None, help="unique id of this instance (default: kind-hostname-pid)"
+    )
+    option(group, "--log-level", default="info", help="debug, info, warning or error")

@@ -1,0 +1,43 @@
+"""Error kinds shared by every service.
+
+Each kind maps to one HTTP status and one OpenAI error ``type`` at the gateway edge, so a worker, the
+conductor or the store can raise a typed error and the client sees a precise, actionable message.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorKind(StrEnum):
+    INVALID_REQUEST = "invalid_request_error"  # 400: the caller must change the request
+    NOT_FOUND = "not_found_error"  # 404: unknown model, key or resource
+    TOO_LARGE = "request_too_large"  # 413: prompt longer than the context
+    OVERLOADED = "overloaded_error"  # 429: try again later (with Retry-After)
+    UNAVAILABLE = "service_unavailable"  # 503: no instance can take the request now
+    INTERNAL = "internal_error"  # 500: a bug or a failure we did not expect
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+
+_HTTP_STATUS = {
+    ErrorKind.INVALID_REQUEST: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.OVERLOADED: 429,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.INTERNAL: 500,
+}
+
+
+class YutuError(Exception):
+    """An error with a kind; ``str(err)`` is the message shown to the user."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, kind: ErrorKind | None = None) -> None:
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind

@@ -1,0 +1,1 @@
+"""Wire messages, one module per ZeroMQ channel; see :mod:`yutu.protocol.codec`."""

@@ -1,0 +1,124 @@
+"""The Redis-backed service registry.
+
+Every instance writes one record under ``{prefix}:svc:{kind}:{instance_id}`` with a TTL and keeps it
+alive with a heartbeat task; an instance that dies simply expires. Readers list a kind with SCAN.
+Records are JSON so operators can read them with ``redis-cli``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """What an instance tells the world about itself."""
+
+    kind: str  # "gateway" | "worker" | "prefill" | "decode" | "conductor" | "store-master" | "store-node"
+    instance_id: str
+    endpoints: dict[str, str]  # e.g. {"generate": "tcp://127.0.0.1:5555", "admin": "http://127.0.0.1:8101"}
+    meta: dict[str, Any] = field(default_factory=dict)
+    hostname: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    started_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ServiceRecord:
+        return cls(**json.loads(raw))
+
+
+class Registry:
+    """Register, keep alive and look up service instances in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str = "yutu") -> None:
+        self.redis = redis
+        self.prefix = prefix
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "yutu") -> Registry:
+        return cls(aioredis.from_url(url), prefix)
+
+    def key(self, kind: str, instance_id: str) -> str:
+        return f"{self.prefix}:svc:{kind}:{instance_id}"
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    async def put(self, record: ServiceRecord, ttl_s: float) -> None:
+        await self.redis.set(
+            self.key(record.kind, record.instance_id), record.to_json(), px=int(ttl_s * 1000)
+        )
+
+    async def remove(self, kind: str, instance_id: str) -> None:
+        await self.redis.delete(self.key(kind, instance_id))
+
+    async def list(self, kind: str) -> list[ServiceRecord]:
+        """Live instances of ``kind``, sorted by instance id."""
+        keys = [k async for k in self.redis.scan_iter(match=self.key(kind, "*"), count=200)]
+        if not keys:
+            return []
+        values = await self.redis.mget(keys)
+        records = [ServiceRecord.from_json(v) for v in values if v is not None]
+        return sorted(records, key=lambda r: r.instance_id)
+
+    async def get(self, kind: str, instance_id: str) -> ServiceRecord | None:
+        raw = await self.redis.get(self.key(kind, instance_id))
+        return None if raw is None else ServiceRecord.from_json(raw)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class Registration:
+    """Keeps one record alive: re-written every ``ttl_s / 3`` seconds, deleted on :meth:`close`.
+
+    A Redis outage is logged and retried; the record reappears once Redis is back.
+    """
+
+    def __init__(self, registry: Registry, record: ServiceRecord, ttl_s: float = 10.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"registration ttl must be positive, got {ttl_s}")
+        self.registry = registry
+        self.record = record
+        self.ttl_s = ttl_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.registry.put(self.record, self.ttl_s)  # fail fast if Redis is unreachable at start
+        self._task = asyncio.create_task(self._keep_alive(), name=f"registration-{self.record.kind}")
+
+    def update_meta(self, **meta: Any) -> None:
+        """Change the record's meta; written on the next heartbeat."""
+        self.record = ServiceRecord(**{**asdict(self.record), "meta": {**self.record.meta, **meta}})
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self.registry.put(self.record, self.ttl_s)
+            except (RedisError, OSError) as exc:
+                log.warning("registry heartbeat for %s failed: %s", self.record.instance_id, exc)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.registry.remove(self.record.kind, self.record.instance_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not deregister %s: %s", self.record.instance_id, exc)

@@ -1,0 +1,169 @@
+"""The common service lifecycle and the admin REST app.
+
+    startup -> serve until SIGINT/SIGTERM -> stop intake -> drain (with a timeout) -> shutdown
+
+A :class:`Service` owns its sockets and tasks; :func:`run` drives it inside ``asyncio.run`` and
+serves its admin app (``/health``, ``/ready``, ``/metrics``, ``/info`` plus the service's own routes)
+with uvicorn on a socket we bind ourselves, so port 0 works and the bound port is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import socket as socketlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+
+
+def default_instance_id(kind: str) -> str:
+    return f"{kind}-{socketlib.gethostname()}-{os.getpid()}"
+
+
+def advertised(host: str, advertise_host: str | None) -> str:
+    """The address peers should dial for a socket bound on ``host``."""
+    if advertise_host:
+        return advertise_host
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class Service(ABC):
+    """One Yutu process. Subclasses set ``kind`` and implement the hooks."""
+
+    kind: str = "service"
+
+    def __init__(self) -> None:
+        self.metrics = CollectorRegistry()
+        self.stopping = asyncio.Event()
+
+    @abstractmethod
+    async def startup(self) -> None:
+        """Bind sockets, connect to peers, register; raise to abort the start."""
+
+    async def drain(self) -> None:  # noqa: B027 - optional hook
+        """Stop taking new work and let in-flight work finish (bounded by the caller's timeout)."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Release everything ``startup`` took. Must be safe after a partial startup."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def admin_router(self) -> APIRouter | None:
+        """Routes of this service's own resources, mounted on the admin app."""
+        return None
+
+
+def admin_app(service: Service) -> FastAPI:
+    app = FastAPI(title=f"yutu {service.kind} admin", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok = service.is_ready() and not service.stopping.is_set()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/info")
+    async def info() -> dict[str, Any]:
+        return service.info()
+
+    router = service.admin_router()
+    if router is not None:
+        app.include_router(router)
+    return app
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service lifecycle owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Serves an ASGI app on ``host:port`` (0: any free port) inside the running loop."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}; pick another port") from exc
+        self.sock.listen(2048)
+        self.sock.setblocking(False)
+        self.host = host
+        self.port: int = self.sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level=log_level, lifespan="off", access_log=False, timeout_graceful_shutdown=5
+        )
+        self._server = _Uvicorn(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]), name="http-server")
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises the start-up error
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.sock.close()
+
+
+async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.0) -> None:
+    """Run ``service`` with ``http`` until SIGINT/SIGTERM, then drain and shut down."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, service.stopping.set)
+    try:
+        await service.startup()
+        await http.start()
+        log.info("%s ready (http on %s:%d)", service.kind, http.host, http.port)
+        await service.stopping.wait()
+        log.info("%s stopping: draining for up to %.0fs", service.kind, drain_timeout_s)
+        try:
+            await asyncio.wait_for(service.drain(), drain_timeout_s)
+        except TimeoutError:
+            log.warning("%s drain timed out; cancelling what is left", service.kind)
+    finally:
+        await http.stop()
+        await service.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
