@@ -67,6 +67,7 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every service takes: where Redis is, where to bind, logging."""
     group = parser.add_argument_group("common")
     option(group, "--redis-url", default=DEFAULT_REDIS_URL, help="Redis registry URL")
+    option(group, "--registry-prefix", default="yutu", help="prefix of every Redis key this deployment writes")
     option(group, "--host", default="127.0.0.1", help="address to bind the service's sockets on")
     option(
         group,
