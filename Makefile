@@ -1,0 +1,37 @@
+# Yutu: `make run` starts the whole stack, `make test` runs the test suite. Both set everything up.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?=
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	@scripts/bootstrap.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,load]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/yutu up --port $(PORT) $(if $(MODEL),--model $(MODEL))
+
+test: $(STAMP)
+	@scripts/bootstrap.sh --need-redis-binary
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check libs services tests loadtests
+	$(VENV)/bin/ruff format --check libs services tests loadtests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy libs/yutu
+
+bench: $(STAMP)
+	$(PY) loadtests/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,307 @@
+"""The worker service: an engine (mixed prefill + decode role) behind the generate channel.
+
+Front ends (the gateway) connect a DEALER to our ROUTER and multiplex requests by id. A request's
+replies go back to the identity that sent it. If that front end is gone (ZeroMQ cannot route to it),
+the request is aborted so its KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+from fastapi import APIRouter
+from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from yutu.engine.model_source import resolve_model
+from yutu.engine.sampling import SamplingParams
+from yutu.errors import ErrorKind
+from yutu.protocol.codec import ProtocolError
+from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
+from yutu.registry import Registration, Registry, ServiceRecord
+from yutu.rpc import bind, context
+from yutu.service import HttpServer, Service
+
+from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import EngineCollector
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_META_REFRESH_S = 1.0
+
+
+def error_kind(exc: Exception) -> ErrorKind:
+    """The kind of an engine input error (PromptTooLongError is a ValueError too)."""
+    return ErrorKind.TOO_LARGE if type(exc).__name__ == "PromptTooLongError" else ErrorKind.INVALID_REQUEST
+
+
+class WorkerService(Service):
+    kind = "worker"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.http: HttpServer | None = None  # set by main before serve(); its port goes in the record
+        self.engine: LLMEngine | None = None
+        self.model_dir: Path | None = None
+        self.served_model_name = ""
+        self.demo = False
+        self._loop_engine: EngineLoop | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._routes: dict[str, bytes] = {}  # request id -> front-end identity
+        self._outbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._registry: Registry | None = None
+        self._registration: Registration | None = None
+        self._accepting = False
+        self.started_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        s = self.settings
+        if s.torch_threads > 0:
+            torch.set_num_threads(s.torch_threads)
+        self.model_dir = await asyncio.to_thread(resolve_model, s.model)
+        config = EngineConfig(
+            model_dir=self.model_dir,
+            block_size=s.block_size,
+            num_kv_blocks=s.num_kv_blocks,
+            kv_cache_memory_bytes=s.kv_cache_memory_mib * 2**20,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=s.max_model_len,
+            enable_prefix_caching=s.enable_prefix_caching,
+        )
+        log.info("loading model from %s", self.model_dir)
+        self.engine = await asyncio.to_thread(LLMEngine, config)
+        self.demo = bool(self.engine.model_config.is_demo)
+        self.served_model_name = s.served_model_name or self.model_dir.name
+        if self.demo:
+            log.warning(
+                "serving the built-in demo model %r: random weights, its text is meaningless;"
+                " serve a real checkpoint with --model /path/to/hf-dir",
+                self.served_model_name,
+            )
+        self.metrics.register(EngineCollector(self))
+
+        loop = asyncio.get_running_loop()
+        self._loop_engine = EngineLoop(self.engine, loop, self._on_outputs, self._on_error)
+        self._loop_engine.start()
+
+        self._sock = context().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable reply -> error, not a silent drop
+        endpoint = bind(self._sock, s.host, s.zmq_port).replace(s.host, s.advertise_host, 1)
+        self._accepting = True
+        self._tasks = [
+            asyncio.create_task(self._receive(), name="worker-receive"),
+            asyncio.create_task(self._send(), name="worker-send"),
+        ]
+
+        self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
+        assert self.http is not None, "main() sets the admin server before startup"
+        record = ServiceRecord(
+            kind=self.kind,
+            instance_id=s.instance_id,
+            endpoints={"generate": endpoint, "admin": f"http://{s.advertise_host}:{self.http.port}"},
+            meta=self._meta(),
+        )
+        self._registration = Registration(self._registry, record, s.registry_ttl_s)
+        await self._registration.start()
+        self._tasks.append(asyncio.create_task(self._refresh_meta(), name="worker-meta"))
+        log.info("worker %s serving %r on %s", s.instance_id, self.served_model_name, endpoint)
+
+    async def drain(self) -> None:
+        self._accepting = False
+        if self._registration is not None:
+            await self._registration.close()  # front ends stop picking us first
+            self._registration = None
+        # Polling is fine here: drain happens once, and it keeps the hot path free of bookkeeping.
+        while self._routes or not self._outbox.empty():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    async def shutdown(self) -> None:
+        self._accepting = False
+        if self._registration is not None:
+            await self._registration.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._loop_engine is not None:
+            await self._loop_engine.stop()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._registry is not None:
+            await self._registry.close()
+
+    def is_ready(self) -> bool:
+        return self._accepting and self._loop_engine is not None and self._loop_engine.alive
+
+    # -- generate channel ------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                log.warning("dropping generate frame with %d parts", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = CHANNEL.decode(payload)
+            except ProtocolError as exc:
+                log.warning("dropping undecodable generate message: %s", exc)
+                continue
+            if isinstance(msg, GenerateRequest):
+                self._admit(identity, msg)
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg.request_id)
+            else:
+                log.warning("unexpected %s on the generate channel", type(msg).__name__)
+
+    def _admit(self, identity: bytes, msg: GenerateRequest) -> None:
+        assert self._loop_engine is not None and self.engine is not None
+        rid = msg.request_id
+        if not self._accepting:
+            self._fail(
+                identity, rid, ErrorKind.UNAVAILABLE, "worker is shutting down; retry on another worker"
+            )
+            return
+        if not isinstance(rid, str) or not rid or rid in self._routes:
+            self._fail(
+                identity,
+                str(rid),
+                ErrorKind.INVALID_REQUEST,
+                f"request id {rid!r} is empty or already in use",
+            )
+            return
+        vocab = self.engine.model_config.vocab_size
+        ids = msg.prompt_token_ids
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            self._fail(
+                identity,
+                rid,
+                ErrorKind.INVALID_REQUEST,
+                f"prompt must be a non-empty list of token ids in [0, {vocab})",
+            )
+            return
+        try:
+            params = SamplingParams(**msg.sampling)
+        except (TypeError, ValueError) as exc:
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"invalid sampling parameters: {exc}")
+            return
+        self._routes[rid] = identity
+        self._loop_engine.add(rid, ids, params)
+
+    def _abort(self, request_id: str) -> None:
+        if self._routes.pop(request_id, None) is not None and self._loop_engine is not None:
+            self._loop_engine.abort(request_id)
+
+    def _fail(self, identity: bytes, request_id: str, kind: ErrorKind, message: str) -> None:
+        self._outbox.put_nowait((identity, RequestFailed(request_id, kind.value, message)))
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the event loop: turn engine outputs into deltas for their front ends."""
+        for out in outputs:
+            identity = self._routes.get(out.request_id)
+            if identity is None:
+                continue  # aborted by its front end meanwhile
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = [
+                    [lp.token_id, lp.logprob, [list(alt) for alt in lp.top]] for lp in out.new_logprobs
+                ]
+            delta = TokenDelta(
+                request_id=out.request_id,
+                token_ids=list(out.new_token_ids),
+                logprobs=logprobs,
+                finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            if out.finished:
+                del self._routes[out.request_id]
+            self._outbox.put_nowait((identity, delta))
+
+    def _on_error(self, request_id: str, exc: Exception) -> None:
+        if not request_id:  # the engine thread itself died: nothing will finish any more
+            for rid, identity in list(self._routes.items()):
+                self._fail(identity, rid, ErrorKind.INTERNAL, f"worker engine failed: {exc}")
+            self._routes.clear()
+            self._accepting = False
+            self.stopping.set()
+            return
+        identity = self._routes.pop(request_id, None)
+        if identity is not None:
+            self._fail(identity, request_id, error_kind(exc), str(exc))
+
+    async def _send(self) -> None:
+        assert self._sock is not None
+        while True:
+            identity, msg = await self._outbox.get()
+            try:
+                await self._sock.send_multipart([identity, CHANNEL.encode(msg)])
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._abort(msg.request_id)  # its front end is gone
+                log.info("front end of %s is gone; aborted it", msg.request_id)
+
+    # -- registry, admin -------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        assert self.engine is not None
+        stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
+        return {
+            "model": self.served_model_name,
+            "model_dir": str(self.model_dir),
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.settings.block_size,
+            "demo": self.demo,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
+        }
+
+    async def _refresh_meta(self) -> None:
+        while True:
+            await asyncio.sleep(_META_REFRESH_S)
+            if self._registration is not None:
+                self._registration.update_meta(**self._meta())
+
+    def info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"kind": self.kind, "instance_id": self.settings.instance_id}
+        if self.engine is not None:
+            stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
+            info |= {
+                "model": self.served_model_name,
+                "model_dir": str(self.model_dir),
+                "demo": self.demo,
+                "max_model_len": self.engine.max_model_len,
+                "block_size": self.settings.block_size,
+                "in_flight": len(self._routes),
+                "engine": asdict(stats),
+                "uptime_s": round(time.time() - self.started_at, 3),
+            }
+        return info
+
+    def admin_router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.post("/debug/check_integrity")
+        async def check_integrity() -> dict[str, Any]:
+            # Read-only check of the block manager's invariants; the result is a snapshot and may race
+            # with a step, so tests call it only when the worker is idle.
+            assert self.engine is not None
+            self.engine.block_manager.check_integrity()
+            return {"ok": True}
+
+        return router

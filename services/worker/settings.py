@@ -1,0 +1,108 @@
+"""The worker's settings: built once from the command line in ``main`` and passed down frozen."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from yutu.config import add_common_options, option
+from yutu.service import advertised, default_instance_id
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model: str | None  # checkpoint dir or hub id; None: the built-in demo model
+    served_model_name: str | None  # name clients use; None: derived from the model
+    block_size: int  # tokens per KV block (paging, hashing and store objects)
+    num_kv_blocks: int | None  # None: as many as kv_cache_memory_mib holds
+    kv_cache_memory_mib: int
+    max_num_seqs: int  # running sequences per step
+    max_num_batched_tokens: int  # token budget of one step (chunked prefill)
+    max_model_len: int | None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool
+    torch_threads: int  # threads of the model step; 0: torch's default
+    host: str
+    advertise_host: str
+    zmq_port: int  # 0: any free port
+    admin_port: int  # 0: any free port
+    redis_url: str
+    registry_prefix: str
+    registry_ttl_s: float
+    instance_id: str
+    log_level: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerSettings:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mib"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        return cls(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_mib=args.kv_cache_memory_mib,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            torch_threads=args.torch_threads,
+            host=args.host,
+            advertise_host=advertised(args.host, args.advertise_host),
+            zmq_port=args.zmq_port,
+            admin_port=args.admin_port,
+            redis_url=args.redis_url,
+            registry_prefix=args.registry_prefix,
+            registry_ttl_s=args.registry_ttl,
+            instance_id=args.instance_id or default_instance_id("worker"),
+            log_level=args.log_level,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    option(
+        model,
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint directory (or hub id); none: built-in demo model",
+    )
+    option(model, "--served-model-name", default=None, help="model name clients use in requests")
+    engine = parser.add_argument_group("engine")
+    option(engine, "--block-size", type=int, default=16, help="tokens per KV cache block")
+    option(
+        engine,
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (overrides --kv-cache-memory-mib)",
+    )
+    option(engine, "--kv-cache-memory-mib", type=int, default=512, help="memory for the KV cache, in MiB")
+    option(engine, "--max-num-seqs", type=int, default=64, help="most sequences batched in one step")
+    option(
+        engine,
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="token budget of one step (chunked prefill)",
+    )
+    option(
+        engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)"
+    )
+    option(
+        engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes"
+    )
+    option(
+        engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)"
+    )
+    net = parser.add_argument_group("network")
+    option(net, "--zmq-port", type=int, default=0, help="port of the generate channel (0: any free port)")
+    option(net, "--admin-port", type=int, default=0, help="port of the admin REST app (0: any free port)")
+    option(
+        net,
+        "--registry-ttl",
+        type=float,
+        default=10.0,
+        help="seconds the registry record lives without heartbeat",
+    )
+    add_common_options(parser)
