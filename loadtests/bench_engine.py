@@ -1,0 +1,119 @@
+"""Engine benchmark on the built-in demo model (or --model): a script, not a timed test.
+
+Measures, in one run on one engine:
+  * prefill tokens/s at batch 1 and 16 (prompt tokens / wall time until each request's first token)
+  * decode tokens/s at batch 1 and 16 (generated tokens / wall time of the decode-only steps)
+  * TTFT of a 1024-token prompt cold, and with its first 896 tokens already in the prefix cache
+and prints a table plus ratios against the same-run baselines (batch 1, cold). Writes JSON.
+
+    .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from yutu.engine.engine import EngineConfig, LLMEngine
+from yutu.engine.model_source import resolve_model
+from yutu.engine.sampling import SamplingParams
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_to_first_token(engine: LLMEngine, reqs: dict[str, list[int]], params: SamplingParams) -> float:
+    """Add ``reqs`` together and step until each has its first token; returns the wall time."""
+    start = time.perf_counter()
+    for rid, ids in reqs.items():
+        engine.add_request(rid, ids, params)
+    waiting = set(reqs)
+    while waiting:
+        for out in engine.step():
+            if out.new_token_ids:
+                waiting.discard(out.request_id)
+    return time.perf_counter() - start
+
+
+def finish(engine: LLMEngine) -> tuple[int, float]:
+    """Step until idle; returns (tokens generated, wall time) of these decode steps."""
+    tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return tokens, time.perf_counter() - start
+
+
+def bench(model_dir: Path, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    engine = LLMEngine(
+        EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=2048)
+    )
+    vocab = engine.model_config.vocab_size
+    decode = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    results: dict[str, float] = {}
+
+    run_to_first_token(engine, {"warmup": prompts(1, 64, vocab, 99)[0]}, decode)
+    finish(engine)
+
+    for batch, length in ((1, 512), (16, 128)):
+        reqs = {f"p{batch}-{i}": p for i, p in enumerate(prompts(batch, length, vocab, seed=batch))}
+        elapsed = run_to_first_token(engine, reqs, decode)
+        results[f"prefill_tok_s_b{batch}"] = batch * length / elapsed
+        tokens, elapsed = finish(engine)
+        results[f"decode_tok_s_b{batch}"] = (tokens - batch) / elapsed if tokens > batch else 0.0
+
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    cold_prompt, donor = prompts(2, 1024, vocab, seed=7)
+    results["ttft_cold_1024_s"] = run_to_first_token(engine, {"cold": cold_prompt}, one_token)
+    finish(engine)
+    prefix = donor[:896]
+    run_to_first_token(engine, {"donor": prefix + prompts(1, 16, vocab, seed=8)[0]}, one_token)
+    finish(engine)
+    warm_prompt = prefix + cold_prompt[896:]
+    results["ttft_cached_896_of_1024_s"] = run_to_first_token(engine, {"warm": warm_prompt}, one_token)
+    finish(engine)
+    results["decode_b16_over_b1"] = results["decode_tok_s_b16"] / results["decode_tok_s_b1"]
+    results["ttft_cold_over_cached"] = results["ttft_cold_1024_s"] / results["ttft_cached_896_of_1024_s"]
+    engine.block_manager.check_integrity()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: the built-in demo model)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON results")
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    results = bench(model_dir, args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}")
+    rows = [
+        ("prefill tokens/s, batch 1 (512-token prompt)", results["prefill_tok_s_b1"], "tok/s"),
+        ("prefill tokens/s, batch 16 (128-token prompts)", results["prefill_tok_s_b16"], "tok/s"),
+        ("decode tokens/s, batch 1", results["decode_tok_s_b1"], "tok/s"),
+        ("decode tokens/s, batch 16", results["decode_tok_s_b16"], "tok/s"),
+        ("  ratio decode batch 16 / batch 1", results["decode_b16_over_b1"], "x"),
+        ("TTFT 1024-token prompt, cold", results["ttft_cold_1024_s"] * 1000, "ms"),
+        ("TTFT 1024-token prompt, 896 tokens cached", results["ttft_cached_896_of_1024_s"] * 1000, "ms"),
+        ("  ratio cold / cached", results["ttft_cold_over_cached"], "x"),
+    ]
+    for label, value, unit in rows:
+        print(f"{label:<48} {value:>10.1f} {unit}")
+    Path(args.out).write_text(
+        json.dumps({"model": model_dir.name, "threads": args.threads, **results}, indent=2)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The worker as a real process: generate channel over ZeroMQ, registry record, aborts, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from yutu.engine.engine import EngineConfig, LLMEngine
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.testing import make_tiny_checkpoint
+from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
+from yutu.registry import Registry
+
+PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoint: Path, redis_url: str) -> Iterator[dict[str, str]]:
+    prefix = "yutu-worker-test"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
+         "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "64", "--block-size", "4",
+         "--torch-threads", "1", "--log-level", "warning"],
+    )  # fmt: skip
+    try:
+        record = asyncio.run(_wait_registered(redis_url, prefix, proc))
+        yield {**record, "prefix": prefix}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+async def _wait_registered(redis_url: str, prefix: str, proc: subprocess.Popen[bytes]) -> dict[str, str]:
+    registry = Registry.from_url(redis_url, prefix)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "worker exited during start-up"
+            record = await registry.get("worker", "w-test")
+            if record is not None:
+                return record.endpoints
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close()
+    raise TimeoutError("worker did not register")
+
+
+@pytest.fixture
+async def dealer(worker: dict[str, str]) -> AsyncIterator[zmq.asyncio.Socket]:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker["generate"])
+    yield sock
+    sock.close(linger=0)
+
+
+async def collect(
+    sock: zmq.asyncio.Socket, request_id: str, timeout_s: float = 60
+) -> list[TokenDelta | RequestFailed]:
+    msgs: list[TokenDelta | RequestFailed] = []
+    while True:
+        msg = CHANNEL.decode(await asyncio.wait_for(sock.recv(), timeout_s))
+        assert msg.request_id == request_id
+        msgs.append(msg)
+        if isinstance(msg, RequestFailed) or msg.finish_reason is not None:
+            return msgs
+
+
+def reference_tokens(checkpoint: Path, prompt: list[int], params: SamplingParams) -> list[int]:
+    torch.set_num_threads(1)
+    engine = LLMEngine(EngineConfig(model_dir=checkpoint, num_kv_blocks=64, block_size=4))
+    engine.add_request("ref", prompt, params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+async def test_generate_streams_the_engine_tokens(checkpoint: Path, dealer: zmq.asyncio.Socket) -> None:
+    params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 2}
+    await dealer.send(CHANNEL.encode(GenerateRequest("g1", PROMPT, params, time.time())))
+    msgs = await collect(dealer, "g1")
+    deltas = [m for m in msgs if isinstance(m, TokenDelta)]
+    assert len(deltas) == len(msgs)
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == reference_tokens(
+        checkpoint, PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[0].num_prompt_tokens == len(PROMPT)
+    entries = [e for d in deltas for e in (d.logprobs or [])]
+    assert [e[0] for e in entries] == tokens
+    for token_id, logprob, top in entries:
+        assert len(top) == 2 and top[0][0] == token_id and top[0][1] == pytest.approx(logprob)
+
+    # The same prompt again: its full blocks (4 tokens each) come from the prefix cache.
+    await dealer.send(CHANNEL.encode(GenerateRequest("g2", PROMPT, params, time.time())))
+    again = [m for m in await collect(dealer, "g2") if isinstance(m, TokenDelta)]
+    assert [t for d in again for t in d.token_ids] == tokens
+    assert again[0].num_cached_tokens == 16  # 18 tokens: 4 full blocks, the last token is always computed
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "kind", "needle"),
+    [
+        ([], {}, "invalid_request_error", "non-empty list of token ids"),
+        ([1, 10**9], {}, "invalid_request_error", "token ids in [0,"),
+        ([1, 2], {"temperature": -1.0}, "invalid_request_error", "temperature"),
+        ([1, 2], {"bogus": 1}, "invalid_request_error", "bogus"),
+        (list(range(1, 200)) * 20, {"max_tokens": 4}, "request_too_large", ""),
+    ],
+)
+async def test_bad_requests_fail_with_their_kind(
+    dealer: zmq.asyncio.Socket, prompt: list[int], sampling: dict[str, object], kind: str, needle: str
+) -> None:
+    await dealer.send(CHANNEL.encode(GenerateRequest("bad", prompt, sampling, time.time())))
+    (msg,) = await collect(dealer, "bad")
+    assert isinstance(msg, RequestFailed)
+    assert msg.kind == kind and needle in msg.message
+
+
+async def test_abort_and_vanished_front_end_free_blocks(
+    worker: dict[str, str], dealer: zmq.asyncio.Socket
+) -> None:
+    params = {"temperature": 0.0, "max_tokens": 10_000, "ignore_eos": True}
+    long_prompt = PROMPT * 3
+    await dealer.send(CHANNEL.encode(GenerateRequest("long", long_prompt, params, time.time())))
+    first = CHANNEL.decode(await asyncio.wait_for(dealer.recv(), 60))
+    assert isinstance(first, TokenDelta) and first.token_ids
+    await dealer.send(CHANNEL.encode(AbortRequest("long")))
+    await _wait_idle(worker["admin"])
+
+    # A front end that disappears without aborting: the worker notices when it cannot route a reply.
+    other = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    other.connect(worker["generate"])
+    await other.send(CHANNEL.encode(GenerateRequest("orphan", long_prompt, params, time.time())))
+    await asyncio.wait_for(other.recv(), 60)
+    other.close(linger=0)
+    await _wait_idle(worker["admin"])
+    async with httpx.AsyncClient() as http:
+        assert (await http.post(worker["admin"] + "/debug/check_integrity")).json() == {"ok": True}
+
+
+async def _wait_idle(admin: str) -> None:
+    async with httpx.AsyncClient() as http:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            info = (await http.get(admin + "/info")).json()
+            if (
+                info["in_flight"] == 0
+                and info["engine"]["num_running"] == 0
+                and info["engine"]["num_waiting"] == 0
+            ):
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"worker still busy: {info}")
+
+
+async def test_admin_endpoints_and_registry_meta(
+    worker: dict[str, str], redis_url: str, checkpoint: Path
+) -> None:
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(worker["admin"] + "/health")).json() == {"status": "ok"}
+        assert (await http.get(worker["admin"] + "/ready")).status_code == 200
+        metrics = (await http.get(worker["admin"] + "/metrics")).text
+        info = (await http.get(worker["admin"] + "/info")).json()
+    for name in (
+        "yutu_worker_kv_usage_ratio",
+        "yutu_worker_prefix_cache_hits_tokens_total",
+        "yutu_worker_requests_waiting",
+    ):
+        assert name in metrics
+    assert info["model"] == checkpoint.name and info["block_size"] == 4 and info["demo"] is False
+    registry = Registry.from_url(redis_url, worker["prefix"])
+    record = await registry.get("worker", "w-test")
+    await registry.close()
+    assert record is not None
+    assert record.meta["model"] == checkpoint.name and record.meta["block_size"] == 4
+    assert record.meta["max_model_len"] == info["max_model_len"]
+
+
+def test_sigterm_drains_and_deregisters(checkpoint: Path, redis_url: str) -> None:
+    prefix = "yutu-worker-drain"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
+         "--registry-prefix", prefix, "--instance-id", "w-drain", "--num-kv-blocks", "32", "--block-size", "4",
+         "--torch-threads", "1", "--log-level", "warning"],
+    )  # fmt: skip
+    try:
+        asyncio.run(_wait_registered_named(redis_url, prefix, "w-drain", proc))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        registry = Registry.from_url(redis_url, prefix)
+        assert asyncio.run(_list_and_close(registry)) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def _wait_registered_named(
+    redis_url: str, prefix: str, name: str, proc: subprocess.Popen[bytes]
+) -> None:
+    registry = Registry.from_url(redis_url, prefix)
+    try:
+        for _ in range(600):
+            assert proc.poll() is None
+            if await registry.get("worker", name) is not None:
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close()
+    raise TimeoutError
+
+
+async def _list_and_close(registry: Registry) -> list[object]:
+    try:
+        return list(await registry.list("worker"))
+    finally:
+        await registry.close()
