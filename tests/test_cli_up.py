@@ -1,0 +1,102 @@
+"""`yutu up` as a user runs it: one command starts Redis, a worker and the gateway; SIGINT stops all."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from yutu.engine.testing import make_tiny_checkpoint
+from yutu.launcher import free_port, redis_reachable
+
+
+def children_of(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose (its parent has not reaped it yet).
+    return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> str:
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    seen = ""
+    deadline = time.monotonic() + timeout_s
+    while needle not in seen:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"`yutu up` did not print {needle!r} (exit {proc.poll()}); output:\n{seen}")
+        if selector.select(timeout=0.5):
+            line = proc.stdout.readline()
+            seen += line
+    return seen
+
+
+def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny-up", arch="llama", seed=5)
+    port, redis_port = free_port(), free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    assert not redis_reachable(redis_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
+         "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        banner = read_until(proc, "Ctrl-C stops everything", timeout_s=240)
+        assert f"Yutu is up: http://127.0.0.1:{port}/v1" in banner
+        assert "demo model" not in banner  # a real checkpoint was given
+        children = children_of(proc.pid)
+        assert len(children) == 3  # redis-server, worker-0, gateway
+        assert redis_reachable(redis_url)
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["tiny-up"]
+        completion = client.completions.create(
+            model="tiny-up", prompt="hello world", max_tokens=5, temperature=0
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens == 5
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(c) for c in children)
+        assert not redis_reachable(redis_url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_help_lists_options_with_env_vars() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "yutu.cli", "up", "--help"], capture_output=True, text=True, check=True
+    )
+    for flag, env in (("--model", "YUTU_MODEL"), ("--port", "YUTU_PORT"), ("--redis-url", "YUTU_REDIS_URL")):
+        assert flag in out.stdout and env in out.stdout
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker", "store-master", "store-node"])
+def test_every_service_has_help(command: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "yutu.cli", command, "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--redis-url" in out.stdout and "YUTU_REDIS_URL" in out.stdout
