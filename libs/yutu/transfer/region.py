@@ -1,0 +1,204 @@
+"""Registered memory regions: host memory backed by a shared-memory file.
+
+A ``Region`` is a named, fixed-size byte range that the transfer engine may read from and write to
+on behalf of peers. Its memory is a file under ``/dev/shm`` (tmpfs), mapped ``MAP_SHARED``, so a
+peer process on the same host can map the very same pages by path and copy with one memcpy; peers
+on other hosts go through the engine's TCP data server, which reads and writes the same mapping.
+
+Lifetime: the owner creates the file (``Region.create``) and unlinks it on ``close()``. A process
+killed with SIGKILL leaves its files behind; ``sweep_stale_region_files()`` removes the files of
+dead processes on this host (the owner pid is part of the file name).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from yutu.transfer.errors import OutOfRangeError, RegionError
+
+if TYPE_CHECKING:
+    import torch
+
+FILE_PREFIX = "yutu-region"
+MAX_REGION_NAME_BYTES = 255
+_FILE_RE = re.compile(rf"^{FILE_PREFIX}-(\d+)-[0-9a-f]+-\d+$")
+
+
+def shm_directory() -> str:
+    """The directory region files live in: ``/dev/shm`` where it exists, else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def validate_region_name(name: str) -> bytes:
+    """Return ``name`` encoded as UTF-8, or raise ``RegionError`` if it cannot be a region name."""
+    if not isinstance(name, str) or not name:
+        raise RegionError(f"region name must be a non-empty str, got {name!r}")
+    encoded = name.encode("utf-8")
+    if len(encoded) > MAX_REGION_NAME_BYTES:
+        raise RegionError(f"region name {name!r} is longer than {MAX_REGION_NAME_BYTES} bytes; shorten it")
+    return encoded
+
+
+def check_range(region_name: str, region_size: int, offset: int, length: int) -> None:
+    """Raise ``OutOfRangeError`` unless ``[offset, offset + length)`` lies inside ``[0, region_size)``.
+
+    ``length`` must be positive: an empty transfer is a caller bug, not a no-op.
+    """
+    if length <= 0:
+        raise OutOfRangeError(f"length must be positive, got {length} (region {region_name!r})")
+    if offset < 0 or offset + length > region_size:
+        raise OutOfRangeError(
+            f"range [{offset}, {offset + length}) is outside region {region_name!r} of {region_size} bytes"
+        )
+
+
+class Region:
+    """A named byte range of shared memory owned by this process.
+
+    ``buffer`` is a writable ``memoryview`` of the whole region; ``view_numpy()`` and ``view_torch()``
+    are zero-copy views over the same pages. Views stay valid after ``close()`` (the pages are freed
+    when the last view is gone) but no longer reach peers.
+    """
+
+    def __init__(self, name: str, size: int, path: str, fd: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.size = size
+        self.path = path
+        st = os.fstat(fd)
+        self.inode = st.st_ino  # lets a peer check it mapped this very file, not a namesake
+        self._fd: int | None = fd
+        self._mmap: mmap.mmap | None = mm
+        self._buffer = memoryview(mm)
+        self._array = np.frombuffer(mm, dtype=np.uint8)  # (size,)
+
+    @classmethod
+    def create(cls, name: str, size: int, directory: str | None = None) -> Region:
+        """Create a zero-filled region of ``size`` bytes backed by a new file in ``directory``."""
+        validate_region_name(name)
+        if not isinstance(size, int) or size <= 0:
+            raise RegionError(f"region size must be a positive int, got {size!r} (region {name!r})")
+        directory = directory or shm_directory()
+        path = os.path.join(directory, f"{FILE_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}-{size}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, size, path, fd, mm)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    @property
+    def buffer(self) -> memoryview:
+        """Writable memoryview of the whole region (format ``B``, ``size`` bytes)."""
+        self._check_open()
+        return self._buffer
+
+    def _check_open(self) -> None:
+        if self._mmap is None:
+            raise RegionError(f"region {self.name!r} is closed (unregistered); register it again")
+
+    def view_numpy(self, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """A writable ``uint8`` array over ``[offset, offset + length)`` (default: to the end)."""
+        self._check_open()
+        length = self.size - offset if length is None else length
+        check_range(self.name, self.size, offset, length)
+        return self._array[offset : offset + length]
+
+    def view_torch(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` over the region bytes starting at ``offset``.
+
+        ``offset`` must be a multiple of the dtype's item size; the tensor shares memory with the
+        region (writes through it are visible to peers).
+        """
+        import torch  # local: keep torch off the import path of processes that only move bytes
+
+        self._check_open()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for dim in shape:
+            count *= dim
+        if offset % itemsize:
+            raise RegionError(f"offset {offset} is not a multiple of {dtype} item size {itemsize}")
+        check_range(self.name, self.size, offset, count * itemsize)
+        flat = torch.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)  # (count,)
+        return flat.view(shape)
+
+    def close(self) -> None:
+        """Unlink the backing file and drop this object's mapping. Idempotent."""
+        if self._mmap is None:
+            return
+        mm, fd = self._mmap, self._fd
+        self._mmap = None
+        self._fd = None
+        try:
+            self._buffer.release()
+        except BufferError:
+            pass  # a torch view was built from it; the memoryview dies with that view
+        self._array = np.empty(0, dtype=np.uint8)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if fd is not None:
+            os.close(fd)
+        try:
+            mm.close()
+        except BufferError:
+            pass  # user views still export the pages: they are unmapped when the last view dies
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.path
+        return f"Region({self.name!r}, size={self.size}, {state})"
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def sweep_stale_region_files(directory: str | None = None) -> list[str]:
+    """Remove region files whose owner process is no longer alive on this host; return their paths.
+
+    Only meaningful on the host (and pid namespace) that created the files.
+    """
+    directory = directory or shm_directory()
+    removed: list[str] = []
+    for entry in os.listdir(directory):
+        match = _FILE_RE.match(entry)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid_alive(pid):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists in our pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

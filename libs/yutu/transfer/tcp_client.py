@@ -1,0 +1,302 @@
+"""The TCP transport's client side: pooled connections per peer, sliced and pipelined transfers.
+
+A batch's requests to one peer are cut into slices of at most ``slice_bytes`` and dealt round-robin
+onto up to ``connections`` lanes; each lane runs in a worker thread on one pooled connection with
+blocking sockets. Within a lane, consecutive slices of the same op are pipelined in windows (all
+READ headers go out in one ``sendall``, then the replies and payloads are read in order), so a
+window costs one round trip, not one per slice. READ and WRITE slices are never mixed in a window:
+a peer busy sending READ payload while we push WRITE payload would deadlock both sides.
+
+Payload is never copied into ``bytes``: WRITE sends a memoryview slice of the local region, READ
+receives with ``recv_into`` a memoryview slice of the local region.
+
+Failure semantics per slice: a refused request (server error reply) fails only that slice; a
+timeout fails the rest of the lane TIMED_OUT; a connection error fails the rest of the lane FAILED.
+The connection is dropped in both cases, and after a connection error the peer's idle connections
+are dropped too (they most likely point at a dead process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from yutu.transfer.errors import PeerUnreachableError, TransferTimeoutError
+from yutu.transfer.request import TransferStatus
+from yutu.transfer.tcp_server import DRAIN_LIMIT
+from yutu.transfer.tcp_wire import (
+    REPLY,
+    ProtocolError,
+    WireOp,
+    WireStatus,
+    decode_reply_header,
+    encode_request,
+    recv_exact,
+    tune_socket,
+)
+from yutu.transfer.transport import COMPLETED, Outcome
+
+PIPELINE_WINDOW = 32  # slices in flight per connection
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """One incarnation of a peer's data server."""
+
+    host: str
+    port: int
+    segment: str
+    incarnation: int
+
+
+@dataclass(slots=True)
+class TcpItem:
+    """One request as the TCP transport sees it: ``local`` is exactly the bytes to move."""
+
+    op: WireOp  # READ or WRITE
+    local: memoryview  # local region slice, len == transfer length
+    region: bytes  # remote region name, UTF-8
+    offset: int  # remote offset
+
+
+@dataclass(slots=True)
+class _Slice:
+    item: int  # index into the items list
+    op: WireOp
+    local: memoryview
+    region: bytes
+    offset: int
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeoutError("deadline passed")
+    return left
+
+
+def _recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    pos, total = 0, len(view)
+    while pos < total:
+        sock.settimeout(_remaining(deadline))
+        n = sock.recv_into(view[pos:])
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection after {pos} of {total} bytes")
+        pos += n
+
+
+class PeerConnections:
+    """A bounded pool of handshaken connections to one peer incarnation. Thread-safe."""
+
+    def __init__(self, peer: PeerAddress, max_connections: int) -> None:
+        self.peer = peer
+        self._max = max_connections
+        self._idle: deque[socket.socket] = deque()
+        self._open = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def acquire(self, deadline: float) -> socket.socket:
+        """An idle connection, a new one if under the bound, else wait (until ``deadline``)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise PeerUnreachableError(f"connection pool to {self.peer.segment!r} was closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._open < self._max:
+                    self._open += 1
+                    break
+                if not self._cond.wait(timeout=_remaining(deadline)):
+                    _remaining(deadline)
+        try:
+            return self._connect(deadline)
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, sock: socket.socket, healthy: bool) -> None:
+        with self._cond:
+            if healthy and not self._closed:
+                self._idle.append(sock)
+            else:
+                self._open -= 1
+                sock.close()
+            self._cond.notify()
+
+    def drop_idle(self) -> None:
+        with self._cond:
+            while self._idle:
+                self._idle.pop().close()
+                self._open -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+        self.drop_idle()
+
+    def _connect(self, deadline: float) -> socket.socket:
+        peer = self.peer
+        try:
+            sock = socket.create_connection((peer.host, peer.port), timeout=_remaining(deadline))
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"connect to {peer.host}:{peer.port} timed out") from exc
+        except OSError as exc:
+            raise PeerUnreachableError(
+                f"cannot connect to segment {peer.segment!r} at {peer.host}:{peer.port}: {exc}"
+            ) from exc
+        try:
+            tune_socket(sock)
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(encode_request(WireOp.HELLO, 0, peer.segment.encode("utf-8"), peer.incarnation, 0))
+            status, msg_len, _, _ = decode_reply_header(recv_exact(sock, REPLY.size))
+            msg = recv_exact(sock, msg_len).decode("utf-8", "replace")
+            if status != WireStatus.OK:
+                raise PeerUnreachableError(f"{peer.host}:{peer.port} is not segment {peer.segment!r}: {msg}")
+        except TimeoutError as exc:
+            sock.close()
+            raise TransferTimeoutError(f"handshake with {peer.host}:{peer.port} timed out") from exc
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            raise PeerUnreachableError(f"handshake with segment {peer.segment!r} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+class TcpClient:
+    """Runs TCP transfers for the engine; owns the pools and the worker threads."""
+
+    def __init__(self, connections: int = 4, slice_bytes: int = 4 << 20) -> None:
+        if connections < 1 or not 4096 <= slice_bytes <= DRAIN_LIMIT:
+            raise ValueError(
+                f"need connections >= 1 and 4096 <= slice_bytes <= {DRAIN_LIMIT}, got {connections}, {slice_bytes}"
+            )
+        self.connections = connections
+        self.slice_bytes = slice_bytes
+        self._pools: dict[PeerAddress, PeerConnections] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._executor = ThreadPoolExecutor(max_workers=4 * connections + 4, thread_name_prefix="yutu-tcp")
+
+    async def execute(self, peer: PeerAddress, items: list[TcpItem], deadline: float) -> list[Outcome]:
+        """Move every item; return one outcome per item (never raises for transfer failures)."""
+        slices: list[_Slice] = []
+        step = self.slice_bytes
+        for index, it in enumerate(items):
+            for start in range(0, len(it.local), step):  # [start, start + step) of this item
+                part = it.local[start : start + step]
+                slices.append(_Slice(index, it.op, part, it.region, it.offset + start))
+        n_lanes = min(self.connections, len(slices))
+        lanes = [slices[i::n_lanes] for i in range(n_lanes)]
+        loop = asyncio.get_running_loop()
+        futures = [
+            loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline) for lane in lanes
+        ]
+        per_lane = await asyncio.gather(*futures)
+        outcomes: list[Outcome] = [COMPLETED] * len(items)
+        for lane, lane_outcomes in zip(lanes, per_lane, strict=True):
+            for sl, outcome in zip(lane, lane_outcomes, strict=True):
+                if outcome.status is not TransferStatus.COMPLETED and outcomes[sl.item] is COMPLETED:
+                    outcomes[sl.item] = outcome
+        return outcomes
+
+    def forget(self, peer: PeerAddress) -> None:
+        """Close and drop the pool of ``peer`` (after it failed or changed incarnation)."""
+        with self._lock:
+            pool = self._pools.pop(peer, None)
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for pool in pools:
+            pool.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _pool(self, peer: PeerAddress) -> PeerConnections:
+        with self._lock:
+            pool = self._pools.get(peer)
+            if pool is None:
+                pool = self._pools[peer] = PeerConnections(peer, self.connections)
+            return pool
+
+    def _run_lane(self, peer: PeerAddress, lane: list[_Slice], deadline: float) -> list[Outcome]:
+        """Worker thread: run ``lane`` on one connection; one outcome per slice, in order."""
+        pool = self._pool(peer)
+        try:
+            sock = pool.acquire(deadline)
+        except TransferTimeoutError as exc:
+            return [Outcome(TransferStatus.TIMED_OUT, str(exc))] * len(lane)
+        except PeerUnreachableError as exc:
+            self.forget(peer)
+            return [Outcome(TransferStatus.FAILED, str(exc), unreachable=True)] * len(lane)
+        outcomes: list[Outcome] = []
+        healthy = False
+        try:
+            start = 0
+            while start < len(lane):  # lane[start:end] is one window of a single op
+                end = start + 1
+                while end < len(lane) and end - start < PIPELINE_WINDOW and lane[end].op == lane[start].op:
+                    end += 1
+                self._run_window(sock, lane[start:end], deadline, outcomes)
+                start = end
+            healthy = True
+        except (TransferTimeoutError, TimeoutError):
+            left = len(lane) - len(outcomes)
+            outcomes += [Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer")] * left
+        except (OSError, ProtocolError) as exc:
+            pool.drop_idle()
+            left = len(lane) - len(outcomes)
+            reason = f"segment {peer.segment!r} failed mid-transfer: {type(exc).__name__}: {exc}"
+            outcomes += [Outcome(TransferStatus.FAILED, reason, peer_failed=True)] * left
+        finally:
+            pool.release(sock, healthy)
+        return outcomes
+
+    def _run_window(
+        self, sock: socket.socket, window: list[_Slice], deadline: float, out: list[Outcome]
+    ) -> None:
+        op = window[0].op
+        ids = [next(self._ids) for _ in window]
+        if op == WireOp.READ:
+            headers = b"".join(
+                encode_request(op, rid, s.region, s.offset, len(s.local))
+                for rid, s in zip(ids, window, strict=True)
+            )
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(headers)
+        else:
+            for rid, s in zip(ids, window, strict=True):
+                sock.settimeout(_remaining(deadline))
+                sock.sendall(encode_request(op, rid, s.region, s.offset, len(s.local)))
+                sock.sendall(s.local)
+        reply = bytearray(REPLY.size)
+        reply_view = memoryview(reply)
+        for rid, s in zip(ids, window, strict=True):
+            _recv_into_by(sock, reply_view, deadline)
+            status, msg_len, got_id, length = decode_reply_header(reply)
+            if got_id != rid:
+                raise ProtocolError(f"reply for request {got_id}, expected {rid}")
+            if status != WireStatus.OK:
+                msg = recv_exact(sock, msg_len).decode("utf-8", "replace")
+                kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
+                out.append(Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"))
+                continue
+            if length != len(s.local):
+                raise ProtocolError(f"reply announces {length} bytes, expected {len(s.local)}")
+            if op == WireOp.READ:
+                _recv_into_by(sock, s.local, deadline)
+            out.append(COMPLETED)

@@ -1,0 +1,169 @@
+"""The TCP data server: serves READ and WRITE of this engine's registered regions to peers.
+
+Threads, not asyncio: one accept thread and one thread per connection, each with blocking sockets.
+Payload moves straight between the socket and the region's mapping (``sendall`` of a memoryview
+slice, ``recv_into`` a memoryview slice); the GIL is released inside those calls, so the event loop
+of the owning process stays responsive.
+
+Every request is bounds-checked against the live region table before any byte of a region is
+touched: unknown region or ``offset + length > size`` gets an error reply and the region is left
+unchanged (the payload of a refused WRITE is read into a scratch buffer and dropped, so the stream
+stays in step; a refused WRITE longer than ``DRAIN_LIMIT`` closes the connection instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from yutu.transfer.errors import RegionError
+from yutu.transfer.region import Region
+from yutu.transfer.tcp_wire import (
+    REQUEST,
+    ProtocolError,
+    WireOp,
+    WireStatus,
+    decode_request_header,
+    discard,
+    encode_reply,
+    recv_exact,
+    recv_exact_into,
+    tune_socket,
+)
+
+log = logging.getLogger(__name__)
+
+DRAIN_LIMIT = 64 << 20
+SCRATCH_BYTES = 1 << 20
+
+
+class DataServer:
+    """Accepts peer connections and serves region reads and writes until ``close()``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        segment_name: str,
+        incarnation: int,
+        resolve_region: Callable[[str], Region | None],
+    ) -> None:
+        self._segment = segment_name.encode("utf-8")
+        self._incarnation = incarnation
+        self._resolve = resolve_region
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closing = False
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"yutu-data-accept-{segment_name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._accept_thread.start()
+
+    def close(self) -> None:
+        """Stop accepting, and cut every open connection (in-flight requests fail on the peer)."""
+        with self._lock:
+            self._closing = True
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._accept_thread.join(timeout=2.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                if self._closing:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="yutu-data-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            tune_socket(conn)
+            self._serve_requests(conn)
+        except (OSError, ProtocolError) as exc:  # ConnectionError is an OSError
+            log.debug("data connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        header = bytearray(REQUEST.size)
+        header_view = memoryview(header)
+        scratch = memoryview(bytearray(SCRATCH_BYTES))
+        greeted = False
+        while True:
+            first = conn.recv_into(header_view)
+            if first == 0:
+                return  # clean close between requests
+            recv_exact_into(conn, header_view[first:])
+            op, name_len, rid, offset, length = decode_request_header(header)
+            name = recv_exact(conn, name_len)
+            if op == WireOp.HELLO:
+                greeted = name == self._segment and offset == self._incarnation
+                status = WireStatus.OK if greeted else WireStatus.WRONG_SEGMENT
+                msg = "" if greeted else "this data server belongs to another segment or incarnation"
+                conn.sendall(encode_reply(status, rid, 0, msg))
+                if not greeted:
+                    return
+                continue
+            if not greeted or op not in (WireOp.READ, WireOp.WRITE):
+                conn.sendall(encode_reply(WireStatus.BAD_REQUEST, rid, 0, f"unexpected op {op} here"))
+                return
+            view, status, msg = self._locate(name, offset, length)
+            if op == WireOp.READ:
+                if view is None:
+                    conn.sendall(encode_reply(status, rid, 0, msg))
+                    continue
+                conn.sendall(encode_reply(WireStatus.OK, rid, length))
+                conn.sendall(view)
+            else:
+                if view is None:
+                    if length > DRAIN_LIMIT:
+                        conn.sendall(encode_reply(status, rid, 0, msg + "; connection closed"))
+                        return
+                    discard(conn, length, scratch)
+                    conn.sendall(encode_reply(status, rid, 0, msg))
+                    continue
+                recv_exact_into(conn, view)
+                conn.sendall(encode_reply(WireStatus.OK, rid, length))
+
+    def _locate(self, name: bytes, offset: int, length: int) -> tuple[memoryview | None, WireStatus, str]:
+        """The region slice for a request, or ``None`` with the refusal status and reason."""
+        try:
+            region_name = name.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, WireStatus.UNKNOWN_REGION, "region name is not valid UTF-8"
+        region = self._resolve(region_name)
+        if region is None:
+            return None, WireStatus.UNKNOWN_REGION, f"unknown region {region_name!r}"
+        if length == 0 or offset + length > region.size:
+            return (
+                None,
+                WireStatus.OUT_OF_RANGE,
+                f"range [{offset}, {offset + length}) is outside region {region_name!r} of {region.size} bytes",
+            )
+        try:
+            buffer = region.buffer
+        except RegionError:
+            return None, WireStatus.UNKNOWN_REGION, f"region {region_name!r} was unregistered"
+        return buffer[offset : offset + length], WireStatus.OK, ""
