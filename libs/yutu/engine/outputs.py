@@ -1,0 +1,56 @@
+"""Plain data objects the engine hands back to its caller after each step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped, spelled as the OpenAI API spells ``finish_reason``."""
+
+    STOP = "stop"  # an eos token (unless ignore_eos) or one of params.stop_token_ids
+    LENGTH = "length"  # max_tokens generated or max_model_len reached
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token under the model's raw distribution, and the top alternatives.
+
+    ``top`` holds ``params.logprobs`` pairs ``(token_id, logprob)`` in descending logprob order (empty
+    when ``params.logprobs == 0``); the sampled token may or may not be among them.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the tokens appended this step (usually one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # one per new token when params.logprobs is not None
+    finished: bool
+    finish_reason: FinishReason | None  # set iff finished
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and counters (counters are totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of KV blocks held by running sequences, in [0, 1]
+    prefix_cache_queries_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,0 +1,180 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each ``schedule()`` fills one forward pass under two limits: ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` running sequences. Order of service:
+
+1. Running decodes (one token each), in admission order. A decode that needs a new block and finds
+   none preempts the *last admitted* running sequence (possibly itself): its blocks are freed, its
+   computed counter resets to 0 and it goes back to the front of the waiting queue; on re-admission it
+   recomputes prompt + generated tokens (and may hit the prefix cache).
+2. Running prefills (a prompt or a recompute that did not finish in earlier steps): the next chunk.
+3. Waiting sequences, first come first served, while they fit (blocks for all their tokens are taken
+   at admission, reusing the longest cached prefix). Skipped in a step that preempted.
+
+The result is a plain :class:`ScheduledBatch`. After the forward pass the engine calls
+``update_after_step`` so the computed counters and the prefix cache follow what the model wrote.
+Not thread-safe: one engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from yutu.engine.sequence import RequestStatus, Sequence
+from yutu.kv.block_manager import BlockManager
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The next tokens of one sequence to run this step.
+
+    Positions ``start .. start + len(token_ids) - 1`` of the sequence; ``block_table`` covers them.
+    ``sample`` is set when the chunk ends at the sequence's last token (so the model's output at the
+    chunk's last row is sampled).
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of the sequence in the cache once this chunk is written."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward pass: chunks laid end to end in this order, plus what was preempted to make room."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; asks the block manager for room."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order; the last one is the preemption victim
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is RequestStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Decodes, in admission order; make room by preempting from the back.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            seq = self.running[idx]
+            if not seq.is_decode:
+                idx += 1
+                continue
+            while not self.block_manager.can_append(seq) and self.running[-1] is not seq:
+                batch.preempted_seq_ids.append(self._preempt(self.running.pop()).seq_id)
+            if not self.block_manager.can_append(seq):
+                self.running.pop()  # seq is the last one left to give up
+                batch.preempted_seq_ids.append(self._preempt(seq).seq_id)
+                break
+            self.block_manager.append_slots(seq)
+            batch.chunks.append(self._chunk(seq, 1))
+            budget -= 1
+            idx += 1
+
+        # 2. Prefills already running (blocks were taken at admission).
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.needs_prefill:
+                chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
+                batch.chunks.append(chunk)
+                budget -= chunk.num_tokens
+
+        # 3. Admit waiting sequences in order while they fit.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not batch.preempted_seq_ids
+        ):
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            num_cached = self.block_manager.allocate(seq)
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            batch.chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return batch
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Mark each chunk's tokens computed and publish newly full blocks to the prefix cache."""
+        running = {seq.seq_id: seq for seq in self.running}
+        for chunk in batch.chunks:
+            seq = running[chunk.seq_id]
+            assert seq.num_computed_tokens == chunk.start, (seq, chunk.start)
+            seq.num_computed_tokens = chunk.context_len
+            self.block_manager.cache_computed_blocks(seq)
+
+    def finish(self, seq: Sequence, status: RequestStatus) -> None:
+        """Retire a running or waiting sequence with a FINISHED_* status and free its blocks."""
+        assert status.is_finished
+        if seq.status is RequestStatus.RUNNING:
+            self.running.remove(seq)
+        elif not seq.status.is_finished:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        # token_ids[start : start + num_tokens] are computed this step; start = num_computed_tokens.
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start : start + num_tokens],
+            start=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            sample=start + num_tokens == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        return seq

@@ -1,0 +1,140 @@
+"""Sampler and SamplingParams: exact masks, greedy, seeds and logprobs on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from yutu.engine.sampler import Sampler, apply_top_k_top_p
+from yutu.engine.sampling import SamplingParams
+
+NEG = float("-inf")
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def test_top_k_top_p_masks() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.1, 0.5, 0.15, 0.25], [0.1, 0.5, 0.15, 0.25]]))
+    top_k = torch.tensor([2, 4, 4])
+    top_p = torch.tensor([1.0, 0.7, 0.45])
+    out = apply_top_k_top_p(logits, top_k, top_p)
+    kept = (out > NEG).tolist()
+    assert kept[0] == [False, True, False, True]  # top-2: 0.5, 0.25
+    assert kept[1] == [False, True, False, True]  # 0.5 + 0.25 reaches 0.7
+    assert kept[2] == [False, True, False, False]  # the top token alone reaches 0.45
+    assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_top_p_combined_with_top_k_renormalises() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # top_k=3 leaves 0.4/0.9, 0.3/0.9, 0.2/0.9; top_p=0.7 then keeps the first two (0.44 + 0.33).
+    out = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.7]))
+    assert (out > NEG).tolist() == [[True, True, False, False]]
+
+
+def test_greedy_and_logprobs() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)]
+    out = Sampler().sample(logits, params, [None, None])
+    assert out.token_ids == [1, 0]
+    assert out.logprobs[1] is None
+    lp = out.logprobs[0]
+    assert lp is not None
+    expected = torch.log_softmax(logits[0], dim=-1).tolist()
+    assert lp.token_id == 1
+    assert lp.logprob == pytest.approx(expected[1])
+    assert [t for t, _ in lp.top] == [1, 3]
+    assert [v for _, v in lp.top] == pytest.approx([expected[1], expected[3]])
+
+
+def test_logprobs_use_raw_logits_not_temperature() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    out = Sampler().sample(logits, [SamplingParams(temperature=0.5, top_k=1, logprobs=0)], [None])
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 1 and lp.top == []
+    assert lp.logprob == pytest.approx(2.0 - math.log(1 + math.exp(2.0) + math.exp(1.0)))
+
+
+def test_top_k_one_and_tiny_top_p_are_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(top_k=1)] * 3 + [SamplingParams(top_p=1e-6)] * 3
+    out = Sampler().sample(logits, params, [None] * 6)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_samples_stay_inside_top_k() -> None:
+    torch.manual_seed(0)
+    logits = torch.zeros(64, 10)
+    logits[:, 7], logits[:, 2], logits[:, 5] = 3.0, 2.9, 2.8
+    out = Sampler().sample(logits, [SamplingParams(temperature=2.0, top_k=3)] * 64, [None] * 64)
+    assert set(out.token_ids) == {7, 2, 5}
+
+
+def test_seeded_row_ignores_batch_composition() -> None:
+    torch.manual_seed(1)
+    vocab = 512
+    target = torch.randn(1, vocab)
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def draws(batch_rows: int, position: int, n: int = 8) -> list[int]:
+        g = gen(1234)
+        tokens = []
+        for _ in range(n):
+            logits = torch.randn(batch_rows, vocab)
+            logits[position] = target[0]
+            row_params = [SamplingParams(temperature=0.8, seed=7)] * batch_rows
+            row_params[position] = params
+            gens: list[torch.Generator | None] = [None] * batch_rows
+            gens[position] = g
+            tokens.append(Sampler().sample(logits, row_params, gens).token_ids[position])
+        return tokens
+
+    alone = draws(1, 0)
+    assert draws(5, 3) == alone
+    assert draws(3, 0) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_same_seed_repeats_different_seed_differs() -> None:
+    logits = torch.zeros(1, 512)  # uniform: maximal entropy
+
+    def stream(seed: int) -> list[int]:
+        g = gen(seed)
+        return [Sampler().sample(logits, [SamplingParams(seed=seed)], [g]).token_ids[0] for _ in range(8)]
+
+    assert stream(1) == stream(1)
+    assert stream(1) != stream(2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, r"temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, r"temperature must be a finite number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": 0}, r"top_k must be an integer >= 1, or None"),
+        ({"max_tokens": 0}, r"max_tokens must be an integer >= 1"),
+        ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\]"),
+        ({"seed": 2**64}, r"seed must be an integer in"),
+        ({"stop_token_ids": (1, -2)}, r"stop_token_ids must be a sequence of integers >= 0"),
+        ({"ignore_eos": 1}, r"ignore_eos must be a bool"),
+    ],
+)
+def test_params_validation(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_params_defaults_and_normalisation() -> None:
+    p = SamplingParams(stop_token_ids=[3, 4])  # type: ignore[arg-type]
+    assert p.stop_token_ids == (3, 4)
+    assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(logprobs=20).logprobs == 20
