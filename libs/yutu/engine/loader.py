@@ -1,0 +1,128 @@
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into LlamaForCausalLM.
+
+The model is built on the meta device (no random init, no memory), materialised empty on the target
+device, then every tensor is read from safetensors, cast and copied in. Tensor names are Hugging
+Face's own (``model.layers.3.self_attn.q_proj.weight``, ...), which are also our ``state_dict`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from yutu.engine.model import LlamaForCausalLM
+from yutu.engine.model_config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's weight files are missing, incomplete or do not match config.json."""
+
+
+def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    """CUDA + bfloat16 when a GPU is available, else CPU + float32."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for ``config`` holds, by Hugging Face name, in a fixed order.
+
+    ``lm_head.weight`` is absent when the embeddings are tied.
+    """
+    h, i = config.hidden_size, config.intermediate_size
+    qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for name, out_dim in (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)):
+            shapes[p + f"self_attn.{name}.weight"] = (out_dim, h)
+            if config.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out_dim,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, qd)
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if config.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a checkpoint: the sharded index's files, model.safetensors, or *.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that are missing: {', '.join(missing)}")
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" (found {', '.join(other)}: convert them to safetensors first)" if other else ""
+    raise CheckpointError(f"no *.safetensors weights in {model_dir}{hint}")
+
+
+def load_model(
+    model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model for ``model_dir`` on ``device`` in ``dtype``, in eval mode, without gradients.
+
+    Raises FileNotFoundError if config.json is missing, UnsupportedModelError (a ValueError) for an
+    architecture we cannot run, CheckpointError (a ValueError) for missing, extra or misshapen tensors.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    files = safetensors_files(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty allocates the two names separately: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())  # tied lm_head.weight is listed once, as the embedding
+    expected = expected_weight_shapes(config)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # old checkpoints store RoPE tables; we compute them
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # some tied checkpoints store a copy of the embedding
+                    if name not in expected:
+                        raise CheckpointError(
+                            f"unexpected tensor {name!r} in {file.name}: the checkpoint does not match "
+                            f"{config.architecture} as described by config.json"
+                        )
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != expected[name]:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"config.json implies {expected[name]}"
+                        )
+                    params[name].copy_(tensor.to(dtype=dtype))
+                    loaded.add(name)
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s): {shown}")
+    model.eval().requires_grad_(False)
+    return model, config

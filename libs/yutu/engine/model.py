@@ -1,0 +1,233 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+
+Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
+batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
+padding is ever computed outside attention. Module and parameter names mirror Hugging Face's, so a
+checkpoint's tensor names are this module's ``state_dict`` keys.
+
+Notation in shape comments: T tokens in the batch, H hidden size, nh query heads, kvh key/value
+heads, hd head dim, I intermediate size, V vocab size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yutu.engine.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    build_attention_plan,
+    paged_attention,
+    write_kv_cache,
+)
+from yutu.engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like the reference implementation."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()  # (T, H)
+        var = x32.pow(2).mean(-1, keepdim=True)  # (T, 1)
+        x32 = x32 * torch.rsqrt(var + self.eps)  # (T, H)
+        return self.weight * x32.to(dtype)  # (T, H)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (hd/2,) float32 on CPU, with the config's RoPE scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # (hd/2,)
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # (hd/2,)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    assert scaling["rope_type"] == "llama3", scaling  # ModelConfig admits nothing else
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq  # (hd/2,)
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # (hd/2,)
+    smooth = (old_len / wavelen - low) / (high - low)  # (hd/2,)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # (hd/2,)
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)  # (hd/2,)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the batch's positions, computed on the fly (no max-length table)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Kept out of the state dict and out of `.to(dtype)`: frequencies stay float32.
+        self._inv_freq_cpu = rope_inv_freq(config)  # (hd/2,)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # (T, hd), (T, hd)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (T, heads, hd) by the (T, hd) tables, half-split layout (Hugging Face convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]  # (T, heads, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        h, qd, kvd = (
+            config.hidden_size,
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
+        self.q_proj = nn.Linear(h, qd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, kvd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, kvd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(qd, h, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        n_tok = x.shape[0]
+        q = self.q_proj(x).view(n_tok, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = self.k_proj(x).view(n_tok, self.num_kv_heads, self.head_dim)  # (T, kvh, hd)
+        v = self.v_proj(x).view(n_tok, self.num_kv_heads, self.head_dim)  # (T, kvh, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd)
+        return self.o_proj(o.reshape(n_tok, self.num_heads * self.head_dim))  # (T, H)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, plan)  # (T, H)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (T, H)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (Hugging Face's ``model.*`` tensors)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus LM head; the KV cache is an argument, never state."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run one flat batch; returns final hidden states (T, H).
+
+        input_ids, positions: (T,) int64. kv_cache: (num_blocks, num_layers, 2, block_size, kvh, hd)
+        in the model's dtype. Writes the batch's K/V at ``meta.slot_mapping`` in every layer, then
+        each sequence's chunk attends causally over its whole cached context.
+        """
+        self._check_cache(kv_cache)
+        block_size = kv_cache.shape[3]
+        h = self.model.embed_tokens(input_ids)  # (T, H)
+        cos, sin = self.rotary(positions, h.dtype)  # (T, hd), (T, hd)
+        plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
+        for i, layer in enumerate(self.model.layers):
+            window = self.config.layer_sliding_window(i)
+            if window not in plans:
+                plans[window] = build_attention_plan(meta, block_size, h.device, window)
+            layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
+            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window])  # (T, H)
+        return self.model.norm(h)  # (T, H)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) hidden states -> (N, V) float32 logits."""
+        return self.lm_head(hidden).float()  # (N, V)
+
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
+        c = self.config
+        if (
+            kv_cache.dim() != 6
+            or kv_cache.shape[1:3] != (c.num_layers, 2)
+            or kv_cache.shape[4:] != (c.num_kv_heads, c.head_dim)
+        ):
+            raise ValueError(
+                f"kv_cache has shape {tuple(kv_cache.shape)}; expected (num_blocks, {c.num_layers}, 2, "
+                f"block_size, {c.num_kv_heads}, {c.head_dim}) -- allocate it with config.kv_cache_shape()"
+            )
+        if kv_cache.dtype != self.model.embed_tokens.weight.dtype:
+            raise ValueError(
+                f"kv_cache dtype {kv_cache.dtype} differs from the model's {self.model.embed_tokens.weight.dtype}"
+            )

@@ -1,0 +1,249 @@
+"""The model's shape, read once from a Hugging Face ``config.json``.
+
+``ModelConfig`` is the only place that knows the quirks of each supported architecture (which
+projections carry a bias, where RoPE settings live, which layers use a sliding window). Everything
+downstream -- model, loader, engine -- reads plain fields.
+
+Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
+(q/k/v bias, optionally tied embeddings) and ``MistralForCausalLM`` (sliding-window attention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    # architecture name in config.json -> model_type
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's config.json describes a model this engine cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES, e.g. "LlamaForCausalLM"
+    vocab_size: int  # rows of the embedding and of the LM head
+    hidden_size: int  # residual stream width
+    intermediate_size: int  # SwiGLU inner width
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention when < num_heads)
+    head_dim: int  # width of one head (need not equal hidden_size // num_heads)
+    max_position_embeddings: int  # longest context the model supports
+    rms_norm_eps: float  # epsilon inside RMSNorm
+    rope_theta: float  # RoPE base wavelength
+    rope_scaling: dict[str, Any] | None  # None: plain RoPE; else {"rope_type": "linear"|"llama3", ...}
+    tie_word_embeddings: bool  # LM head shares the embedding matrix
+    attention_bias: bool  # q/k/v projections carry a bias
+    bos_token_id: int | None  # beginning-of-sequence token, if the model has one
+    eos_token_ids: tuple[int, ...]  # tokens that end generation (config + generation_config)
+    torch_dtype: str | None  # dtype the checkpoint was saved in ("bfloat16", ...), informational
+    o_proj_bias: bool = False  # the output projection carries a bias (Llama with attention_bias)
+    mlp_bias: bool = False  # gate/up/down projections carry a bias (Llama mlp_bias)
+    sliding_window: int | None = None  # attention window in tokens for sliding layers, None: full
+    sliding_window_layers: tuple[int, ...] = ()  # indices of layers that use sliding_window
+    yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}; check config.json"
+            )
+        if self.head_dim % 2 != 0:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE; check config.json")
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens, or None when it attends to the whole context."""
+        return self.sliding_window if layer in self.sliding_window_layers else None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the paged KV cache tensor (see yutu.engine.attention)."""
+        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_block_numel(self, block_size: int) -> int:
+        """Elements in one KV block of all layers: one store object."""
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` for extra EOS ids) from a model dir."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"{config_file} not found: pass a Hugging Face model directory that holds config.json"
+            )
+        d = json.loads(config_file.read_text(encoding="utf-8"))
+        gen_file = path / "generation_config.json"
+        extra_eos: tuple[int, ...] = ()
+        if gen_file.is_file():
+            extra_eos = _as_id_tuple(json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id"))
+        config = cls.from_hf_dict(d)
+        merged = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
+        return replace(config, eos_token_ids=merged)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from the dict of a Hugging Face ``config.json``; raise UnsupportedModelError if unusable."""
+        architecture = _architecture(d)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+        num_heads = int(d["num_attention_heads"])
+        hidden_size = int(d["hidden_size"])
+        num_layers = int(d["num_hidden_layers"])
+        head_dim = d.get("head_dim") or hidden_size // num_heads
+        rope_theta, rope_scaling = _rope(d)
+
+        # Which projections carry a bias differs per architecture.
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias, mlp_bias = True, False, False
+        elif model_type == "mistral":
+            attention_bias, o_proj_bias, mlp_bias = False, False, False
+        else:
+            attention_bias = bool(d.get("attention_bias", False))
+            o_proj_bias = attention_bias
+            mlp_bias = bool(d.get("mlp_bias", False))
+
+        sliding_window, sliding_layers = _sliding_window(d, model_type, num_layers)
+        return cls(
+            architecture=architecture,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            o_proj_bias=o_proj_bias,
+            mlp_bias=mlp_bias,
+            sliding_window=sliding_window,
+            sliding_window_layers=sliding_layers,
+            yutu_demo=bool(d.get("yutu_demo", False)),
+        )
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    archs = d.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return str(arch)
+    if archs:
+        raise UnsupportedModelError(
+            f"architecture {archs[0]!r} is not supported; supported architectures: {supported}"
+        )
+    # No "architectures" list: fall back on model_type.
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    model_type = d.get("model_type")
+    if model_type in by_type:
+        return by_type[model_type]
+    raise UnsupportedModelError(
+        f"config.json names no supported architecture (model_type={model_type!r}); "
+        f"supported architectures: {supported}"
+    )
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config shape.
+
+    transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at the top level; transformers 5.x
+    writes one ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and the scaling keys.
+    """
+    params: dict[str, Any] = dict(d.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError("per-layer-type rope_parameters are not supported by Llama-family models")
+    scaling = d.get("rope_scaling")
+    if scaling:
+        params = {**params, **scaling}
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "linear":
+        return float(theta), {"rope_type": "linear", "factor": _positive(params, "factor")}
+    # llama3: HF defaults original_max_position_embeddings to max_position_embeddings.
+    original = params.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
+    low, high = _positive(params, "low_freq_factor"), _positive(params, "high_freq_factor")
+    if not high > low:
+        raise UnsupportedModelError(
+            f"llama3 rope scaling needs high_freq_factor > low_freq_factor ({high}, {low})"
+        )
+    return float(theta), {
+        "rope_type": "llama3",
+        "factor": _positive(params, "factor"),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def _positive(params: dict[str, Any], key: str) -> float:
+    value = params.get(key)
+    if value is None or not math.isfinite(float(value)) or float(value) <= 0:
+        raise UnsupportedModelError(f"rope scaling needs a positive {key!r}, got {value!r}")
+    return float(value)
+
+
+def _sliding_window(
+    d: dict[str, Any], model_type: str, num_layers: int
+) -> tuple[int | None, tuple[int, ...]]:
+    window = d.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return None, ()
+    if model_type == "qwen2":
+        if not d.get("use_sliding_window", False):
+            return None, ()
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        else:
+            first = int(d.get("max_window_layers", 28))
+            layers = tuple(range(first, num_layers))
+    else:  # mistral: every layer
+        layers = tuple(range(num_layers))
+    if not layers:
+        return None, ()
+    if int(window) <= 0:
+        raise UnsupportedModelError(f"sliding_window={window} must be positive")
+    return int(window), layers
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,178 @@
+"""Test helpers: tiny random checkpoints and a minimal paged-cache driver for the model.
+
+Nothing here imports transformers (a test-only dependency): checkpoints are written by
+default_model.write_checkpoint in the Hugging Face layout, so transformers can load them as well.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yutu.engine.attention import AttentionMetadata
+from yutu.engine.default_model import write_checkpoint
+from yutu.engine.demo_tokenizer import BOS, EOS, EOT, SPECIAL_TOKENS, TokenizerFiles, train_demo_tokenizer
+from yutu.engine.model import LlamaForCausalLM
+
+TINY_VOCAB = 512
+
+_ARCH: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True},
+    ),
+    "mistral": ("MistralForCausalLM", {"sliding_window": None, "tie_word_embeddings": False}),
+}
+
+
+@lru_cache(maxsize=1)
+def tiny_tokenizer() -> TokenizerFiles:
+    """The demo byte-level BPE trained to 512 ids (Chinese and emoji split inside characters)."""
+    return train_demo_tokenizer(TINY_VOCAB, seed=0)
+
+
+def tiny_hf_config(arch: str = "llama", **config_overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny model: hidden 64, 2 layers, 4 query heads, 2 KV heads, vocab 512."""
+    if arch not in _ARCH:
+        raise ValueError(f"arch must be one of {', '.join(_ARCH)}, got {arch!r}")
+    architecture, extra = _ARCH[arch]
+    ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": arch,
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "bos_token_id": ids[BOS],
+        "eos_token_id": [ids[EOT], ids[EOS]],
+        "torch_dtype": "float32",
+        **extra,
+    }
+    config.update(config_overrides)
+    return config
+
+
+def make_tiny_checkpoint(
+    out_dir: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    num_shards: int = 1,
+    init_std: float = 0.1,
+    **config_overrides: Any,
+) -> Path:
+    """A tiny random HF checkpoint directory loadable by our loader and by transformers.
+
+    ``arch`` in {"llama", "qwen2", "mistral"}; ``config_overrides`` are config.json keys
+    (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
+    ``rope_scaling={...}``, ``sliding_window=8``).
+    """
+    hf_config = tiny_hf_config(arch, **config_overrides)
+    return write_checkpoint(
+        Path(out_dir), hf_config, seed, tiny_tokenizer(), init_std=init_std, num_shards=num_shards
+    )
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    """Drives LlamaForCausalLM over a paged KV cache with no scheduler: for tests and references.
+
+    Blocks are handed out from a shuffled free list, so block tables are non-contiguous.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, *, shuffle_seed: int | None = 0
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        param = model.model.embed_tokens.weight
+        self.device, self.dtype = param.device, param.dtype
+        shape = model.config.kv_cache_shape(num_blocks, block_size)
+        self.kv_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.free_blocks = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self.free_blocks)
+        self.seqs: dict[int, _Seq] = {}
+
+    def step(self, chunks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """Append each (seq_id, new tokens) chunk in one forward; return (n_i, V) logits per chunk."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq_id, new_tokens in chunks:
+            seq = self.seqs.setdefault(seq_id, _Seq())
+            start = len(seq.token_ids)
+            seq.token_ids.extend(new_tokens)
+            while len(seq.block_table) * self.block_size < len(seq.token_ids):
+                seq.block_table.append(self.free_blocks.pop())
+            for pos in range(start, len(seq.token_ids)):
+                slots.append(
+                    seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
+            input_ids.extend(new_tokens)
+            positions.extend(range(start, len(seq.token_ids)))
+            query_start.append(len(input_ids))
+            context_lens.append(len(seq.token_ids))
+            tables.append(list(seq.block_table))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            query_start=query_start,
+            context_lens=context_lens,
+            block_tables=tables,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)  # (T, H)
+            logits = self.model.compute_logits(hidden)  # (T, V)
+        return [logits[query_start[i] : query_start[i + 1]] for i in range(len(chunks))]
+
+    def free(self, seq_id: int) -> None:
+        self.free_blocks.extend(self.seqs.pop(seq_id).block_table)
+
+
+def greedy_generate(
+    model: LlamaForCausalLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    block_size: int = 16,
+    prefill_chunk: int | None = None,
+    shuffle_seed: int | None = 0,
+) -> list[int]:
+    """Argmax decoding through the paged cache (prefill in chunks of ``prefill_chunk``), no EOS stop."""
+    total = len(prompt_ids) + max_new_tokens
+    runner = PagedRunner(model, -(-total // block_size) + 1, block_size, shuffle_seed=shuffle_seed)
+    chunk = prefill_chunk or len(prompt_ids)
+    logits = torch.empty(0)
+    for start in range(0, len(prompt_ids), chunk):
+        (logits,) = runner.step([(0, prompt_ids[start : start + chunk])])
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        out.append(int(logits[-1].argmax()))
+        if len(out) < max_new_tokens:
+            (logits,) = runner.step([(0, out[-1:])])
+    return out

@@ -1,0 +1,193 @@
+"""Our Llama-family model over the paged cache against transformers, float32 on CPU.
+
+Every case compares logits with transformers' own implementation of the same checkpoint: full
+prefill, chunked prefill, token-by-token decode through shuffled (non-contiguous) block tables, and
+mixed batches of prefill chunks and decode steps; then greedy generation token for token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from yutu.engine.attention import AttentionMetadata
+from yutu.engine.loader import load_model
+from yutu.engine.model import LlamaForCausalLM
+from yutu.engine.testing import PagedRunner, greedy_generate, make_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # small, so the scaling bends frequencies we use
+}
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-mha-tied-bias": (
+        "llama",
+        {"num_key_value_heads": 4, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    ),
+    "llama3-rope-mqa": (
+        "llama",
+        {"num_key_value_heads": 1, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    ),
+    "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # transformers 5 layout: rope settings only under rope_parameters.
+    "llama3-rope-parameters": (
+        "llama",
+        {"rope_theta": None, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 50000.0}},
+    ),
+    "qwen2-tied": ("qwen2", {}),
+    "qwen2-untied-gqa": ("qwen2", {"tie_word_embeddings": False, "num_attention_heads": 8, "head_dim": 8}),
+    "mistral-sliding": ("mistral", {"sliding_window": 8}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LlamaForCausalLM, Any]:
+    """(our model, transformers' model) loaded from the same tiny checkpoint."""
+    arch, overrides = CASES[request.param]
+    overrides = {k: v for k, v in overrides.items()}
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=7, **overrides)
+    if overrides.get("rope_theta", 0) is None:  # drop the key altogether, as transformers 5 writes it
+        _drop_key(model_dir, "rope_theta")
+    ours, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return ours, hf
+
+
+def _drop_key(model_dir: Path, key: str) -> None:
+    import json
+
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop(key)
+    path.write_text(json.dumps(config))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_full_prefill_matches_transformers(pair: tuple[LlamaForCausalLM, Any], block_size: int) -> None:
+    ours, hf = pair
+    ids = _prompt(45, seed=1)
+    (logits,) = PagedRunner(ours, 32, block_size).step([(0, ids)])
+    torch.testing.assert_close(logits, _hf_logits(hf, ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunked_prefill_matches_transformers(pair: tuple[LlamaForCausalLM, Any], block_size: int) -> None:
+    ours, hf = pair
+    ids = _prompt(45, seed=2)
+    runner = PagedRunner(ours, 32, block_size, shuffle_seed=3)
+    # Chunks end mid-block, so later chunks append into a partly filled block.
+    pieces = [runner.step([(0, ids[a:b])])[0] for a, b in ((0, 13), (13, 30), (30, 45))]
+    torch.testing.assert_close(torch.cat(pieces), _hf_logits(hf, ids), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_steps_match_transformers(pair: tuple[LlamaForCausalLM, Any], block_size: int) -> None:
+    ours, hf = pair
+    ids = _prompt(40, seed=4)
+    runner = PagedRunner(ours, 32, block_size, shuffle_seed=5)
+    pieces = [runner.step([(0, ids[:10])])[0]]
+    pieces += [runner.step([(0, [tok])])[0] for tok in ids[10:]]
+    assert runner.seqs[0].block_table != sorted(runner.seqs[0].block_table)  # really non-contiguous
+    torch.testing.assert_close(torch.cat(pieces), _hf_logits(hf, ids), atol=TOL, rtol=0)
+
+
+def test_mixed_batches_match_transformers(pair: tuple[LlamaForCausalLM, Any]) -> None:
+    """Prefill chunks and decode steps of several sequences share one forward pass."""
+    ours, hf = pair
+    prompts = {
+        0: _prompt(37, seed=10),
+        1: _prompt(25, seed=11),
+        2: _prompt(12, seed=12),
+        3: _prompt(30, seed=13),
+    }
+    runner = PagedRunner(ours, 64, 4, shuffle_seed=6)
+    fed = {i: 0 for i in prompts}
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in prompts}
+    # Per step: how many tokens each sequence feeds (1 = a decode-shaped step).
+    schedule = [
+        {0: 20, 1: 5},
+        {0: 1, 1: 18, 2: 9},
+        {0: 1, 2: 1, 3: 12},
+        {0: 1, 1: 1, 2: 1, 3: 1},
+        {0: 14, 1: 1, 2: 1, 3: 17},
+    ]
+    for step in schedule:
+        batch = [(i, prompts[i][fed[i] : fed[i] + n]) for i, n in step.items()]
+        for (i, chunk), logits in zip(batch, runner.step(batch), strict=True):
+            fed[i] += len(chunk)
+            got[i].append(logits)
+    for i, ids in prompts.items():
+        assert fed[i] == len(ids)
+        torch.testing.assert_close(torch.cat(got[i]), _hf_logits(hf, ids), atol=TOL, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(pair: tuple[LlamaForCausalLM, Any]) -> None:
+    ours, hf = pair
+    prompt = _prompt(21, seed=20)
+    hf.generation_config.eos_token_id = None  # generate all 32 tokens on both sides
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+    assert len(ref) == 32
+    assert greedy_generate(ours, prompt, 32, block_size=4, prefill_chunk=8) == ref
+    assert greedy_generate(ours, prompt, 32, block_size=16) == ref
+
+
+def test_bfloat16_runs_and_tracks_float32(tmp_path: Path) -> None:
+    """Same code in bfloat16 (the CUDA dtype): close to float32, same greedy start."""
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=3)
+    ids = _prompt(30, seed=21)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_model(model_dir, torch.device("cpu"), dtype)
+        runner = PagedRunner(model, 16, 4)
+        (prefill,) = runner.step([(0, ids)])
+        (decode,) = runner.step([(0, [7])])
+        out[dtype] = torch.cat([prefill, decode])
+        assert out[dtype].dtype == torch.float32  # logits always float32
+    assert (out[torch.bfloat16] - out[torch.float32]).abs().max() < 0.1
+
+
+def test_rejects_mismatched_cache_and_metadata(tmp_path: Path) -> None:
+    model, config = load_model(make_tiny_checkpoint(tmp_path), torch.device("cpu"), torch.float32)
+    ids = torch.tensor([5, 6, 7])
+    meta = AttentionMetadata(torch.tensor([0, 1, 2]), [0, 3], [3], [[0]])
+    bad_cache = torch.zeros(4, config.num_layers, 2, 4, config.num_kv_heads + 1, config.head_dim)
+    with pytest.raises(ValueError, match="kv_cache has shape"):
+        model(ids, torch.arange(3), bad_cache, meta)
+    cache = torch.zeros(config.kv_cache_shape(4, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        model(ids, torch.arange(3), cache.to(torch.bfloat16), meta)
+    short = AttentionMetadata(torch.tensor([0, 1, 2]), [0, 3], [2], [[0]])  # context < chunk
+    with pytest.raises(ValueError, match="chunk of 3 tokens, context 2"):
+        model(ids, torch.arange(3), cache, short)
+    no_blocks = AttentionMetadata(torch.tensor([0, 1, 2]), [0, 3], [3], [[]])
+    with pytest.raises(ValueError, match="need 0 < chunk <= context and >= 1 blocks"):
+        model(ids, torch.arange(3), cache, no_blocks)
