@@ -1,0 +1,243 @@
+"""LLMEngine: the model engine's public face. One ``step()`` = schedule, run, sample, postprocess.
+
+Thread-safety: LLMEngine is NOT thread-safe. A worker owns it from a single engine thread and calls
+``add_request`` / ``abort_request`` / ``step`` there only (hand requests over with a queue).
+
+Length contract (vLLM's): a request is accepted only if ``len(prompt) + max_tokens <= max_model_len``;
+otherwise ``add_request`` raises PromptTooLongError, and the caller lowers ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from yutu.engine.errors import InvalidRequestError, PromptTooLongError
+from yutu.engine.loader import default_device_and_dtype, load_model
+from yutu.engine.model_config import ModelConfig
+from yutu.engine.model_runner import ModelRunner, kv_block_bytes
+from yutu.engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
+from yutu.engine.sampler import Sampler
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.scheduler import Scheduler
+from yutu.engine.sequence import RequestStatus, Sequence
+from yutu.kv.block_manager import BlockManager
+from yutu.kv.hashing import root_key
+
+__all__ = [
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprobs",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, validated on construction (bad values raise ValueError)."""
+
+    model_dir: Path  # Hugging Face checkpoint directory (config.json + *.safetensors)
+    model_id: str = ""  # block-hash salt; "" -> the model dir's name. Processes sharing KV must agree.
+    block_size: int = 16  # tokens per KV block (paging, hashing and store objects)
+    num_kv_blocks: int | None = None  # None -> kv_cache_memory_bytes // bytes per block
+    kv_cache_memory_bytes: int = 256 * 2**20  # KV pool size when num_kv_blocks is None
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per forward pass (chunked-prefill budget)
+    max_model_len: int | None = None  # prompt + output tokens; None -> min(model max, KV pool)
+    enable_prefix_caching: bool = True
+    device: torch.device | str | None = None  # None -> CUDA if available, else CPU
+    dtype: torch.dtype | str | None = None  # None -> bfloat16 on CUDA, float32 on CPU
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if not self.model_id:
+            object.__setattr__(self, "model_id", self.model_dir.name)
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None (derived), got {value!r}")
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'")
+    return resolved
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-cached KV pool. See the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device is None:
+            self.device, default_dtype = default_device_and_dtype()
+        else:
+            self.device = torch.device(config.device)
+            default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = _resolve_dtype(config.dtype, default_dtype)
+        self.model_id = config.model_id
+        model, self.model_config = load_model(config.model_dir, self.device, self.dtype)
+        self.num_kv_blocks = config.num_kv_blocks or (
+            config.kv_cache_memory_bytes // kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        )
+        self.max_model_len = self._resolve_max_model_len(self.model_config, self.num_kv_blocks)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, self.model_config, self.num_kv_blocks, config.block_size, self.device, self.dtype
+        )
+        self.sampler = Sampler()
+        self._root_key = root_key(self.model_id)
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    def _resolve_max_model_len(self, mc: ModelConfig, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
+        requested = self.config.max_model_len
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} holds no KV block of this model; "
+                "raise it or set num_kv_blocks"
+            )
+        if requested is None:
+            if capacity < mc.max_position_embeddings:
+                log.warning(
+                    "KV pool holds %d tokens < the model's %d positions: max_model_len set to %d",
+                    capacity,
+                    mc.max_position_embeddings,
+                    capacity,
+                )
+            return min(mc.max_position_embeddings, capacity)
+        if requested > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}; lower max_model_len"
+            )
+        if requested > capacity:
+            raise ValueError(
+                f"max_model_len={requested} does not fit the KV pool of {num_blocks} blocks x "
+                f"{self.config.block_size} tokens = {capacity}; raise num_kv_blocks / kv_cache_memory_bytes "
+                "or lower max_model_len"
+            )
+        return requested
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were "
+                f"requested ({len(prompt_token_ids)} in the prompt, {params.max_tokens} in max_tokens); "
+                "shorten the prompt or lower max_tokens"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(
+            request_id, prompt_token_ids, params, self.config.block_size, self._root_key, generator=generator
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now and free its blocks; no further output is produced for it. Unknown: no-op."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return an output for every request that got a token this step."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
+        sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
+        result = self.sampler.sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        self.scheduler.update_after_step(batch)
+        outputs = []
+        for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            outputs.append(self._append(seq, token, logprobs))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq.append_token(token)
+        self._generation_tokens_total += 1
+        params = seq.params
+        status: RequestStatus | None = None
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.model_config.eos_token_ids
+        ):
+            status = RequestStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            del self._seqs[seq.seq_id]
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[token],
+            new_logprobs=None if logprobs is None else [logprobs],
+            finished=status is not None,
+            finish_reason=None if status is None else status.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries_tokens=bm.prefix_cache_queries_tokens,
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )

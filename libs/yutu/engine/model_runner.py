@@ -1,0 +1,98 @@
+"""The model runner: owns the KV cache tensor and turns a ScheduledBatch into logits.
+
+One forward pass per step over the flat batch (see ``yutu.engine.attention``)::
+
+    input_ids: [ chunk0 tokens | chunk1 tokens | ... ]   (T,)
+    positions: [ start0 .. end0-1 | start1 .. end1-1 | ... ]
+    logits:    rows at the last token of every chunk with ``sample`` set, in chunk order (R, V)
+
+Not thread-safe: one engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from yutu.engine.attention import AttentionMetadata
+from yutu.engine.model_config import ModelConfig
+from yutu.engine.scheduler import ScheduledBatch
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model (``yutu.engine.model.LlamaForCausalLM`` fits)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of all layers (one store object) in ``dtype``."""
+    return config.kv_block_numel(block_size) * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Allocates ``kv_cache`` (num_blocks, num_layers, 2, block_size, kvh, hd) and runs the model."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(config.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten ``batch`` into (input_ids (T,), positions (T,), metadata, rows to sample)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        for chunk in batch.chunks:
+            table = chunk.block_table
+            assert len(table) * bs >= chunk.context_len, (chunk.seq_id, len(table), chunk.context_len)
+            input_ids.extend(chunk.token_ids)
+            chunk_positions = range(chunk.start, chunk.context_len)
+            positions.extend(chunk_positions)
+            slots.extend(table[p // bs] * bs + p % bs for p in chunk_positions)
+            query_start.append(len(input_ids))
+            if chunk.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            query_start=query_start,
+            context_lens=[c.context_len for c in batch.chunks],
+            block_tables=[c.block_table for c in batch.chunks],
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, meta, sample_rows
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute ``batch``, writing its K/V into the cache; return (R, V) float32 logits, R = sampled chunks."""
+        ids, pos, meta, sample_rows = self.prepare(batch)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, self.kv_cache, meta)  # (T, H)
+            if not sample_rows:
+                return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden[rows]).float()  # (R, V)

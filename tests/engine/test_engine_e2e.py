@@ -1,0 +1,279 @@
+"""LLMEngine end to end on a tiny random Llama checkpoint (CPU, float32).
+
+References: transformers' generate() for greedy decoding, and the engine itself running each request
+alone for batching, chunked prefill, prefix caching and preemption.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from yutu.engine.engine import EngineConfig, FinishReason, LLMEngine, RequestOutput
+from yutu.engine.errors import InvalidRequestError, PromptTooLongError
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.testing import make_tiny_checkpoint
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", arch="llama", seed=0)
+
+
+def make_engine(ckpt: Path, **overrides: Any) -> LLMEngine:
+    kwargs: dict[str, Any] = {"model_dir": ckpt, "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[RequestOutput]]:
+    """Add every request, step to completion checking the pool after each step; outputs per request."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        engine.block_manager.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_integrity()
+    return outputs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Each request in its own fresh engine: the reference for batching tests."""
+    return {rid: tokens(run(make_engine(ckpt), {rid: req})[rid]) for rid, req in requests.items()}
+
+
+@pytest.mark.parametrize("prompt_len", [5, 37])
+def test_greedy_matches_transformers(ckpt: Path, prompt_len: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(prompt_len, seed=prompt_len)
+    outs = run(make_engine(ckpt), {"r": (ids, greedy(32, logprobs=1))})["r"]
+    got = tokens(outs)
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    expected = gen.sequences[0, prompt_len:].tolist()
+    assert got == expected
+    assert len(got) == 32
+    # Logprobs are the raw distribution's: compare with transformers' logits at every step.
+    for i, out in enumerate(outs):
+        hf_logp = torch.log_softmax(gen.logits[i][0].float(), dim=-1)
+        assert out.new_logprobs is not None
+        lp = out.new_logprobs[0]
+        assert lp.token_id == expected[i]
+        assert lp.logprob == pytest.approx(hf_logp[expected[i]].item(), abs=1e-4)
+        assert lp.top[0][0] == expected[i]
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+    assert all(not o.finished for o in outs[:-1])
+    assert outs[0].num_prompt_tokens == prompt_len and outs[0].num_cached_tokens == 0
+
+
+def test_prefix_cache_hit_gives_cold_tokens(ckpt: Path) -> None:
+    base = prompt(40, seed=1)
+    other = base[:35] + prompt(10, seed=2)  # shares 35 tokens: 2 full blocks of 16
+    cold = run_alone(ckpt, {"b": (other, greedy(12))})["b"]
+
+    engine = make_engine(ckpt)
+    first = run(engine, {"a": (base, greedy(9))})["a"]
+    assert first[0].num_cached_tokens == 0
+    second = run(engine, {"b": (other, greedy(12))})["b"]
+    assert tokens(second) == cold
+    assert second[0].num_cached_tokens == 32
+    assert all(o.num_cached_tokens == 32 for o in second)
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens == 32
+    assert stats.prefix_cache_queries_tokens == 40 + 45
+
+    # A follow-up turn = a's prompt + its 9 generated tokens (49 tokens; 48 of them computed):
+    # three full blocks, the third made partly of generated tokens.
+    follow = base + tokens(first) + prompt(3, seed=3)
+    cold_follow = run_alone(ckpt, {"c": (follow, greedy(6))})["c"]
+    third = run(engine, {"c": (follow, greedy(6))})["c"]
+    assert third[0].num_cached_tokens == 48
+    assert tokens(third) == cold_follow
+
+
+def test_full_prefix_hit_recomputes_last_block(ckpt: Path) -> None:
+    ids = prompt(32, seed=4)  # exactly two blocks
+    engine = make_engine(ckpt)
+    first = run(engine, {"a": (ids, greedy(4))})["a"]
+    again = run(engine, {"b": (ids, greedy(4))})["b"]
+    assert again[0].num_cached_tokens == 16  # the block holding the last token is recomputed
+    assert tokens(again) == tokens(first)
+
+
+MIXED = [(3, 5), (17, 12), (33, 20), (50, 8), (70, 16)]
+
+
+def mixed_requests() -> dict[str, tuple[list[int], SamplingParams]]:
+    return {f"m{i}": (prompt(n, seed=100 + i), greedy(m)) for i, (n, m) in enumerate(MIXED)}
+
+
+@pytest.fixture(scope="module")
+def mixed_alone(ckpt: Path) -> dict[str, list[int]]:
+    return run_alone(ckpt, mixed_requests())
+
+
+@pytest.mark.parametrize("budget", [512, 16])
+def test_mixed_batch_equals_alone(ckpt: Path, mixed_alone: dict[str, list[int]], budget: int) -> None:
+    engine = make_engine(ckpt, max_num_batched_tokens=budget)
+    outs = run(engine, mixed_requests())
+    assert {rid: tokens(o) for rid, o in outs.items()} == mixed_alone
+    assert {rid: len(t) for rid, t in mixed_alone.items()} == {f"m{i}": m for i, (_, m) in enumerate(MIXED)}
+    stats = engine.stats()
+    assert stats.prompt_tokens_total == sum(n for n, _ in MIXED)
+    assert stats.generation_tokens_total == sum(m for _, m in MIXED)
+    assert stats.num_preemptions == 0
+
+
+def test_preemption_gives_same_tokens(ckpt: Path) -> None:
+    requests = {
+        f"p{i}": (
+            prompt(n, seed=200 + i),
+            greedy(m) if i != 2 else SamplingParams(temperature=1.0, seed=9, max_tokens=m),
+        )
+        for i, (n, m) in enumerate([(20, 30), (25, 40), (30, 30), (18, 44)])
+    }
+    alone = run_alone(ckpt, requests)
+    # 12 blocks of 8 tokens = 96 token slots; the four requests need 50 + 65 + 60 + 62.
+    engine = make_engine(ckpt, block_size=8, num_kv_blocks=12, max_model_len=96)
+    outs = run(engine, requests)
+    assert engine.stats().num_preemptions > 0
+    assert {rid: tokens(o) for rid, o in outs.items()} == alone
+
+
+def test_seeded_sampling_is_per_request(ckpt: Path) -> None:
+    ids = prompt(12, seed=300)
+    seeded = SamplingParams(temperature=3.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = run_alone(ckpt, {"s": (ids, seeded)})["s"]
+    batch = {
+        "noise1": (prompt(30, seed=301), SamplingParams(temperature=3.0, max_tokens=7, ignore_eos=True)),
+        "s": (ids, seeded),
+        "noise2": (
+            prompt(5, seed=302),
+            SamplingParams(temperature=3.0, seed=99, max_tokens=25, ignore_eos=True),
+        ),
+        "noise3": (prompt(9, seed=303), greedy(11)),
+    }
+    assert tokens(run(make_engine(ckpt, max_num_batched_tokens=16), batch)["s"]) == alone
+    other_seed = SamplingParams(temperature=3.0, seed=4321, max_tokens=20, ignore_eos=True)
+    assert run_alone(ckpt, {"s": (ids, other_seed)})["s"] != alone
+    assert len(set(alone)) > 5  # high-entropy sampling, not a constant
+
+
+def test_abort_frees_blocks(ckpt: Path) -> None:
+    engine = make_engine(ckpt, max_num_seqs=2)
+    engine.add_request("a", prompt(40, seed=400), greedy(50))
+    engine.add_request("b", prompt(20, seed=401), greedy(50))
+    engine.add_request("c", prompt(20, seed=402), greedy(50))  # waits: max_num_seqs=2
+    for _ in range(3):
+        engine.step()
+        engine.block_manager.check_integrity()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 1)
+    assert stats.num_free_blocks == 64 - 3 - 2
+    engine.abort_request("a")
+    engine.block_manager.check_integrity()
+    assert engine.stats().num_free_blocks == 64 - 2
+    engine.abort_request("c")  # from the waiting queue
+    engine.abort_request("nope")  # unknown: no-op
+    assert engine.stats().num_waiting == 0
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert {o.request_id for o in outs} == {"b"}
+    assert engine.stats().num_free_blocks == 64 and engine.stats().kv_usage == 0.0
+    engine.block_manager.check_integrity()
+
+
+def test_stop_token_ids_and_eos(tmp_path: Path, ckpt: Path) -> None:
+    ids = prompt(10, seed=500)
+    free_run = tokens(run(make_engine(ckpt), {"r": (ids, greedy(16))})["r"])
+    stop = free_run[5]
+    first = free_run.index(stop)
+    outs = run(make_engine(ckpt), {"r": (ids, greedy(16, stop_token_ids=(stop,)))})["r"]
+    assert tokens(outs) == free_run[: first + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    # The same token as the model's eos (same weights, other config): stops unless ignore_eos.
+    eos_ckpt = make_tiny_checkpoint(tmp_path / "eos", arch="llama", seed=0, eos_token_id=stop)
+    engine = make_engine(eos_ckpt)
+    assert stop in engine.model_config.eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = run(engine, {"r": (ids, params), "i": (ids, greedy(16))})
+    assert tokens(outs["r"]) == free_run[: first + 1]
+    assert outs["r"][-1].finish_reason is FinishReason.STOP
+    assert tokens(outs["i"]) == free_run
+
+
+def test_bad_requests(ckpt: Path) -> None:
+    engine = make_engine(ckpt, max_model_len=64)
+    with pytest.raises(PromptTooLongError, match="maximum context length is 64 tokens, but 65"):
+        engine.add_request("r", prompt(60, seed=1), SamplingParams(max_tokens=5))
+    engine.add_request("ok", prompt(59, seed=1), SamplingParams(max_tokens=5))
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        engine.add_request("ok", [1], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match=r"integers in \[0, 512\)"):
+        engine.add_request("v", [1, 512, -1], SamplingParams())
+    assert isinstance(PromptTooLongError("x"), ValueError)
+    engine.abort_request("ok")
+    engine.block_manager.check_integrity()
+
+
+def test_config_validation(ckpt: Path) -> None:
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        make_engine(ckpt, num_kv_blocks=2, max_model_len=64)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=512"):
+        make_engine(ckpt, max_model_len=1024)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig(model_dir=ckpt, block_size=0)
+    engine = make_engine(ckpt, num_kv_blocks=4, max_model_len=None, block_size=16)
+    assert engine.max_model_len == 64  # derived: the pool holds 64 tokens < 512 positions
+    assert EngineConfig(model_dir=ckpt).model_id == "tiny-llama"
