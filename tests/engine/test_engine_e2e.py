@@ -77,10 +77,22 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
     return {rid: tokens(run(make_engine(ckpt), {rid: req})[rid]) for rid, req in requests.items()}
 
 
-@pytest.mark.parametrize("prompt_len", [5, 37])
-def test_greedy_matches_transformers(ckpt: Path, prompt_len: int) -> None:
+@pytest.mark.parametrize(
+    ("arch", "prompt_len", "overrides"),
+    [
+        ("llama", 5, {}),
+        ("llama", 37, {}),
+        ("qwen2", 37, {}),
+        ("mistral", 37, {"sliding_window": 24}),
+    ],
+)
+def test_greedy_matches_transformers(
+    tmp_path: Path, ckpt: Path, arch: str, prompt_len: int, overrides: dict[str, Any]
+) -> None:
     from transformers import AutoModelForCausalLM
 
+    if arch != "llama" or overrides:
+        ckpt = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=1, **overrides)
     ids = prompt(prompt_len, seed=prompt_len)
     outs = run(make_engine(ckpt), {"r": (ids, greedy(32, logprobs=1))})["r"]
     got = tokens(outs)

@@ -234,7 +234,12 @@ class BlockManager:
     # ------------------------------------------------------------------ integrity
 
     def check_integrity(self) -> None:
-        """Raise AssertionError describing the first broken invariant of the pool, if any."""
+        """Raise AssertionError listing every broken invariant of the pool, if any.
+
+        Checks: free + used == total; ref counts equal table occurrences; ref 0 iff in the free queue
+        (an ordered dict, so no block can sit in it twice); no block twice in one table; every cache
+        entry points at a block holding that key and every keyed block is its key's entry.
+        """
         errors: list[str] = []
         used = sum(1 for r in self._ref_counts if r > 0)
         if used + len(self._free) != self.num_blocks:
