@@ -1,0 +1,66 @@
+"""The gateway's HTTP app: the OpenAI API plus /health, /ready, /metrics and /info on one port."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from yutu.service import admin_app
+
+from services.gateway import routes_chat, routes_completions, routes_models, routes_tokenize
+from services.gateway.errors import install_error_handlers
+from services.gateway.service import GatewayService
+
+_ROUTES = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/info",
+}
+
+
+class RequestCounter:
+    """Counts answered HTTP requests by route and status (pure ASGI: streaming is not buffered)."""
+
+    def __init__(self, app: ASGIApp, gateway: GatewayService) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = (
+            path if path in _ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        )
+        status = "499"  # the client left before any answer
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception:
+            status = "500"
+            raise
+        finally:
+            self.gateway.metrics_counter_requests(route, status)
+
+
+def build_app(gateway: GatewayService) -> FastAPI:
+    app = admin_app(gateway)
+    app.title = "yutu gateway (OpenAI-compatible API)"
+    app.state.gateway = gateway
+    for module in (routes_models, routes_completions, routes_chat, routes_tokenize):
+        app.include_router(module.router)
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, gateway=gateway)
+    return app

@@ -1,0 +1,259 @@
+"""Running the worker requests of one API request and turning their tokens into text.
+
+A :class:`Generation` submits one worker request per :class:`ChoiceSpec`, then for each choice
+detokenizes incrementally, applies the stop strings (truncating the text before the match and
+aborting the worker request), and yields :class:`ChoiceUpdate`\\ s in arrival order, all choices
+interleaved. Use it as an async context manager: leaving the block (normally, on an error, or
+cancelled because the client went away) aborts every worker request still running, synchronously,
+so the workers free their KV blocks even when the leaving task is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from yutu.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from yutu.errors import ErrorKind, YutuError
+from yutu.protocol.generate import GenerateRequest, TokenDelta
+
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompts import ChoiceSpec
+from services.gateway.stop import StopMatcher
+from services.gateway.workers import GenerationHandle, WorkerPool
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A generated token as the API shows it."""
+
+    token_id: int
+    text_offset: int  # where this token's text starts in the choice's text (chars, before truncation)
+    logprob: float | None  # None when logprobs were not asked for
+    top: list[tuple[int, float]]  # top alternatives (token id, logprob), best first
+
+
+@dataclass
+class ChoiceUpdate:
+    """New output of one choice: text to append, the tokens it came from, and the end if reached."""
+
+    index: int
+    text: str
+    tokens: list[TokenInfo]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice produced so far (for usage and non-streamed responses)."""
+
+    spec: ChoiceSpec
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class UsageCount:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+_ids = itertools.count()
+
+
+class Generation:
+    """The choices of one API request, running on the workers of ``pool``."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        tokenizer: Tokenizer,
+        specs: list[ChoiceSpec],
+        request_id: str,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.request_id = request_id
+        self.metrics = metrics
+        self.arrival = time.time()
+        self.arrival_mono = time.monotonic()
+        self.choices = {spec.index: ChoiceState(spec) for spec in specs}
+        self._handles: dict[int, GenerationHandle] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._events: asyncio.Queue[ChoiceUpdate | YutuError | None] = asyncio.Queue()
+        self._started = False
+
+    async def __aenter__(self) -> Generation:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Submit every choice's worker request; raises YutuError (503) when no worker is available."""
+        assert not self._started
+        self._started = True
+        self.metrics.in_flight.labels(self.metrics.model).inc()
+        try:
+            for index, state in self.choices.items():
+                worker = self.pool.pick()
+                spec = state.spec
+                handle = worker.submit(
+                    GenerateRequest(
+                        request_id=f"{self.request_id}-{index}-{next(_ids)}",
+                        prompt_token_ids=spec.prompt_ids,
+                        sampling=_sampling_dict(spec),
+                        arrival_time=self.arrival,
+                    )
+                )
+                self._handles[index] = handle
+                self._tasks.append(asyncio.create_task(self._run(state, handle)))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort what still runs; synchronous so it also works inside a cancelled task."""
+        for task in self._tasks:
+            task.cancel()
+        for handle in self._handles.values():
+            handle.close()
+        if self._started:
+            self._started = False
+            self.metrics.in_flight.labels(self.metrics.model).dec()
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Updates of all choices as they come; raises YutuError if any choice fails."""
+        remaining = len(self._tasks)
+        while remaining:
+            event = await self._events.get()
+            if event is None:
+                remaining -= 1
+            elif isinstance(event, YutuError):
+                raise event
+            else:
+                yield event
+
+    async def run_to_end(self) -> dict[int, ChoiceState]:
+        """Wait for every choice to finish (for non-streamed responses)."""
+        async for _ in self.updates():
+            pass
+        return self.choices
+
+    def usage(self) -> UsageCount:
+        """Prompt tokens counted once per prompt (its first choice), completion tokens of all choices."""
+        prompt = cached = completion = 0
+        seen: set[int] = set()
+        for state in sorted(self.choices.values(), key=lambda s: s.spec.index):
+            completion += len(state.tokens)
+            if state.spec.prompt_index not in seen:
+                seen.add(state.spec.prompt_index)
+                prompt += state.num_prompt_tokens or len(state.spec.prompt_ids)
+                cached += state.num_cached_tokens
+        return UsageCount(prompt, completion, cached)
+
+    async def _run(self, state: ChoiceState, handle: GenerationHandle) -> None:
+        try:
+            await self._consume(state, handle)
+        except YutuError as exc:
+            self.metrics.finished.labels(self.metrics.model, "error").inc()
+            self._events.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the client as a 500, not a hang
+            self._events.put_nowait(YutuError(f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL))
+        finally:
+            handle.close()
+            self._events.put_nowait(None)
+
+    async def _consume(self, state: ChoiceState, handle: GenerationHandle) -> None:
+        spec = state.spec
+        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
+        matcher = StopMatcher(spec.stops)
+        offset = 0  # chars of detokenized text so far
+        last_token_at: float | None = None
+        stop_ids = set(spec.sampling.stop_token_ids)
+        while True:
+            delta: TokenDelta = await handle.next()
+            now = time.monotonic()
+            self.metrics.observe_tokens(self.arrival_mono, last_token_at, now, len(delta.token_ids))
+            if delta.token_ids:
+                last_token_at = now
+            state.num_prompt_tokens = delta.num_prompt_tokens or state.num_prompt_tokens
+            state.num_cached_tokens = delta.num_cached_tokens or state.num_cached_tokens
+            update = ChoiceUpdate(spec.index, "", [])
+            lps = delta.logprobs or []
+            for i, token_id in enumerate(delta.token_ids):
+                lp = lps[i] if i < len(lps) else None
+                update.tokens.append(
+                    TokenInfo(
+                        token_id=token_id,
+                        text_offset=offset,
+                        logprob=None if lp is None else float(lp[1]),
+                        top=[] if lp is None else [(int(a), float(b)) for a, b in lp[2]],
+                    )
+                )
+                piece = detok.push([token_id])
+                offset += len(piece)
+                shown, matched = matcher.feed(piece)
+                update.text += shown
+                if matched is not None:
+                    update.finish_reason, update.stop_reason = "stop", matched
+                    break
+            if update.finish_reason is None and delta.finish_reason is not None:
+                tail = detok.flush()
+                shown, matched = matcher.feed(tail)
+                update.text += shown
+                if matched is not None:
+                    update.finish_reason, update.stop_reason = "stop", matched
+                else:
+                    update.text += matcher.flush()
+                    update.finish_reason = delta.finish_reason
+                    last = delta.token_ids[-1] if delta.token_ids else None
+                    if delta.finish_reason == "stop" and last in stop_ids:
+                        update.stop_reason = last
+            self._record(state, update)
+            if update.text or update.tokens or update.finish_reason:
+                self._events.put_nowait(update)
+            if update.finish_reason is not None:
+                return
+
+    def _record(self, state: ChoiceState, update: ChoiceUpdate) -> None:
+        state.text += update.text
+        state.tokens.extend(update.tokens)
+        self.metrics.generation_tokens.labels(self.metrics.model).inc(len(update.tokens))
+        if update.finish_reason is not None:
+            state.finish_reason, state.stop_reason = update.finish_reason, update.stop_reason
+            m = self.metrics
+            m.finished.labels(m.model, update.finish_reason).inc()
+            m.prompt_tokens.labels(m.model).inc(state.num_prompt_tokens or len(state.spec.prompt_ids))
+            m.cached_tokens.labels(m.model).inc(state.num_cached_tokens)
+            m.e2e.labels(m.model).observe(time.monotonic() - self.arrival_mono)
+
+
+def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
+    s = spec.sampling
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "max_tokens": s.max_tokens,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "logprobs": s.logprobs,
+    }

@@ -1,0 +1,229 @@
+"""From a validated API request to worker requests: prompt token ids, sampling parameters, stop strings.
+
+Everything here raises :class:`ApiError` with the OpenAI envelope's ``param`` set, so the client
+learns which field to change. Nothing here talks to a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.tokenizer import ChatTemplateError, Tokenizer
+from yutu.errors import ErrorKind
+
+from services.gateway.errors import ApiError, invalid
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _GenerationRequest,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+THREAD_THRESHOLD_CHARS = 20_000  # tokenize longer inputs in a thread, off the event loop
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One worker request: choice ``index`` of the response, for prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+
+
+async def off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` inline when ``size`` is small, else in a worker thread."""
+    if size > THREAD_THRESHOLD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError.of_kind(
+            ErrorKind.NOT_FOUND,
+            f"The model `{requested}` does not exist: this server serves `{served}` (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param)
+
+
+async def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (text, ids, or a list of either)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        texts: list[str] | None = [prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        texts = [p for p in prompt if isinstance(p, str)]
+    else:
+        texts = None
+    if texts is not None:
+        size = sum(len(t) for t in texts)
+        encoded = await off_loop_if_long(size, lambda: [tokenizer.encode(t) for t in texts])
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        encoded = [[p for p in prompt if isinstance(p, int)]]
+    else:
+        encoded = [list(p) for p in prompt if isinstance(p, list)]
+    if not encoded:
+        raise invalid(
+            "prompt must not be empty: send a string, a list of token ids, or a list of those", "prompt"
+        )
+    for ids in encoded:
+        if not ids:
+            raise invalid("prompt encodes to no tokens: send some text or token ids", "prompt")
+        check_token_ids(ids, tokenizer.vocab_size, "prompt")
+    return encoded
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content as a string (text parts joined)."""
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        item = msg.model_dump(exclude_none=True)
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise invalid(
+                        f"content part of type {part.type!r} is not supported: send text parts only",
+                        f"messages.{i}.content",
+                    )
+                texts.append(part.text)
+            item["content"] = "\n".join(texts)
+        elif content is None:
+            item["content"] = ""
+        out.append(item)
+    return out
+
+
+async def chat_prompt(
+    messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of the chat prompt rendered with the model's template."""
+    dicts = template_messages(messages)
+    size = sum(len(str(m.get("content", ""))) for m in dicts)
+    try:
+        ids = await off_loop_if_long(size, tokenizer.encode_chat, dicts, add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise invalid(str(exc), "messages") from None
+    if not ids:
+        raise invalid("the chat prompt encodes to no tokens", "messages")
+    return ids
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if any(not s for s in stops):
+        raise invalid("stop strings must be non-empty", "stop")
+    return tuple(stops)
+
+
+def reject_unsupported(req: _GenerationRequest) -> None:
+    """Refuse, rather than silently ignore, features no worker implements."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise invalid(f"{name} is not supported yet: leave it unset or 0", name)
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported yet: leave it unset", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise invalid("echo is not supported yet: leave it false", "echo")
+        if req.suffix:
+            raise invalid("suffix is not supported: leave it unset", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise invalid("best_of is not supported: use n to get several completions", "best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise invalid("tools (function calling) are not supported yet: leave tools unset", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise invalid('only response_format {"type": "text"} is supported', "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def max_tokens_for(prompt_len: int, requested: int | None, default: int | None, max_model_len: int) -> int:
+    """Tokens to generate: the request's, else ``default`` (None: up to the context), within the context.
+
+    Raises 413 (request_too_large) naming both numbers when the prompt, or the prompt plus the
+    requested tokens, does not fit the context.
+    """
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ApiError.of_kind(
+            ErrorKind.TOO_LARGE,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has"
+            f" {prompt_len} tokens: shorten the prompt",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ApiError.of_kind(
+            ErrorKind.TOO_LARGE,
+            f"This model's maximum context length is {max_model_len} tokens, but {prompt_len + requested}"
+            f" were requested ({prompt_len} in the prompt, {requested} for the completion): lower"
+            f" max_tokens to at most {room} or shorten the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_for(
+    req: _GenerationRequest, max_tokens: int, logprobs: int | None, choice: int
+) -> SamplingParams:
+    """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ)."""
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
+    seed = None if req.seed is None else req.seed + choice
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def choice_specs(
+    req: _GenerationRequest,
+    prompts: list[list[int]],
+    max_model_len: int,
+    requested_max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+) -> list[ChoiceSpec]:
+    """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i."""
+    reject_unsupported(req)
+    stops = stop_strings(req.stop)
+    specs = []
+    for p, ids in enumerate(prompts):
+        max_tokens = max_tokens_for(len(ids), requested_max_tokens, default_max_tokens, max_model_len)
+        for i in range(req.n):
+            sampling = sampling_for(req, max_tokens, logprobs, i)
+            specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops))
+    return specs

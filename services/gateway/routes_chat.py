@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+from yutu.errors import YutuError
+
+from services.gateway.auth import require_api_key
+from services.gateway.deps import GatewayDep
+from services.gateway.errors import invalid
+from services.gateway.generation import ChoiceState, ChoiceUpdate, Generation
+from services.gateway.logprobs import chat_logprobs
+from services.gateway.prompts import chat_prompt, check_model, choice_specs
+from services.gateway.routes_completions import usage_of
+from services.gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+)
+from services.gateway.service import GatewayService
+from services.gateway.streaming import DONE, SSE_HEADERS, ClientGone, error_event, event, unless_disconnected
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _max_tokens(body: ChatCompletionRequest) -> int | None:
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        if body.max_tokens != body.max_completion_tokens:
+            raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    check_model(body.model, gw.model_name)
+    max_model_len = gw.require_max_model_len()
+    requested = _max_tokens(body)
+    prompt = await chat_prompt(body.messages, gw.tokenizer, body.add_generation_prompt)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # No default cap: a chat completion may run to the end of the context, as with OpenAI.
+    specs = choice_specs(body, [prompt], max_model_len, requested, None, logprobs)
+    gen = Generation(gw.pool, gw.tokenizer, specs, f"chatcmpl-{uuid.uuid4().hex}", gw.gateway_metrics)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _stream(gen, gw, body.logprobs, include_usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    try:
+        async with gen:
+            choices = await unless_disconnected(gen.run_to_end(), request)
+    except ClientGone:
+        return Response(status_code=499)
+    response = ChatCompletionResponse(
+        id=gen.request_id,
+        created=int(gen.arrival),
+        model=gw.model_name,
+        choices=[_choice(choices[i], gw, body.logprobs) for i in sorted(choices)],
+        usage=usage_of(gen),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool) -> ChatChoice:
+    return ChatChoice(
+        index=state.spec.index,
+        message=AssistantMessage(content=state.text),
+        logprobs=ChatChoiceLogprobs(content=chat_logprobs(state.tokens, gw.token_text)) if logprobs else None,
+        finish_reason=state.finish_reason,
+        stop_reason=state.stop_reason,
+    )
+
+
+async def _stream(
+    gen: Generation, gw: GatewayService, logprobs: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(gen.arrival)
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        return event(
+            ChatCompletionChunk(id=gen.request_id, created=created, model=gw.model_name, choices=choices)
+        )
+
+    def content(update: ChoiceUpdate) -> ChatChunkChoice:
+        lp = ChatChoiceLogprobs(content=chat_logprobs(update.tokens, gw.token_text)) if logprobs else None
+        return ChatChunkChoice(index=update.index, delta=ChatDelta(content=update.text), logprobs=lp)
+
+    try:
+        async with gen:
+            # The role comes first, once per choice, as OpenAI sends it.
+            for index in sorted(gen.choices):
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+            async for update in gen.updates():
+                if update.text or (logprobs and update.tokens):
+                    yield chunk([content(update)])
+                if update.finish_reason is not None:
+                    end = ChatChunkChoice(
+                        index=update.index,
+                        delta=ChatDelta(),
+                        finish_reason=update.finish_reason,
+                        stop_reason=update.stop_reason,
+                    )
+                    yield chunk([end])
+            if include_usage:
+                usage = ChatCompletionChunk(
+                    id=gen.request_id, created=created, model=gw.model_name, choices=[], usage=usage_of(gen)
+                )
+                yield event(usage)
+    except YutuError as exc:
+        yield error_event(exc)
+    yield DONE

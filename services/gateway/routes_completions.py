@@ -1,0 +1,121 @@
+"""POST /v1/completions: text in (a string, token ids, or a list of either), text out."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+from yutu.errors import YutuError
+
+from services.gateway.auth import require_api_key
+from services.gateway.deps import GatewayDep
+from services.gateway.generation import ChoiceState, Generation
+from services.gateway.logprobs import completion_logprobs
+from services.gateway.prompts import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    check_model,
+    choice_specs,
+    completion_prompts,
+)
+from services.gateway.schemas import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
+from services.gateway.service import GatewayService
+from services.gateway.streaming import DONE, SSE_HEADERS, ClientGone, error_event, event, unless_disconnected
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def usage_of(gen: Generation) -> Usage:
+    u = gen.usage()
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+    )
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    check_model(body.model, gw.model_name)
+    max_model_len = gw.require_max_model_len()
+    prompts = await completion_prompts(body, gw.tokenizer)
+    specs = choice_specs(
+        body, prompts, max_model_len, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs
+    )
+    gen = Generation(gw.pool, gw.tokenizer, specs, f"cmpl-{uuid.uuid4().hex}", gw.gateway_metrics)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _stream(gen, gw, body, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        async with gen:
+            choices = await unless_disconnected(gen.run_to_end(), request)
+    except ClientGone:
+        return Response(status_code=499)
+    response = CompletionResponse(
+        id=gen.request_id,
+        created=int(gen.arrival),
+        model=gw.model_name,
+        choices=[_choice(choices[i], gw, body.logprobs is not None) for i in sorted(choices)],
+        usage=usage_of(gen),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool) -> CompletionChoice:
+    return CompletionChoice(
+        index=state.spec.index,
+        text=state.text,
+        logprobs=completion_logprobs(state.tokens, gw.token_text) if logprobs else None,
+        finish_reason=state.finish_reason,
+        stop_reason=state.stop_reason,
+    )
+
+
+async def _stream(
+    gen: Generation, gw: GatewayService, body: CompletionRequest, include_usage: bool
+) -> AsyncIterator[str]:
+    created = gen.arrival
+    try:
+        async with gen:
+            async for update in gen.updates():
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(update.tokens, gw.token_text)
+                chunk = CompletionResponse(
+                    id=gen.request_id,
+                    created=int(created),
+                    model=gw.model_name,
+                    choices=[
+                        CompletionChoice(
+                            index=update.index,
+                            text=update.text,
+                            logprobs=logprobs,
+                            finish_reason=update.finish_reason,
+                            stop_reason=update.stop_reason,
+                        )
+                    ],
+                )
+                yield event(chunk)
+            if include_usage:
+                yield event(
+                    CompletionResponse(
+                        id=gen.request_id,
+                        created=int(created),
+                        model=gw.model_name,
+                        choices=[],
+                        usage=usage_of(gen),
+                    )
+                )
+    except YutuError as exc:
+        yield error_event(exc)
+    yield DONE

@@ -1,0 +1,47 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes.
+
+/tokenize takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
+"add_generation_prompt": true}`` and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+/detokenize takes ``{"tokens": [...]}`` and answers ``{"prompt": str}``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from services.gateway.auth import require_api_key
+from services.gateway.deps import GatewayDep
+from services.gateway.prompts import chat_prompt, check_model, check_token_ids, off_loop_if_long
+from services.gateway.schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, gw: GatewayDep) -> TokenizeResponse:
+    check_model(body.model, gw.model_name)
+    tok = gw.tokenizer
+    if isinstance(body, TokenizeChatRequest):
+        ids = await chat_prompt(body.messages, tok, body.add_generation_prompt)
+        if body.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
+            ids = [tok.bos_token_id, *ids]
+    else:
+        ids = await off_loop_if_long(len(body.prompt), tok.encode, body.prompt, body.add_special_tokens)
+    token_strs = [tok.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(ids), max_model_len=gw.pool.max_model_len, tokens=ids, token_strs=token_strs
+    )
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> DetokenizeResponse:
+    check_model(body.model, gw.model_name)
+    check_token_ids(body.tokens, gw.tokenizer.vocab_size, "tokens")
+    text = await off_loop_if_long(len(body.tokens) * 4, gw.tokenizer.decode, body.tokens)
+    return DetokenizeResponse(prompt=text)

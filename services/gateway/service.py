@@ -1,0 +1,155 @@
+"""The gateway service: the OpenAI-compatible front end of one served model.
+
+It loads the model's tokenizer (the same directory the workers load: ``resolve_model(--model)``),
+watches the registry for workers serving that model, and registers itself as kind "gateway".
+The API, /health, /ready, /metrics and /info share one HTTP port (see app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from yutu.engine.model_source import resolve_model
+from yutu.engine.tokenizer import Tokenizer
+from yutu.errors import ErrorKind, YutuError
+from yutu.registry import Registration, Registry, ServiceRecord
+from yutu.service import HttpServer, Service
+
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokens import TokenText
+from services.gateway.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+DEMO_NOTE = "random weights: text is meaningless; serve a real checkpoint with make run MODEL=/path/to/hf-dir"
+
+
+def served_name(settings: GatewaySettings, model_dir: Path) -> str:
+    """The model name clients use: --served-model-name, else the model directory's name (as the worker)."""
+    return settings.served_model_name or model_dir.name
+
+
+class GatewayService(Service):
+    kind = "gateway"
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.http: HttpServer | None = None  # set by main before serve(); its port goes in the record
+        self.model_dir: Path | None = None
+        self.model_name = settings.served_model_name or ""
+        self.created = int(time.time())
+        self._tokenizer: Tokenizer | None = None
+        self._token_text: TokenText | None = None
+        self._pool: WorkerPool | None = None
+        self._metrics: GatewayMetrics | None = None
+        self._registry: Registry | None = None
+        self._registration: Registration | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        s = self.settings
+        model_dir = await asyncio.to_thread(resolve_model, s.model)
+        self.model_dir = model_dir
+        self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, model_dir)
+        self._token_text = TokenText(self._tokenizer)
+        self.model_name = served_name(s, model_dir)
+        self._metrics = GatewayMetrics(self.metrics, self.model_name)
+        self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
+        self._pool = WorkerPool(self._registry, self.model_name, s.registry_poll_s)
+        await self._pool.start()
+        assert self.http is not None, "main() sets the HTTP server before startup"
+        record = ServiceRecord(
+            kind=self.kind,
+            instance_id=s.instance_id,
+            endpoints={"http": f"http://{s.advertise_host}:{self.http.port}"},
+            meta={"model": self.model_name, "auth": bool(s.api_keys)},
+        )
+        self._registration = Registration(self._registry, record, s.registry_ttl_s)
+        await self._registration.start()
+        log.info(
+            "gateway %s serving %r (tokenizer from %s) on port %d; %d worker(s) so far",
+            s.instance_id,
+            self.model_name,
+            self.model_dir,
+            self.http.port,
+            len(self._pool.workers),
+        )
+
+    async def drain(self) -> None:
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
+
+    async def shutdown(self) -> None:
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
+        if self._pool is not None:
+            await self._pool.close()
+        if self._registry is not None:
+            await self._registry.close()
+
+    def is_ready(self) -> bool:
+        return self._pool is not None and bool(self._pool.usable())
+
+    def info(self) -> dict[str, Any]:
+        workers = [] if self._pool is None else list(self._pool.workers.values())
+        return {
+            "kind": self.kind,
+            "instance_id": self.settings.instance_id,
+            "model": self.model_name,
+            "model_dir": str(self.model_dir),
+            "auth": bool(self.settings.api_keys),
+            "workers": [
+                {
+                    "instance_id": w.info.instance_id,
+                    "endpoint": w.info.generate_endpoint,
+                    "connected": w.connected,
+                    "usable": w.usable,
+                    "in_flight": w.in_flight,
+                    "max_model_len": w.info.max_model_len,
+                }
+                for w in workers
+            ],
+        }
+
+    # -- what the routes use -----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._tokenizer is not None, "used before startup"
+        return self._tokenizer
+
+    @property
+    def token_text(self) -> TokenText:
+        assert self._token_text is not None, "used before startup"
+        return self._token_text
+
+    @property
+    def pool(self) -> WorkerPool:
+        assert self._pool is not None, "used before startup"
+        return self._pool
+
+    @property
+    def gateway_metrics(self) -> GatewayMetrics:
+        assert self._metrics is not None, "used before startup"
+        return self._metrics
+
+    def require_max_model_len(self) -> int:
+        """The context length of the available workers; 503 when there is none."""
+        max_len = self.pool.max_model_len
+        if max_len is None:
+            self.pool.pick()  # raises the UNAVAILABLE error with its how-to message
+            raise YutuError("no worker available", ErrorKind.UNAVAILABLE)  # unreachable
+        return max_len
+
+    def metrics_counter_requests(self, route: str, status: str) -> None:
+        if self._metrics is not None:
+            self._metrics.requests.labels(route, status).inc()

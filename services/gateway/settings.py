@@ -1,0 +1,109 @@
+"""The gateway's settings: built once from the command line in ``main`` and passed down frozen."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from yutu.config import add_common_options, option
+from yutu.service import advertised, default_instance_id
+
+
+def split_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
+    """``--api-key a --api-key b,c`` (or ``YUTU_API_KEY=a,b``) -> ("a", "b", "c"); blanks dropped."""
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    keys: list[str] = []
+    for value in values:
+        keys.extend(k.strip() for k in value.split(",") if k.strip())
+    return tuple(dict.fromkeys(keys))
+
+
+class _AppendOverEnv(argparse.Action):
+    """Like ``action="append"``, but the first flag replaces a default taken from the environment."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    model: str | None  # checkpoint dir or hub id (for the tokenizer); None: the built-in demo model
+    served_model_name: str | None  # name clients use; None: the model directory's name (as the worker)
+    host: str
+    port: int  # HTTP port of the OpenAI API (0: any free port)
+    advertise_host: str
+    api_keys: tuple[str, ...]  # empty: no authentication
+    redis_url: str
+    registry_prefix: str
+    registry_ttl_s: float
+    registry_poll_s: float  # how often the worker pool re-reads the registry
+    instance_id: str
+    log_level: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.registry_poll <= 0:
+            raise ValueError(f"--registry-poll must be positive, got {args.registry_poll}")
+        return cls(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            host=args.host,
+            port=args.port,
+            advertise_host=advertised(args.host, args.advertise_host),
+            api_keys=split_api_keys(args.api_key),
+            redis_url=args.redis_url,
+            registry_prefix=args.registry_prefix,
+            registry_ttl_s=args.registry_ttl,
+            registry_poll_s=args.registry_poll,
+            instance_id=args.instance_id or default_instance_id("gateway"),
+            log_level=args.log_level,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    option(
+        model,
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint directory (or hub id) whose tokenizer to use; none: built-in demo model",
+    )
+    option(
+        model,
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the model directory's name, as the worker does)",
+    )
+    api = parser.add_argument_group("api")
+    option(api, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
+    option(
+        api,
+        "--api-key",
+        default=None,
+        action=_AppendOverEnv,
+        help="accepted API key (repeat the flag or separate with commas); none: no authentication",
+    )
+    option(
+        api,
+        "--registry-ttl",
+        type=float,
+        default=10.0,
+        help="seconds the registry record lives without heartbeat",
+    )
+    option(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
+    add_common_options(parser)

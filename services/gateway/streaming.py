@@ -1,0 +1,61 @@
+"""Server-sent events as OpenAI streams them, and waiting for a response while watching the client.
+
+Each event is ``data: <json>\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. An error after
+the stream started (a worker died) is sent as an event carrying the error envelope, then [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from yutu.errors import YutuError
+
+from services.gateway.errors import ApiError
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def error_event(exc: YutuError | ApiError) -> str:
+    err = exc if isinstance(exc, ApiError) else ApiError.from_yutu(exc)
+    return event(err.body())
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (or never comes).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
