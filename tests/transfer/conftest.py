@@ -1,19 +1,14 @@
-"""Fixtures of the transfer tests: a real redis-server on a free loopback port, a segment
-directory with a per-test key prefix, local engines, and peer engines in child processes."""
+"""Fixtures of the transfer tests: the suite's real redis-server, a segment directory with a
+per-test key prefix, local engines, and peer engines in child processes."""
 
 from __future__ import annotations
 
 import secrets
-import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 import torch
 
@@ -25,37 +20,10 @@ from yutu.transfer import SegmentDirectory, TransferEngine, sweep_stale_region_f
 torch.set_num_threads(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
-def transfer_redis_url() -> Iterator[str]:
-    server = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    client.close()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+def transfer_redis_url(redis_url: str) -> Iterator[str]:
+    """The suite's redis-server (tests/conftest.py); region files of killed peers are swept after."""
+    yield redis_url
     sweep_stale_region_files()
 
 

@@ -291,16 +291,18 @@ class TransferEngine:
         groups = [("shm", shm_idx)] if shm_items else []
         groups += [("tcp", tcp_idx)] if tcp_items else []
         unreachable: list[int] = []
+        reason = ""
         for (transport, idx), outcomes in zip(groups, await asyncio.gather(*jobs), strict=True):
             for i, outcome in zip(idx, outcomes, strict=True):
                 if outcome.unreachable:
                     unreachable.append(i)
+                    reason = reason or (outcome.error or "")
                 else:
                     self._record(batch, i, outcome, transport)
-                    if outcome.peer_failed:
-                        self.directory.invalidate(segment)
+                if outcome.peer_failed:
+                    self.directory.invalidate(segment)
         if unreachable:
-            await self._after_unreachable(batch, segment, peer, unreachable, retry)
+            await self._after_unreachable(batch, segment, peer, unreachable, retry, reason)
 
     async def _after_unreachable(
         self,
@@ -309,6 +311,7 @@ class TransferEngine:
         old: SegmentDescriptor,
         indices: list[int],
         retry: bool,
+        reason: str,
     ) -> None:
         """The peer could not be reached: re-read the directory. Gone -> "segment not found";
         restarted (new incarnation) -> retry once; same incarnation -> the peer is dead or stuck."""
@@ -328,9 +331,7 @@ class TransferEngine:
             return
         self.directory.invalidate(segment)  # its entry is stale: do not trust it next time either
         self._fail(
-            batch,
-            indices,
-            f"segment {segment!r} (pid {old.pid} on {old.hostname}) is unreachable; it may have died",
+            batch, indices, f"segment {segment!r} (pid {old.pid} on {old.hostname}) is unreachable: {reason}"
         )
 
     def _route(self, req: TransferRequest, peer: SegmentDescriptor) -> tuple[str, RegionDescriptor]:

@@ -260,8 +260,11 @@ class TcpClient:
         except (OSError, ProtocolError) as exc:
             pool.drop_idle()
             left = len(lane) - len(outcomes)
+            # No reply at all on this connection: most likely a pooled connection to a peer that has
+            # closed or died since; the engine re-reads the directory before giving up.
+            silent = not outcomes
             reason = f"segment {peer.segment!r} failed mid-transfer: {type(exc).__name__}: {exc}"
-            outcomes += [Outcome(TransferStatus.FAILED, reason, peer_failed=True)] * left
+            outcomes += [Outcome(TransferStatus.FAILED, reason, unreachable=silent, peer_failed=True)] * left
         finally:
             pool.release(sock, healthy)
         return outcomes
