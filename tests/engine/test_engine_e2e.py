@@ -257,10 +257,10 @@ def test_stop_token_ids_and_eos(tmp_path: Path, ckpt: Path) -> None:
     engine = make_engine(eos_ckpt)
     assert stop in engine.model_config.eos_token_ids
     params = SamplingParams(temperature=0, max_tokens=16)
-    outs = run(engine, {"r": (ids, params), "i": (ids, greedy(16))})
-    assert tokens(outs["r"]) == free_run[: first + 1]
-    assert outs["r"][-1].finish_reason is FinishReason.STOP
-    assert tokens(outs["i"]) == free_run
+    both = run(engine, {"r": (ids, params), "i": (ids, greedy(16))})
+    assert tokens(both["r"]) == free_run[: first + 1]
+    assert both["r"][-1].finish_reason is FinishReason.STOP
+    assert tokens(both["i"]) == free_run
 
 
 def test_bad_requests(ckpt: Path) -> None:
