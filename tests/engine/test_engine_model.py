@@ -47,6 +47,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {}),
     "qwen2-untied-gqa": ("qwen2", {"tie_word_embeddings": False, "num_attention_heads": 8, "head_dim": 8}),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    # Only layers >= max_window_layers slide: the forward mixes full and windowed layers.
+    "qwen2-sliding-layer1": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
 }
 
 
@@ -61,7 +66,6 @@ def pair(
 ) -> tuple[LlamaForCausalLM, Any]:
     """(our model, transformers' model) loaded from the same tiny checkpoint."""
     arch, overrides = CASES[request.param]
-    overrides = {k: v for k, v in overrides.items()}
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=7, **overrides)
     if overrides.get("rope_theta", 0) is None:  # drop the key altogether, as transformers 5 writes it
         _drop_key(model_dir, "rope_theta")

@@ -1,0 +1,57 @@
+"""Where a model's files come from: the built-in demo, a local directory, or the Hugging Face hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from yutu.engine.default_model import ensure_default_model
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
+
+
+def resolve_model(path_or_id: str | None) -> Path:
+    """The local directory of the model to serve.
+
+    None -> the built-in demo model (created on first use); an existing directory -> itself; a
+    string shaped like a hub id ("org/name") -> its snapshot via huggingface_hub (the local hub cache
+    first, then the network). Raises ValueError saying how to pass a local directory otherwise.
+    """
+    if path_or_id is None:
+        return ensure_default_model()
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} is a directory but holds no config.json: pass a Hugging Face model directory"
+            )
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file: pass a Hugging Face model directory (with config.json)")
+    if _looks_like_path(path_or_id):
+        raise ValueError(f"model directory {path} does not exist: pass an existing local directory")
+    return _from_hub(path_or_id)
+
+
+def _looks_like_path(value: str) -> bool:
+    """Hub ids are "name" or "org/name"; anything else is meant as a filesystem path."""
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or "\\" in value or value.endswith("/")
+
+
+def _from_hub(repo_id: str) -> Path:
+    local_hint = f"download it elsewhere (e.g. `hf download {repo_id} --local-dir DIR`) and pass the local directory DIR"
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:
+        raise ValueError(
+            f"{repo_id!r} is not a local directory and huggingface_hub is not installed: {local_hint}"
+        ) from exc
+    try:  # the hub cache first: works offline
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except Exception:  # noqa: BLE001 -- any failure here just means "not cached"
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 -- network, auth, missing repo: all end the same way
+        raise ValueError(
+            f"could not fetch model {repo_id!r} from the Hugging Face hub ({exc}); {local_hint}"
+        ) from exc

@@ -1,0 +1,303 @@
+"""Checkpoint loading, config parsing and model-source resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from yutu.engine.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION
+from yutu.engine.loader import CheckpointError, default_device_and_dtype, load_model
+from yutu.engine.model_config import ModelConfig, UnsupportedModelError
+from yutu.engine.model_source import resolve_model
+from yutu.engine.testing import PagedRunner, make_tiny_checkpoint, tiny_hf_config
+
+CPU = torch.device("cpu")
+
+# config.json of real checkpoints, trimmed to the keys that matter.
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+QWEN25_05B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+MISTRAL_7B_V01: dict[str, Any] = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_config_llama31() -> None:
+    c = ModelConfig.from_hf_dict(LLAMA_31_8B)
+    assert (c.architecture, c.model_type, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        "LlamaForCausalLM",
+        "llama",
+        32,
+        32,
+        8,
+        128,
+    )
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert c.eos_token_ids == (128001, 128008, 128009) and c.bos_token_id == 128000
+    assert not (c.attention_bias or c.o_proj_bias or c.mlp_bias or c.tie_word_embeddings)
+    assert c.sliding_window is None and c.torch_dtype == "bfloat16"
+    assert c.kv_cache_shape(10, 16) == (10, 32, 2, 16, 8, 128)
+    assert c.kv_block_numel(16) == 32 * 2 * 16 * 8 * 128
+
+
+def test_config_transformers5_rope_parameters_shape() -> None:
+    """transformers 5 writes rope_theta and the scaling keys into one rope_parameters dict."""
+    d = {k: v for k, v in LLAMA_31_8B.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    d["rope_parameters"] = {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0}
+    d["dtype"] = "bfloat16"
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA_31_8B)
+    plain = {**d, "rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}}
+    c = ModelConfig.from_hf_dict(plain)
+    assert (c.rope_theta, c.rope_scaling) == (12345.0, None)
+
+
+def test_config_qwen2_and_mistral() -> None:
+    q = ModelConfig.from_hf_dict(QWEN25_05B)
+    assert (q.attention_bias, q.o_proj_bias, q.tie_word_embeddings, q.head_dim) == (True, False, True, 64)
+    assert q.sliding_window is None and q.eos_token_ids == (151643,)  # use_sliding_window is false
+    q_sliding = ModelConfig.from_hf_dict({**QWEN25_05B, "use_sliding_window": True, "sliding_window": 4096})
+    assert q_sliding.sliding_window_layers == (21, 22, 23)
+    assert q_sliding.layer_sliding_window(21) == 4096 and q_sliding.layer_sliding_window(20) is None
+    m = ModelConfig.from_hf_dict(MISTRAL_7B_V01)
+    assert m.sliding_window == 4096 and m.sliding_window_layers == tuple(range(32))
+    assert not m.attention_bias and m.model_type == "mistral"
+    no_window = ModelConfig.from_hf_dict({**MISTRAL_7B_V01, "sliding_window": None})
+    assert no_window.sliding_window is None and no_window.layer_sliding_window(0) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM",
+        ),
+        ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "positive 'factor'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_key_value_heads": 5}, "not a multiple"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_config_rejects_unsupported(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf_dict({**LLAMA_31_8B, **change})
+
+
+def test_config_from_dir_merges_generation_config_eos(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path, eos_token_id=4)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4, 3]}))
+    assert ModelConfig.from_dir(model_dir).eos_token_ids == (4, 1, 3)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_dir(tmp_path / "nowhere")
+
+
+def test_sharded_round_trip(tmp_path: Path) -> None:
+    single = make_tiny_checkpoint(tmp_path / "single", seed=5)
+    sharded = make_tiny_checkpoint(tmp_path / "sharded", seed=5, num_shards=3)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert not (sharded / "model.safetensors").exists()
+    # The shards hold exactly the single file's tensors, byte for byte.
+    merged: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        merged.update(load_file(sharded / shard))
+    reference = load_file(single / "model.safetensors")
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], reference[k]) for k in reference)
+    # Both load into identical models.
+    a, _ = load_model(single, CPU, torch.float32)
+    b, _ = load_model(sharded, CPU, torch.float32)
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    for name, tensor in reference.items():
+        assert torch.equal(sd_a[name], tensor)
+
+
+def test_tied_embeddings_share_storage(tmp_path: Path) -> None:
+    tied, config = load_model(make_tiny_checkpoint(tmp_path / "t", "qwen2"), CPU, torch.float32)
+    assert config.tie_word_embeddings
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied, _ = load_model(make_tiny_checkpoint(tmp_path / "u", "llama"), CPU, torch.float32)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_dtype_cast_and_inference_mode(tmp_path: Path) -> None:
+    model, _ = load_model(make_tiny_checkpoint(tmp_path), CPU, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_missing_and_bad_weight_files(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weights"):
+        load_model(model_dir, CPU, torch.float32)
+    (model_dir / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="convert them to safetensors"):
+        load_model(model_dir, CPU, torch.float32)
+
+    partial = dict(tensors)
+    del partial["model.layers.1.mlp.up_proj.weight"]
+    save_file(partial, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lacks tensor\\(s\\): model.layers.1.mlp.up_proj.weight"):
+        load_model(model_dir, CPU, torch.float32)
+
+    save_file(
+        {**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+        str(model_dir / "model.safetensors"),
+    )
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+        load_model(model_dir, CPU, torch.float32)
+
+    save_file({**tensors, "model.norm.weight": torch.ones(65)}, str(model_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="has shape \\(65,\\), config.json implies \\(64,\\)"):
+        load_model(model_dir, CPU, torch.float32)
+
+    sharded = make_tiny_checkpoint(tmp_path / "s", num_shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing: model-00002-of-00002.safetensors"):
+        load_model(sharded, CPU, torch.float32)
+
+
+def test_unsupported_architecture_dir(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["PhiForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="supported architectures: LlamaForCausalLM"):
+        load_model(model_dir, CPU, torch.float32)
+
+
+def test_extra_tied_copy_and_rotary_tables_are_ignored(tmp_path: Path) -> None:
+    """Some tied checkpoints store lm_head.weight anyway, old ones store rotary inv_freq."""
+    model_dir = make_tiny_checkpoint(tmp_path, "qwen2")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    model, _ = load_model(model_dir, CPU, torch.float32)
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+
+
+def test_default_device_and_dtype() -> None:
+    device, dtype = default_device_and_dtype()
+    if torch.cuda.is_available():
+        assert (device.type, dtype) == ("cuda", torch.bfloat16)
+    else:
+        assert (device, dtype) == (CPU, torch.float32)
+
+
+def test_loaded_model_runs(tmp_path: Path) -> None:
+    model, config = load_model(
+        make_tiny_checkpoint(tmp_path, "mistral", sliding_window=4), CPU, torch.float32
+    )
+    (logits,) = PagedRunner(model, 8, 4).step([(0, [0, 10, 20, 30, 40, 50])])
+    assert logits.shape == (6, config.vocab_size) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YUTU_CACHE_DIR", str(tmp_path / "cache"))
+    default = resolve_model(None)
+    assert default == tmp_path / "cache" / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
+    assert (default / "config.json").is_file()
+
+    local = make_tiny_checkpoint(tmp_path / "local")
+    assert resolve_model(str(local)) == local
+    with pytest.raises(ValueError, match="holds no config.json"):
+        resolve_model(str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="does not exist: pass an existing local directory"):
+        resolve_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_model(str(local / "config.json"))
+
+
+def test_resolve_unreachable_hub_id() -> None:
+    """No network in tests (and the repo does not exist): the error says to pass a local directory."""
+    with pytest.raises(ValueError, match="pass the local directory"):
+        resolve_model("yutu-test-no-such-org/no-such-model-7f3a")
+
+
+def test_tiny_config_rejects_unknown_arch() -> None:
+    with pytest.raises(ValueError, match="arch must be one of llama, qwen2, mistral"):
+        tiny_hf_config("gpt2")

@@ -1,0 +1,187 @@
+"""Tokenizer: encode/decode, special tokens, chat templates, incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from yutu.engine.demo_tokenizer import CHAT_TEMPLATE
+from yutu.engine.testing import make_tiny_checkpoint
+from yutu.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello, world! The jade rabbit pounds mooncakes.",
+    "月亮上住着一只玉兔，它每天都在捣药。",
+    "emoji 🐇🌕🥮 mixed with 中文 and café naïve",
+    "  leading spaces\n\ttabs and\r\nnewlines  ",
+    "",
+    "🤖" * 5 + "边" * 3,
+]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "  Hi 🐇 there  "},
+]
+RENDERED = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nHi 🐇 there<|eot_id|>"
+)
+GEN_PROMPT = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def test_ids_and_special_tokens(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 512
+    assert tok.bos_token_id == 0 and tok.id_to_token(0) == "<|begin_of_text|>"
+    assert tok.eos_token_ids == (4, 1)  # tokenizer_config eos (<|eot_id|>), then generation_config
+    assert tok.token_to_id("<|eot_id|>") == 4
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids) == text  # BOS skipped
+    assert tok.decode(ids, skip_special_tokens=False) == "<|begin_of_text|>" + text
+
+
+def test_multibyte_characters_split_across_tokens(tok: Tokenizer) -> None:
+    """The tiny vocab has no token for 🐇: its four UTF-8 bytes span several tokens."""
+    ids = tok.encode("🐇", add_special_tokens=False)
+    assert len(ids) > 1
+    assert "\ufffd" in tok.decode(ids[:1])
+
+
+def test_chat_template_rendering(tok: Tokenizer) -> None:
+    assert tok.apply_chat_template(MESSAGES) == RENDERED + GEN_PROMPT
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=False) == RENDERED
+    ids = tok.encode_chat(MESSAGES)
+    assert ids.count(0) == 1 and ids[0] == tok.bos_token_id == 0  # no double BOS
+    assert tok.decode(ids, skip_special_tokens=False) == RENDERED + GEN_PROMPT
+
+
+def test_chat_template_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for gen in (True, False):
+        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == hf.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=gen
+        )
+    for text in TEXTS:
+        assert tok.encode(text) == hf.encode(text)
+
+
+def test_chat_template_raise_exception(tok: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="message content must be a string"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+
+
+def _tokenizer_with(model_dir: Path, tmp_path: Path, **config_changes: object) -> Path:
+    out = tmp_path / "variant"
+    out.mkdir()
+    (out / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.update(config_changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_template_features(model_dir: Path, tmp_path: Path) -> None:
+    """tojson (non-ASCII kept), loop controls, {% generation %}, trim_blocks, extra variables, eos_token."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{% generation %}{{ m | tojson }}{% endgeneration %}\n{% endfor %}"
+        "{{ tools | tojson }}|{{ eos_token }}"
+    )
+    t = Tokenizer.from_dir(_tokenizer_with(model_dir, tmp_path, chat_template=template))
+    out = t.apply_chat_template(
+        [{"role": "user", "content": "月"}, {"role": "skip", "content": "x"}], tools=[{"name": "f"}]
+    )
+    assert out == '{"role": "user", "content": "月"}[{"name": "f"}]|<|eot_id|>'  # trim_blocks ate the newline
+
+
+def test_template_sources(model_dir: Path, tmp_path: Path) -> None:
+    # A list of named templates: "default" wins.
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
+    d = _tokenizer_with(model_dir, tmp_path, chat_template=named)
+    assert Tokenizer.from_dir(d).apply_chat_template(MESSAGES) == "D<|begin_of_text|>"
+    # chat_template.jinja beside the config takes precedence (how transformers >= 4.43 saves it).
+    (d / "chat_template.jinja").write_text("J{{ messages | length }}")
+    assert Tokenizer.from_dir(d).apply_chat_template(MESSAGES) == "J2"
+
+
+def test_no_template_and_bad_template(model_dir: Path, tmp_path: Path) -> None:
+    t = Tokenizer.from_dir(_tokenizer_with(model_dir, tmp_path, chat_template=None))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        t.apply_chat_template(MESSAGES)
+    t.chat_template = "{% for %}"
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        t.apply_chat_template(MESSAGES)
+
+
+def test_special_tokens_as_added_token_dicts(model_dir: Path, tmp_path: Path) -> None:
+    d = _tokenizer_with(
+        model_dir,
+        tmp_path,
+        eos_token={"content": "<|end_of_text|>", "special": True},
+        chat_template=CHAT_TEMPLATE,
+    )
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    t = Tokenizer.from_dir(d)
+    assert t.eos_token_ids == (1, 4)
+
+
+def test_missing_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Random) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas: list[str] = []
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        deltas.append(detok.push(ids[i : i + n]))
+        i += n
+    return deltas, detok.flush()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_detokenizer_random_streams(tok: Tokenizer, seed: int) -> None:
+    """Random ids (so random bytes: broken UTF-8 too, and special tokens) equal one full decode."""
+    rng = random.Random(seed)
+    prompt = tok.encode(rng.choice(TEXTS[:3])) if seed % 2 else []
+    ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
+    deltas, tail = _stream(tok, prompt, ids, rng)
+    assert "".join(deltas) + tail == tok.decode(ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_never_emits_half_characters(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode("Question: 你好?")
+    deltas, tail = _stream(tok, prompt, ids, random.Random(0))
+    assert "".join(deltas) == text and tail == ""
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_detokenizer_holds_back_partial_emoji(tok: Tokenizer) -> None:
+    ids = tok.encode("a🐇", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.push(ids[:1]) == "a"
+    assert [detok.push([i]) for i in ids[1:-1]] == [""] * (len(ids) - 2)
+    assert detok.push(ids[-1:]) == "🐇"
+    assert detok.flush() == "" and detok.token_ids == ids
