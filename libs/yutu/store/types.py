@@ -1,0 +1,103 @@
+"""Plain data that crosses the store's process boundaries: replica descriptors and put options.
+
+A replica descriptor says where one copy of an object lives: which transfer-engine segment, which
+registered region inside it, at which offset, how long, and in which state. Clients turn it into a
+``TransferRequest`` and nothing else; only the master creates and changes replicas.
+
+Replica lifecycle (owned by the master)::
+
+    ALLOCATED --(handed to a writer by put_start)--> WRITING --(put_end)--> COMPLETE
+        \\______________________(put_revoke, writer timeout, node lost)______________/--> freed
+
+Only COMPLETE replicas are ever returned to readers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+MAX_KEY_BYTES = 512
+
+
+class ReplicaState(enum.StrEnum):
+    ALLOCATED = "allocated"  # space reserved in a segment, not yet handed to a writer
+    WRITING = "writing"  # a writer was told to fill it; invisible to readers
+    COMPLETE = "complete"  # put_end confirmed the bytes; readable
+
+
+class Medium(enum.StrEnum):
+    DRAM = "dram"  # a region of a store node's (or client's) registered memory
+    DISK = "disk"  # a file in a store node's disk tier; promoted back to DRAM before a read
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDescriptor:
+    """Where one copy of an object lives. ``offset`` is None for a DISK replica."""
+
+    segment: str  # transfer-engine segment name
+    region: str  # registered region inside the segment
+    offset: int | None  # byte offset inside the region (DRAM only)
+    length: int  # object size in bytes
+    state: ReplicaState
+    host_id: str = ""  # yutu.transfer.segment.local_host_id() of the segment's host
+    medium: Medium = Medium.DRAM
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.segment,
+            self.region,
+            self.offset,
+            self.length,
+            self.state.value,
+            self.host_id,
+            self.medium.value,
+        ]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReplicaDescriptor:
+        """Decode a replica sent by :meth:`to_wire`; raises ``ValueError`` on malformed input."""
+        try:
+            segment, region, offset, length, state, host_id, medium = raw
+            return cls(
+                str(segment),
+                str(region),
+                None if offset is None else int(offset),
+                int(length),
+                ReplicaState(state),
+                str(host_id),
+                Medium(medium),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed replica descriptor {raw!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class PutOptions:
+    """How to store an object (Mooncake's ReplicateConfig).
+
+    ``replicas`` is best effort: the master places copies on distinct segments and returns fewer
+    when fewer segments have room. ``soft_pin`` protects the object from eviction until the pin's
+    TTL (set on the master) runs out; every read refreshes it. ``upsert`` replaces the bytes of an
+    existing key; without it a put of an existing key is a no-op (idempotent).
+    """
+
+    replicas: int = 1
+    soft_pin: bool = False
+    upsert: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
+
+
+def validate_key(key: Any) -> str:
+    """Return ``key`` if it is a valid object key, else raise ``ValueError`` saying why."""
+    if not isinstance(key, str):
+        raise ValueError(f"object keys are str, got {type(key).__name__}")
+    if not key:
+        raise ValueError("object key is empty; use e.g. the block key hex")
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise ValueError(f"object key is longer than {MAX_KEY_BYTES} bytes; use the block key hex")
+    return key

@@ -1,0 +1,53 @@
+"""Admin REST routes of the store master (mounted next to /health, /ready, /metrics, /info)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, HTTPException
+
+if TYPE_CHECKING:
+    from services.store_master.service import StoreMasterService
+
+
+def build_router(service: StoreMasterService) -> APIRouter:
+    router = APIRouter()
+    state = service.state
+
+    @router.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return service.stats()
+
+    @router.get("/segments")
+    async def segments() -> list[dict[str, Any]]:
+        return [state.segments.describe(n) for n in sorted(state.segments.segments)]
+
+    @router.get("/objects/{key:path}")
+    async def get_object(key: str) -> dict[str, Any]:
+        entry = state.objects.get(key)
+        if entry is None:
+            raise HTTPException(404, f"object {key!r} not found in the store")
+        now = state.clock()
+        return {
+            "key": entry.key,
+            "size": entry.size,
+            "readable": entry.readable,
+            "replicas": [service._describe(r) for r in entry.replicas],
+            "pending": None
+            if entry.pending is None
+            else {
+                "put_id": entry.pending.put_id,
+                "size": entry.pending.size,
+                "writer": entry.pending.writer,
+                "started_at": entry.pending.started_at,
+                "replicas": [service._describe(r) for r in entry.pending.replicas],
+            },
+            "created_at": entry.created_at,
+            "leased_for_s": max(0.0, entry.lease_until - now),
+            "soft_pin": entry.soft_pin,
+            "pinned_for_s": max(0.0, entry.pin_until - now) if entry.soft_pin else 0.0,
+            "protection": entry.protection(now),
+            "access_count": entry.access_count,
+        }
+
+    return router

@@ -1,0 +1,108 @@
+"""Entry point of ``yutu store-master``: the metadata service of the distributed KV store."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from yutu.config import add_common_options, option
+from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
+
+from services.store_master.settings import MasterSettings
+from services.store_master.state import StatePolicy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    g = parser.add_argument_group("store master")
+    option(g, "--port", default=0, type=int, help="RPC port (ZeroMQ); 0 picks a free port")
+    option(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
+    option(g, "--kv-events", default=True, type=bool, help="publish BlockStored/BlockRemoved KV events")
+    option(g, "--kv-events-port", default=0, type=int, help="KV events PUB port; 0 picks a free port")
+    option(
+        g,
+        "--kv-events-replay-port",
+        default=None,
+        type=int,
+        help="KV events replay ROUTER port (0: any; unset: off)",
+    )
+    option(g, "--kv-events-topic", default="", help="topic frame of every KV event message")
+    option(g, "--data-parallel-rank", default=0, type=int, help="rank written into KV event batches")
+    option(g, "--lease-ttl", default=5.0, type=float, help="seconds a read lease protects replicas")
+    option(g, "--soft-pin-ttl", default=1800.0, type=float, help="seconds a soft pin protects an object")
+    option(g, "--put-timeout", default=30.0, type=float, help="seconds before an unfinished put is reclaimed")
+    option(
+        g,
+        "--node-ttl",
+        default=10.0,
+        type=float,
+        help="seconds of node silence before its replicas are dropped",
+    )
+    option(
+        g, "--eviction-high-watermark", default=0.90, type=float, help="usage fraction that triggers eviction"
+    )
+    option(g, "--eviction-ratio", default=0.05, type=float, help="fraction of capacity evicted per round")
+    option(g, "--alignment", default=64, type=int, help="allocation granularity in bytes (power of two)")
+    option(
+        g, "--block-size", default=16, type=int, help="tokens per KV block, published in BlockStored events"
+    )
+    option(g, "--sweep-interval", default=0.5, type=float, help="seconds between housekeeping passes")
+    option(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
+    option(g, "--persist", default=True, type=bool, help="keep metadata in Redis and recover it on start")
+
+
+def settings_from_args(args: argparse.Namespace) -> MasterSettings:
+    policy = StatePolicy(
+        lease_ttl_s=args.lease_ttl,
+        soft_pin_ttl_s=args.soft_pin_ttl,
+        put_timeout_s=args.put_timeout,
+        node_ttl_s=args.node_ttl,
+        high_watermark=args.eviction_high_watermark,
+        eviction_ratio=args.eviction_ratio,
+        alignment=args.alignment,
+        block_size=args.block_size,
+    )
+    return MasterSettings(
+        redis_url=args.redis_url,
+        registry_prefix=args.registry_prefix,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        instance_id=args.instance_id or default_instance_id("store-master"),
+        port=args.port,
+        admin_port=args.admin_port,
+        kv_events=args.kv_events,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_topic=args.kv_events_topic,
+        data_parallel_rank=args.data_parallel_rank,
+        policy=policy,
+        sweep_interval_s=args.sweep_interval,
+        registry_ttl_s=args.registry_ttl,
+        persist=args.persist,
+        log_level=args.log_level,
+    )
+
+
+async def _main(settings: MasterSettings) -> None:
+    from services.store_master.service import StoreMasterService
+
+    service = StoreMasterService(settings)
+    http = HttpServer(admin_app(service), settings.host, settings.admin_port)
+    service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
+    await serve(service, http)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    setup_logging(settings.log_level)
+    asyncio.run(_main(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="yutu store-master", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

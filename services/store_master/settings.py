@@ -1,0 +1,36 @@
+"""The store master's settings, built once from flags in ``main`` and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.store_master.state import StatePolicy
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    redis_url: str
+    registry_prefix: str
+    host: str  # bind address of every socket
+    advertise_host: str | None
+    instance_id: str
+    port: int  # RPC (ZeroMQ ROUTER); 0: any free port
+    admin_port: int  # admin REST; 0: any free port
+    kv_events: bool  # publish KV events at all
+    kv_events_port: int  # ZeroMQ PUB; 0: any free port
+    kv_events_replay_port: int | None  # ZeroMQ ROUTER for replays; None: no replay
+    kv_events_topic: str
+    data_parallel_rank: int  # rank written into every event batch
+    policy: StatePolicy
+    sweep_interval_s: float  # how often liveness, put timeouts, retired space and watermark are checked
+    registry_ttl_s: float
+    persist: bool  # keep metadata in Redis (and recover it at start)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.sweep_interval_s <= 0:
+            raise ValueError(f"--sweep-interval must be positive, got {self.sweep_interval_s}")
+        for name in ("port", "admin_port", "kv_events_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} must be a port number (0 for any), got {value}")
