@@ -82,7 +82,7 @@ class WorkerService(Service):
         )
         log.info("loading model from %s", self.model_dir)
         self.engine = await asyncio.to_thread(LLMEngine, config)
-        self.demo = bool(self.engine.model_config.is_demo)
+        self.demo = bool(self.engine.model_config.yutu_demo)
         self.served_model_name = s.served_model_name or self.model_dir.name
         if self.demo:
             log.warning(

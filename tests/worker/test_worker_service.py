@@ -34,7 +34,7 @@ def worker(checkpoint: Path, redis_url: str) -> Iterator[dict[str, str]]:
     prefix = "yutu-worker-test"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
-         "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "64", "--block-size", "4",
+         "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "128", "--block-size", "4",
          "--torch-threads", "1", "--log-level", "warning"],
     )  # fmt: skip
     try:
@@ -139,13 +139,19 @@ async def test_bad_requests_fail_with_their_kind(
 async def test_abort_and_vanished_front_end_free_blocks(
     worker: dict[str, str], dealer: zmq.asyncio.Socket
 ) -> None:
-    params = {"temperature": 0.0, "max_tokens": 10_000, "ignore_eos": True}
+    params = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}  # 54 + 400 tokens fit in 512
     long_prompt = PROMPT * 3
     await dealer.send(CHANNEL.encode(GenerateRequest("long", long_prompt, params, time.time())))
     first = CHANNEL.decode(await asyncio.wait_for(dealer.recv(), 60))
     assert isinstance(first, TokenDelta) and first.token_ids
     await dealer.send(CHANNEL.encode(AbortRequest("long")))
     await _wait_idle(worker["admin"])
+    received = len(first.token_ids)
+    while await dealer.poll(200):  # deltas already in flight when the abort landed
+        late = CHANNEL.decode(await dealer.recv())
+        assert isinstance(late, TokenDelta) and late.finish_reason is None
+        received += len(late.token_ids)
+    assert received < 400  # stopped by the abort, not by max_tokens
 
     # A front end that disappears without aborting: the worker notices when it cannot route a reply.
     other = zmq.asyncio.Context.instance().socket(zmq.DEALER)
