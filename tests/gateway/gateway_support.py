@@ -1,0 +1,225 @@
+"""Helpers of the gateway tests (imported by conftest.py and the test modules)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import zmq
+import zmq.asyncio
+from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest
+from yutu.registry import Registration, Registry, ServiceRecord
+from yutu.rpc import bind, context
+from yutu.service import HttpServer
+
+from services.gateway.app import build_app
+from services.gateway.service import GatewayService
+from services.gateway.settings import GatewaySettings
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+
+# -- scripted worker ------------------------------------------------------------------------------
+
+
+class FakeWorker:
+    """A worker whose replies the test writes; see the module docstring."""
+
+    def __init__(self, redis_url: str, prefix: str, max_model_len: int = 128, demo: bool = False) -> None:
+        self.instance_id = f"fake-{uuid.uuid4().hex[:6]}"
+        self.sock: zmq.asyncio.Socket = context().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind(self.sock, "127.0.0.1", 0)
+        self.registry = Registry.from_url(redis_url, prefix)
+        self.record = ServiceRecord(
+            kind="worker",
+            instance_id=self.instance_id,
+            endpoints={"generate": self.endpoint, "admin": "http://127.0.0.1:1"},
+            meta={"model": MODEL_NAME, "model_dir": "x", "max_model_len": max_model_len, "block_size": 16,
+                  "demo": demo, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0},
+        )  # fmt: skip
+        self.registration = Registration(self.registry, self.record, ttl_s=30)
+        self.requests: asyncio.Queue[tuple[bytes, GenerateRequest]] = asyncio.Queue()
+        self.aborts: list[str] = []
+        self._abort_seen = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> FakeWorker:
+        await self.registration.start()
+        self._task = asyncio.create_task(self._receive())
+        return self
+
+    async def _receive(self) -> None:
+        while True:
+            identity, payload = await self.sock.recv_multipart()
+            msg = CHANNEL.decode(payload)
+            if isinstance(msg, GenerateRequest):
+                self.requests.put_nowait((identity, msg))
+            elif isinstance(msg, AbortRequest):
+                self.aborts.append(msg.request_id)
+                self._abort_seen.set()
+
+    async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest]:
+        return await asyncio.wait_for(self.requests.get(), timeout_s)
+
+    async def send(self, identity: bytes, msg: Any) -> None:
+        await self.sock.send_multipart([identity, CHANNEL.encode(msg)])
+
+    async def wait_abort(self, request_id: str, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.aborts:
+            self._abort_seen.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no AbortRequest for {request_id}; aborts seen: {self.aborts}")
+            try:
+                await asyncio.wait_for(self._abort_seen.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def die(self) -> None:
+        """Close the socket but leave the registry record: a crashed process whose record lives on."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.sock.close(linger=0)
+
+    async def close(self) -> None:
+        await self.die()
+        await self.registration.close()
+        await self.registry.close()
+
+
+def gateway_settings(model: Path, redis_url: str, prefix: str, **overrides: Any) -> GatewaySettings:
+    values: dict[str, Any] = dict(
+        model=str(model),
+        served_model_name=MODEL_NAME,
+        host="127.0.0.1",
+        port=0,
+        advertise_host="127.0.0.1",
+        api_keys=(),
+        redis_url=redis_url,
+        registry_prefix=prefix,
+        registry_ttl_s=10.0,
+        registry_poll_s=0.2,
+        instance_id=f"gw-{uuid.uuid4().hex[:6]}",
+        log_level="warning",
+    )
+    values.update(overrides)
+    return GatewaySettings(**values)
+
+
+@asynccontextmanager
+async def running_gateway(settings: GatewaySettings) -> AsyncIterator[tuple[str, GatewayService]]:
+    """A gateway in this event loop: yields (base URL, service)."""
+    service = GatewayService(settings)
+    http = HttpServer(build_app(service), settings.host, settings.port)
+    service.http = http
+    try:
+        await service.startup()
+        await http.start()
+        yield f"http://127.0.0.1:{http.port}", service
+    finally:
+        await http.stop()
+        await service.shutdown()
+
+
+# -- the real stack -------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    base_url: str  # the gateway
+    worker_admin: str
+    redis_url: str
+    prefix: str
+    model_dir: Path
+    logs: Path
+    block_size: int
+    max_model_len: int
+
+
+def spawn(args: list[str], log_file: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log_file.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def start_gateway(
+    stack_dir: Path, model: Path, redis_url: str, prefix: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    name = f"gateway-{uuid.uuid4().hex[:6]}"
+    return spawn(
+        ["-m", "services.gateway.main", "--model", str(model), "--served-model-name", MODEL_NAME,
+         "--redis-url", redis_url, "--registry-prefix", prefix, "--port", "0", "--registry-poll", "0.2",
+         "--instance-id", name, "--log-level", "info", *extra],
+        stack_dir / f"{name}.log",
+    )  # fmt: skip
+
+
+def gateway_url(redis_url: str, prefix: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> str:
+    """The HTTP URL a gateway subprocess registered, once it answers /health."""
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}")
+            for key in client.scan_iter(f"{prefix}:svc:gateway:*"):
+                raw = client.get(key)
+                if raw is None:
+                    continue
+                rec = json.loads(raw)
+                if rec["pid"] == proc.pid:
+                    url = rec["endpoints"]["http"]
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        return str(url)
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise RuntimeError("gateway did not register in time")
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process {proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready in {timeout_s}s")
+
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 256

@@ -1,0 +1,127 @@
+"""Pure pieces of the gateway: stop strings, token text/bytes, settings, API keys, length rules."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from yutu.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from services.gateway.auth import check_api_key
+from services.gateway.errors import ApiError
+from services.gateway.prompts import max_tokens_for, stop_strings
+from services.gateway.settings import GatewaySettings, add_arguments, split_api_keys
+from services.gateway.stop import StopMatcher
+from services.gateway.tokens import TokenText
+
+
+def run_matcher(stops: list[str], deltas: list[str]) -> tuple[list[str], str | None, str]:
+    m = StopMatcher(stops)
+    shown: list[str] = []
+    for d in deltas:
+        text, matched = m.feed(d)
+        shown.append(text)
+        if matched is not None:
+            return shown, matched, ""
+    return shown, None, m.flush()
+
+
+def test_stop_matcher_truncates_at_first_match_and_holds_partial_prefixes() -> None:
+    # The stop string spans three deltas; nothing of it is ever shown.
+    assert run_matcher(["STOP"], ["ab S", "T", "OP cd"]) == (["ab ", "", ""], "STOP", "")
+    # A partial prefix that turns out not to be the stop string is released with the next delta.
+    assert run_matcher(["STOP"], ["x ST", "y"]) == (["x ", "STy"], None, "")
+    # Earliest match wins across several stop strings, even when a longer one also matches.
+    assert run_matcher(["world", "o"], ["hello world"]) == (["hell"], "o", "")
+    # At the end, held text comes out with flush().
+    assert run_matcher(["\n\n"], ["line\n"]) == (["line"], None, "\n")
+    # No stop strings: everything passes through.
+    assert run_matcher([], ["a", "b"]) == (["a", "b"], None, "")
+    # Overlapping prefix: "aab" with stop "ab" -> held "a", then match.
+    assert run_matcher(["ab"], ["a", "a", "b"]) == (["", "a", ""], "ab", "")
+    with pytest.raises(ValueError, match="non-empty"):
+        StopMatcher([""])
+
+
+def test_token_text_bytes_concatenate_to_the_utf8_text(tiny_model: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_model)
+    text = "Hello, world! 你好 🙂"
+    ids = tok.encode(text, add_special_tokens=False)
+    tt = TokenText(tok)
+    assert tt.byte_level
+    assert b"".join(tt.bytes_of(i) for i in ids) == text.encode("utf-8")
+    # A token holding part of a character is shown the OpenAI way.
+    partial = [i for i in ids if not _valid_utf8(tt.bytes_of(i))]
+    assert partial, "the tiny tokenizer splits Chinese characters into byte tokens"
+    assert tt.text_of(partial[0]).startswith("bytes:\\x")
+    assert tt.text_of(ids[0]) == "Hello"
+    assert tt.bytes_of(tok.eos_token_ids[0]) == b"<|eot_id|>"
+    # The detokenizer's deltas (what the gateway streams) rebuild the same text.
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    assert "".join(detok.push([i]) for i in ids) + detok.flush() == text
+
+
+def _valid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert split_api_keys(["a", "b,c", " ", "a"]) == ("a", "b", "c")
+    assert split_api_keys("k1, k2") == ("k1", "k2")
+    assert split_api_keys(None) == ()
+
+    def parse(argv: list[str]) -> GatewaySettings:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return GatewaySettings.from_args(parser.parse_args(argv))
+
+    s = parse([])
+    assert (s.port, s.host, s.api_keys, s.model, s.served_model_name) == (8000, "127.0.0.1", (), None, None)
+    monkeypatch.setenv("YUTU_API_KEY", "env1,env2")
+    monkeypatch.setenv("YUTU_PORT", "9001")
+    s = parse([])
+    assert (s.port, s.api_keys) == (9001, ("env1", "env2"))
+    s = parse(["--api-key", "f1", "--api-key", "f2,f3", "--port", "0"])  # flags replace the env keys
+    assert (s.port, s.api_keys) == (0, ("f1", "f2", "f3"))
+    with pytest.raises(ValueError, match="--port"):
+        parse(["--port", "70000"])
+
+
+def test_api_key_check() -> None:
+    check_api_key(None, ())  # no keys: open
+    check_api_key("Bearer k2", ("k1", "k2"))
+    check_api_key("bearer  k1 ", ("k1",))
+    for header, fragment in [
+        (None, "didn't provide"),
+        ("Basic k1", "didn't provide"),
+        ("Bearer nope", "Incorrect"),
+    ]:
+        with pytest.raises(ApiError, match=fragment) as info:
+            check_api_key(header, ("k1",))
+        assert (info.value.status, info.value.type, info.value.code) == (
+            401,
+            "authentication_error",
+            "invalid_api_key",
+        )
+
+
+def test_context_length_rules() -> None:
+    assert max_tokens_for(10, None, 16, 100) == 16
+    assert max_tokens_for(90, None, 16, 100) == 10  # the default is clipped to the room left
+    assert max_tokens_for(90, None, None, 100) == 10  # chat: up to the context
+    assert max_tokens_for(90, 10, 16, 100) == 10
+    with pytest.raises(ApiError) as info:
+        max_tokens_for(90, 11, 16, 100)
+    assert info.value.status == 413 and info.value.type == "request_too_large"
+    assert "100" in info.value.message and "101" in info.value.message and "at most 10" in info.value.message
+    with pytest.raises(ApiError) as info:
+        max_tokens_for(100, None, 16, 100)
+    assert info.value.status == 413 and "100 tokens" in info.value.message
+    assert stop_strings("x") == ("x",) and stop_strings(None) == ()
+    with pytest.raises(ApiError, match="non-empty"):
+        stop_strings(["a", ""])
