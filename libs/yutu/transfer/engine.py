@@ -26,7 +26,7 @@ import secrets
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -282,27 +282,30 @@ class TransferEngine:
                     tcp_idx.append(i)
             except TransferError as exc:
                 batch._finish(i, TransferResult(TransferStatus.FAILED, str(exc)))
-        address = PeerAddress(peer.tcp_host, peer.tcp_port, peer.name, peer.incarnation)
-        jobs = []
-        if shm_items:
-            jobs.append(self._shm.execute(peer, shm_items, batch.deadline))
-        if tcp_items:
-            jobs.append(self._tcp.execute(address, tcp_items, batch.deadline))
-        groups = [("shm", shm_idx)] if shm_items else []
-        groups += [("tcp", tcp_idx)] if tcp_items else []
         unreachable: list[int] = []
-        reason = ""
-        for (transport, idx), outcomes in zip(groups, await asyncio.gather(*jobs), strict=True):
-            for i, outcome in zip(idx, outcomes, strict=True):
-                if outcome.unreachable:
-                    unreachable.append(i)
-                    reason = reason or (outcome.error or "")
-                else:
-                    self._record(batch, i, outcome, transport)
+        reasons: list[str] = []
+
+        def done(transport: str, idx: list[int]) -> Callable[[int, Outcome], None]:
+            def on_done(k: int, outcome: Outcome) -> None:
                 if outcome.peer_failed:
                     self.directory.invalidate(segment)
+                if outcome.unreachable:
+                    unreachable.append(idx[k])
+                    reasons.append(outcome.error or "")
+                else:
+                    batch._finish(idx[k], TransferResult(outcome.status, outcome.error, transport))
+
+            return on_done
+
+        jobs = []
+        if shm_items:
+            jobs.append(self._shm.execute(peer, shm_items, batch.deadline, done("shm", shm_idx)))
+        if tcp_items:
+            address = PeerAddress(peer.tcp_host, peer.tcp_port, peer.name, peer.incarnation)
+            jobs.append(self._tcp.execute(address, tcp_items, batch.deadline, done("tcp", tcp_idx)))
+        await asyncio.gather(*jobs)
         if unreachable:
-            await self._after_unreachable(batch, segment, peer, unreachable, retry, reason)
+            await self._after_unreachable(batch, segment, peer, sorted(unreachable), retry, reasons[0])
 
     async def _after_unreachable(
         self,
@@ -354,10 +357,6 @@ class TransferEngine:
             f"it offers {list(peer.transports)}"
             + (" and its shared-memory file cannot be mapped" if "shm" in candidates else "")
         )
-
-    @staticmethod
-    def _record(batch: TransferBatch, index: int, outcome: Outcome, transport: str) -> None:
-        batch._finish(index, TransferResult(outcome.status, outcome.error, transport))
 
     @staticmethod
     def _fail(batch: TransferBatch, indices: list[int], error: str) -> None:

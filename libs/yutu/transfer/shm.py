@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ from yutu.transfer.errors import OutOfRangeError, PeerUnreachableError
 from yutu.transfer.region import check_range, pid_alive
 from yutu.transfer.request import TransferOp, TransferStatus
 from yutu.transfer.segment import RegionDescriptor, SegmentDescriptor, local_host_id, local_pid_namespace
-from yutu.transfer.transport import COMPLETED, Outcome
+from yutu.transfer.transport import COMPLETED, Outcome, Progress
+
+POST_BYTES = 4 << 20  # report finished requests to the loop at least every 4 MiB copied
 
 
 @dataclass(slots=True)
@@ -76,10 +79,18 @@ class ShmTransport:
             return False
         return True
 
-    async def execute(self, peer: SegmentDescriptor, items: list[ShmItem], deadline: float) -> list[Outcome]:
-        """Copy every item; return one outcome per item (never raises for transfer failures)."""
+    async def execute(
+        self,
+        peer: SegmentDescriptor,
+        items: list[ShmItem],
+        deadline: float,
+        on_done: Callable[[int, Outcome], None],
+    ) -> None:
+        """Copy every item; ``on_done(index, outcome)`` is called on the loop once per item. Returns
+        when all items are reported; never raises for transfer failures."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, peer, items, deadline)
+        progress = Progress(loop, [1] * len(items), on_done)
+        await loop.run_in_executor(self._executor, self._run, peer, items, deadline, progress)
 
     def forget(self, peer: SegmentDescriptor) -> None:
         """Drop cached mappings of ``peer``'s regions."""
@@ -113,28 +124,39 @@ class ShmTransport:
             if not alive:
                 raise PeerUnreachableError(f"segment {peer.name!r}: region file {path} was removed")
 
-    def _run(self, peer: SegmentDescriptor, items: list[ShmItem], deadline: float) -> list[Outcome]:
+    def _run(
+        self, peer: SegmentDescriptor, items: list[ShmItem], deadline: float, progress: Progress
+    ) -> None:
         try:
             self._check_peer(peer, items)
         except PeerUnreachableError as exc:
             self.forget(peer)
-            return [Outcome(TransferStatus.FAILED, str(exc), unreachable=True)] * len(items)
-        outcomes: list[Outcome] = []
-        for it in items:
-            if time.monotonic() > deadline:
-                outcomes.append(Outcome(TransferStatus.TIMED_OUT, "deadline passed before the copy started"))
-                continue
-            try:
-                remote = self._mapping(it.region).array
-                n = len(it.local)
-                check_range(it.region_name, min(it.region.size, len(remote)), it.offset, n)
-            except (PeerUnreachableError, OutOfRangeError) as exc:
-                outcomes.append(Outcome(TransferStatus.FAILED, str(exc)))
-                continue
-            window = remote[it.offset : it.offset + n]  # remote [offset, offset + n)
-            if it.op is TransferOp.READ:
-                np.copyto(it.local, window)
-            else:
-                np.copyto(window, it.local)
-            outcomes.append(COMPLETED)
-        return outcomes
+            progress.post(
+                [(i, Outcome(TransferStatus.FAILED, str(exc), unreachable=True)) for i in range(len(items))]
+            )
+            return
+        finished: list[tuple[int, Outcome]] = []
+        copied = 0
+        for index, it in enumerate(items):
+            finished.append((index, self._copy(it, deadline)))
+            copied += len(it.local)
+            if copied >= POST_BYTES:
+                progress.post(finished)
+                finished, copied = [], 0
+        progress.post(finished)
+
+    def _copy(self, it: ShmItem, deadline: float) -> Outcome:
+        if time.monotonic() > deadline:
+            return Outcome(TransferStatus.TIMED_OUT, "deadline passed before the copy started")
+        try:
+            remote = self._mapping(it.region).array
+            n = len(it.local)
+            check_range(it.region_name, min(it.region.size, len(remote)), it.offset, n)
+        except (PeerUnreachableError, OutOfRangeError) as exc:
+            return Outcome(TransferStatus.FAILED, str(exc))
+        window = remote[it.offset : it.offset + n]  # remote [offset, offset + n)
+        if it.op is TransferOp.READ:
+            np.copyto(it.local, window)
+        else:
+            np.copyto(window, it.local)
+        return COMPLETED

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from yutu.transfer.tcp_wire import (
     recv_exact,
     tune_socket,
 )
-from yutu.transfer.transport import COMPLETED, Outcome
+from yutu.transfer.transport import COMPLETED, Outcome, Progress
 
 PIPELINE_WINDOW = 32  # slices in flight per connection
 
@@ -189,27 +190,33 @@ class TcpClient:
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(max_workers=4 * connections + 4, thread_name_prefix="yutu-tcp")
 
-    async def execute(self, peer: PeerAddress, items: list[TcpItem], deadline: float) -> list[Outcome]:
-        """Move every item; return one outcome per item (never raises for transfer failures)."""
+    async def execute(
+        self,
+        peer: PeerAddress,
+        items: list[TcpItem],
+        deadline: float,
+        on_done: Callable[[int, Outcome], None],
+    ) -> None:
+        """Move every item; ``on_done(index, outcome)`` is called on the loop once per item, as soon as
+        all its slices are finished. Returns when all items are reported; never raises for transfer
+        failures."""
         slices: list[_Slice] = []
+        parts = [0] * len(items)
         step = self.slice_bytes
         for index, it in enumerate(items):
             for start in range(0, len(it.local), step):  # [start, start + step) of this item
                 part = it.local[start : start + step]
                 slices.append(_Slice(index, it.op, part, it.region, it.offset + start))
+                parts[index] += 1
+        loop = asyncio.get_running_loop()
+        progress = Progress(loop, parts, on_done)
         n_lanes = min(self.connections, len(slices))
         lanes = [slices[i::n_lanes] for i in range(n_lanes)]
-        loop = asyncio.get_running_loop()
         futures = [
-            loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline) for lane in lanes
+            loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline, progress)
+            for lane in lanes
         ]
-        per_lane = await asyncio.gather(*futures)
-        outcomes: list[Outcome] = [COMPLETED] * len(items)
-        for lane, lane_outcomes in zip(lanes, per_lane, strict=True):
-            for sl, outcome in zip(lane, lane_outcomes, strict=True):
-                if outcome.status is not TransferStatus.COMPLETED and outcomes[sl.item] is COMPLETED:
-                    outcomes[sl.item] = outcome
-        return outcomes
+        await asyncio.gather(*futures)
 
     def forget(self, peer: PeerAddress) -> None:
         """Close and drop the pool of ``peer`` (after it failed or changed incarnation)."""
@@ -233,17 +240,21 @@ class TcpClient:
                 pool = self._pools[peer] = PeerConnections(peer, self.connections)
             return pool
 
-    def _run_lane(self, peer: PeerAddress, lane: list[_Slice], deadline: float) -> list[Outcome]:
-        """Worker thread: run ``lane`` on one connection; one outcome per slice, in order."""
+    def _run_lane(self, peer: PeerAddress, lane: list[_Slice], deadline: float, progress: Progress) -> None:
+        """Worker thread: run ``lane`` on one connection, posting slice outcomes as they finish."""
         pool = self._pool(peer)
         try:
             sock = pool.acquire(deadline)
         except TransferTimeoutError as exc:
-            return [Outcome(TransferStatus.TIMED_OUT, str(exc))] * len(lane)
+            progress.post([(s.item, Outcome(TransferStatus.TIMED_OUT, str(exc))) for s in lane])
+            return
         except PeerUnreachableError as exc:
             self.forget(peer)
-            return [Outcome(TransferStatus.FAILED, str(exc), unreachable=True)] * len(lane)
-        outcomes: list[Outcome] = []
+            progress.post(
+                [(s.item, Outcome(TransferStatus.FAILED, str(exc), unreachable=True)) for s in lane]
+            )
+            return
+        report = _Report(lane, progress)
         healthy = False
         try:
             start = 0
@@ -251,26 +262,24 @@ class TcpClient:
                 end = start + 1
                 while end < len(lane) and end - start < PIPELINE_WINDOW and lane[end].op == lane[start].op:
                     end += 1
-                self._run_window(sock, lane[start:end], deadline, outcomes)
+                self._run_window(sock, lane[start:end], deadline, report)
+                report.flush()
                 start = end
             healthy = True
         except (TransferTimeoutError, TimeoutError):
-            left = len(lane) - len(outcomes)
-            outcomes += [Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer")] * left
+            report.fail_rest(Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer"))
         except (OSError, ProtocolError) as exc:
             pool.drop_idle()
-            left = len(lane) - len(outcomes)
             # No reply at all on this connection: most likely a pooled connection to a peer that has
             # closed or died since; the engine re-reads the directory before giving up.
-            silent = not outcomes
+            silent = report.count == 0
             reason = f"segment {peer.segment!r} failed mid-transfer: {type(exc).__name__}: {exc}"
-            outcomes += [Outcome(TransferStatus.FAILED, reason, unreachable=silent, peer_failed=True)] * left
+            report.fail_rest(Outcome(TransferStatus.FAILED, reason, unreachable=silent, peer_failed=True))
         finally:
             pool.release(sock, healthy)
-        return outcomes
 
     def _run_window(
-        self, sock: socket.socket, window: list[_Slice], deadline: float, out: list[Outcome]
+        self, sock: socket.socket, window: list[_Slice], deadline: float, report: _Report
     ) -> None:
         op = window[0].op
         ids = [next(self._ids) for _ in window]
@@ -296,10 +305,40 @@ class TcpClient:
             if status != WireStatus.OK:
                 msg = recv_exact(sock, msg_len).decode("utf-8", "replace")
                 kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-                out.append(Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"))
+                report.add(Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0)
                 continue
             if length != len(s.local):
                 raise ProtocolError(f"reply announces {length} bytes, expected {len(s.local)}")
             if op == WireOp.READ:
                 _recv_into_by(sock, s.local, deadline)
-            out.append(COMPLETED)
+            report.add(COMPLETED, length)
+
+
+class _Report:
+    """A lane's outcomes, in slice order, posted to ``Progress`` every ``POST_BYTES`` or window."""
+
+    POST_BYTES = 1 << 20
+
+    def __init__(self, lane: list[_Slice], progress: Progress) -> None:
+        self._lane = lane
+        self._progress = progress
+        self._pending: list[tuple[int, Outcome]] = []
+        self._bytes = 0
+        self.count = 0  # slices with a final outcome
+
+    def add(self, outcome: Outcome, nbytes: int) -> None:
+        self._pending.append((self._lane[self.count].item, outcome))
+        self.count += 1
+        self._bytes += nbytes
+        if self._bytes >= self.POST_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        self._progress.post(self._pending)
+        self._pending = []
+        self._bytes = 0
+
+    def fail_rest(self, outcome: Outcome) -> None:
+        while self.count < len(self._lane):
+            self.add(outcome, 0)
+        self.flush()

@@ -15,7 +15,8 @@ can be mapped (checked by the SHM transport, which falls back to ``tcp`` when it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from yutu.transfer.errors import TransportUnavailableError
@@ -83,3 +84,38 @@ class Outcome:
 
 
 COMPLETED = Outcome(TransferStatus.COMPLETED)
+
+
+class Progress:
+    """Collects per-part outcomes posted from worker threads; reports each request exactly once, on
+    the event loop, when all its parts are in (worst outcome wins: a request is COMPLETED only if
+    every part is).
+
+    ``post`` is thread-safe and cheap: workers post once per finished slice or window, so a batch's
+    early requests are reported while later ones are still moving.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, parts: list[int], on_done: Callable[[int, Outcome], None]
+    ) -> None:
+        self._loop = loop
+        self._left = list(parts)  # parts still running, per request
+        self._outcomes = [COMPLETED] * len(parts)
+        self._on_done = on_done
+
+    def post(self, finished: list[tuple[int, Outcome]]) -> None:
+        """From any thread: these (request index, part outcome) pairs are final."""
+        if finished:
+            try:
+                self._loop.call_soon_threadsafe(self._apply, finished)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+    def _apply(self, finished: list[tuple[int, Outcome]]) -> None:
+        for index, outcome in finished:
+            if outcome.status is not TransferStatus.COMPLETED and self._outcomes[index] is COMPLETED:
+                self._outcomes[index] = outcome
+            self._left[index] -= 1
+            assert self._left[index] >= 0, "a part was reported twice"
+            if self._left[index] == 0:
+                self._on_done(index, self._outcomes[index])

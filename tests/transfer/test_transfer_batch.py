@@ -1,0 +1,139 @@
+"""Batches: many requests, several segments, per-request failures, concurrent submitters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from transfer_helpers import PeerProcess, digest, pattern
+from yutu.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+
+MiB = 1 << 20
+READ, WRITE = TransferOp.READ, TransferOp.WRITE
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_mixed_batch_with_invalid_requests(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    size = 8 * MiB
+    peer = spawn_peer("b-peer", [f"source:{size}:21", f"sink:{size}:22"])
+    engine = make_engine("b-client", transports=(transport,))
+    local = engine.register_region("buf", size).view_numpy()
+    local[size // 2 :] = pattern(23, size // 2)  # upper half: data to write
+    await engine.start()
+    source, sink = pattern(21, size), pattern(22, size).copy()
+
+    reads = [
+        TransferRequest(READ, "buf", i * 300_000, "b-peer", "source", i * 250_000 + 1, 200_000 + i)
+        for i in range(8)
+    ]
+    writes = [
+        TransferRequest(WRITE, "buf", size // 2 + i * 400_000, "b-peer", "sink", i * 500_000 + 3, 300_000 + i)
+        for i in range(8)
+    ]
+    bad = [
+        TransferRequest(READ, "nope", 0, "b-peer", "source", 0, 10),  # unknown local region
+        TransferRequest(READ, "buf", size - 5, "b-peer", "source", 0, 10),  # local out of range
+        TransferRequest(READ, "buf", 0, "b-peer", "nope", 0, 10),  # unknown remote region
+        TransferRequest(WRITE, "buf", 0, "b-peer", "sink", size - 5, 10),  # remote out of range
+        TransferRequest(READ, "buf", 0, "no-such-segment", "source", 0, 10),  # unknown segment
+    ]
+    requests = reads[:4] + bad[:2] + writes[:4] + bad[2:] + reads[4:] + writes[4:]
+    results = await engine.transfer(requests)
+
+    by_req = dict(zip(requests, results, strict=True))
+    for req in reads + writes:
+        assert by_req[req].status is TransferStatus.COMPLETED, by_req[req].error
+        assert by_req[req].transport == transport
+    errors = [by_req[req].error or "" for req in bad]
+    assert all(by_req[req].status is TransferStatus.FAILED for req in bad)
+    assert "unknown local region 'nope'" in errors[0]
+    assert f"[{size - 5}, {size + 5})" in errors[1]
+    assert "unknown region 'nope' in segment 'b-peer'" in errors[2]
+    assert f"[{size - 5}, {size + 5})" in errors[3] and "sink" in errors[3]
+    assert "segment not found" in errors[4]
+
+    for r in reads:
+        got = local[r.local_offset : r.local_offset + r.length]
+        assert np.array_equal(got, source[r.remote_offset : r.remote_offset + r.length])
+    for w in writes:
+        sink[w.remote_offset : w.remote_offset + w.length] = local[w.local_offset : w.local_offset + w.length]
+    assert await peer.adigest("sink", 0, size) == digest(sink)  # exactly the writes, nothing else
+
+
+async def test_batch_across_segments_including_our_own(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    spawn_peer("p1", ["data:65536:31"])
+    spawn_peer("p2", ["data:65536:32"], transports="tcp")  # offers TCP only: SHM is not an option
+    engine = make_engine("self")
+    local = engine.register_region("buf", 4 * 65536).view_numpy()
+    mirror = engine.register_region("mirror", 65536).view_numpy()
+    await engine.start()
+    results = await engine.transfer(
+        [
+            TransferRequest(READ, "buf", 0, "p1", "data", 0, 65536),
+            TransferRequest(READ, "buf", 65536, "p2", "data", 0, 65536),
+            TransferRequest(READ, "buf", 2 * 65536, "p1", "data", 100, 1000),
+        ]
+    )
+    assert [r.transport for r in results] == ["shm", "tcp", "shm"]
+    assert all(r.ok for r in results), results
+    assert np.array_equal(local[:65536], pattern(31, 65536))
+    assert np.array_equal(local[65536 : 2 * 65536], pattern(32, 65536))
+    assert np.array_equal(local[2 * 65536 : 2 * 65536 + 1000], pattern(31, 65536)[100:1100])
+    # a segment can address itself
+    [r] = await engine.transfer([TransferRequest(READ, "mirror", 0, "self", "buf", 65536, 65536)])
+    assert r.ok and np.array_equal(mirror, pattern(32, 65536))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_concurrent_batches_from_several_tasks(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    size = 16 * MiB
+    peer = spawn_peer("c-peer", [f"source:{size}:41", f"sink:{size}:42"])
+    engine = make_engine("c-client", transports=(transport,), tcp_connections=3)
+    local = engine.register_region("buf", 2 * size).view_numpy()
+    local[size:] = pattern(43, size)
+    await engine.start()
+    source, sink = pattern(41, size), pattern(42, size).copy()
+    tasks, chunk = 4, 256 * 1024 + 17
+    per_task = size // tasks  # each task owns [t * per_task, (t + 1) * per_task) of every region
+
+    async def worker(t: int) -> None:
+        base = t * per_task
+        for round_ in range(5):
+            reqs = []
+            for k in range(6):
+                off = base + (round_ * 6 + k) * (chunk // 4)
+                reqs.append(TransferRequest(READ, "buf", off, "c-peer", "source", off, chunk))
+                reqs.append(TransferRequest(WRITE, "buf", size + off, "c-peer", "sink", off, chunk))
+            batch = await engine.submit(reqs)
+            results = await batch.wait()
+            assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+
+    await asyncio.gather(*(worker(t) for t in range(tasks)))
+    for t in range(tasks):
+        base = t * per_task
+        lo, hi = base, base + 29 * (chunk // 4) + chunk  # the span this task touched
+        assert np.array_equal(local[lo:hi], source[lo:hi])
+        sink[lo:hi] = local[size + lo : size + hi]
+    assert await peer.adigest("sink", 0, size) == digest(sink)
+
+
+async def test_poll_and_empty_batch(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    spawn_peer("poll-peer", [f"source:{32 * MiB}:51"])
+    engine = make_engine("poll-client", transports=("tcp",))
+    engine.register_region("buf", 32 * MiB)
+    await engine.start()
+    assert await engine.transfer([]) == []
+    batch = await engine.submit([TransferRequest(READ, "buf", 0, "poll-peer", "source", 0, 32 * MiB)])
+    assert batch.poll() == [TransferStatus.PENDING]
+    [result] = await batch.wait()
+    assert result.ok and batch.done() and batch.poll() == [TransferStatus.COMPLETED]

@@ -1,0 +1,213 @@
+"""Failures: server-side bounds refusal, dead and stalled peers, vanished and restarted segments."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from transfer_helpers import PeerProcess, digest, pattern
+from yutu.transfer import SegmentDirectory, TransferEngine, TransferOp, TransferRequest, TransferStatus
+from yutu.transfer.tcp_wire import (
+    REPLY,
+    WireOp,
+    WireStatus,
+    decode_reply_header,
+    encode_request,
+    recv_exact,
+)
+
+MiB = 1 << 20
+READ, WRITE = TransferOp.READ, TransferOp.WRITE
+
+
+def reply(sock: socket.socket) -> tuple[int, str]:
+    status, msg_len, _, _ = decode_reply_header(recv_exact(sock, REPLY.size))
+    return status, recv_exact(sock, msg_len).decode()
+
+
+async def test_server_refuses_out_of_range_and_touches_nothing(
+    spawn_peer: Callable[..., PeerProcess], directory: SegmentDirectory
+) -> None:
+    size = 65536
+    peer = spawn_peer("srv", [f"data:{size}:61"])
+    desc = await directory.lookup("srv")
+    before = digest(pattern(61, size))
+
+    def talk() -> None:
+        with socket.create_connection((desc.tcp_host, desc.tcp_port), timeout=10) as s:
+            # nothing is served before the handshake
+            s.sendall(encode_request(WireOp.READ, 1, b"data", 0, 10))
+            assert reply(s)[0] == WireStatus.BAD_REQUEST
+        with socket.create_connection((desc.tcp_host, desc.tcp_port), timeout=10) as s:
+            s.sendall(encode_request(WireOp.HELLO, 0, b"srv", desc.incarnation + 1, 0))
+            assert reply(s)[0] == WireStatus.WRONG_SEGMENT  # a stale incarnation is turned away
+        with socket.create_connection((desc.tcp_host, desc.tcp_port), timeout=10) as s:
+            s.sendall(encode_request(WireOp.HELLO, 0, b"srv", desc.incarnation, 0))
+            assert reply(s) == (WireStatus.OK, "")
+            junk = b"\xff" * 4096
+            for name, offset, length, want in [
+                (b"data", size - 100, 4096, WireStatus.OUT_OF_RANGE),  # straddles the end
+                (b"data", size, 1, WireStatus.OUT_OF_RANGE),  # starts at the end
+                (b"data", (1 << 64) - 1, 4096, WireStatus.OUT_OF_RANGE),  # would wrap in C
+                (b"data", 0, 0, WireStatus.OUT_OF_RANGE),  # empty
+                (b"nope", 0, 4096, WireStatus.UNKNOWN_REGION),
+            ]:
+                s.sendall(encode_request(WireOp.WRITE, 2, name, offset, length) + junk[:length])
+                status, msg = reply(s)
+                assert status == want, msg
+                s.sendall(encode_request(WireOp.READ, 3, name, offset, length))
+                assert reply(s)[0] == want
+            # the stream is still in step: a valid READ on the same connection returns the data
+            s.sendall(encode_request(WireOp.READ, 4, b"data", 100, 50))
+            assert reply(s) == (WireStatus.OK, "")
+            assert recv_exact(s, 50) == pattern(61, size)[100:150].tobytes()
+
+    await asyncio.to_thread(talk)
+    assert await peer.adigest("data", 0, size) == before
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_engine_out_of_range_fails_without_change(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    peer = spawn_peer("oor", [f"data:{MiB}:62"])
+    engine = make_engine("oor-client", transports=(transport,))
+    engine.register_region("buf", 2 * MiB).view_numpy()[:] = 7
+    await engine.start()
+    results = await engine.transfer(
+        [
+            TransferRequest(WRITE, "buf", 0, "oor", "data", MiB - 10, 2 * 4096),
+            TransferRequest(WRITE, "buf", 0, "oor", "data", 0, MiB + 1),
+            TransferRequest(READ, "buf", 0, "oor", "data", 0, 4096),
+        ]
+    )
+    assert [r.status for r in results] == [
+        TransferStatus.FAILED,
+        TransferStatus.FAILED,
+        TransferStatus.COMPLETED,
+    ]
+    assert "outside region 'data'" in (results[0].error or "")
+    assert await peer.adigest("data", 0, MiB) == digest(pattern(62, MiB))
+
+
+async def test_peer_killed_mid_transfer_fails_without_hanging(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    peer = spawn_peer("victim", [f"data:{64 * MiB}:63"])
+    survivor = spawn_peer("survivor", [f"data:{MiB}:64"])
+    engine = make_engine("killer", transports=("tcp",))
+    engine.register_region("buf", 64 * MiB)
+    engine.register_region("small", MiB)
+    await engine.start()
+    chunk = 16 * MiB
+    doomed = [
+        TransferRequest(READ, "buf", (i % 4) * chunk, "victim", "data", (i % 4) * chunk, chunk)
+        for i in range(128)
+    ]
+    healthy = TransferRequest(READ, "small", 0, "survivor", "data", 0, MiB)
+    batch = await engine.submit([*doomed, healthy], timeout_s=60)
+    for _ in range(2500):  # until the first request finished (at most ~5 s)
+        if TransferStatus.COMPLETED in batch.poll()[:-1]:
+            break
+        await asyncio.sleep(0.002)
+    peer.kill()  # SIGKILL
+    results = await asyncio.wait_for(batch.wait(), timeout=20)
+    statuses = [r.status for r in results[:-1]]
+    assert set(statuses) <= {TransferStatus.COMPLETED, TransferStatus.FAILED}
+    failed = [r for r in results[:-1] if r.status is TransferStatus.FAILED]
+    assert failed, "the peer died before anything failed: make the batch longer"
+    assert all("victim" in (r.error or "") for r in failed)
+    assert results[-1].ok  # a request to another peer in the same batch is unaffected
+    assert np.array_equal(engine.regions["small"].view_numpy(), pattern(64, MiB))
+    # a later batch to the dead segment fails fast too
+    t1 = time.monotonic()
+    [again] = await engine.transfer([doomed[0]], timeout_s=10)
+    assert again.status is TransferStatus.FAILED and time.monotonic() - t1 < 5
+    survivor.quit()
+
+
+async def test_stalled_peer_times_out_and_recovers(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    peer = spawn_peer("sleepy", [f"data:{MiB}:65"])
+    other = spawn_peer("awake", [f"data:{MiB}:66"])
+    engine = make_engine("waiter", transports=("tcp",), tcp_connections=2)
+    engine.register_region("buf", 2 * MiB)
+    await engine.start()
+    to_sleepy = TransferRequest(READ, "buf", 0, "sleepy", "data", 0, MiB)
+    to_awake = TransferRequest(READ, "buf", MiB, "awake", "data", 0, MiB)
+    assert all(r.ok for r in await engine.transfer([to_sleepy, to_awake]))  # pools are warm
+    peer.stop()  # SIGSTOP: the kernel still accepts connections, nobody answers
+    try:
+        t0 = time.monotonic()
+        results = await engine.transfer([to_sleepy, to_sleepy, to_awake], timeout_s=0.5)
+        elapsed = time.monotonic() - t0
+        assert [r.status for r in results] == [
+            TransferStatus.TIMED_OUT,
+            TransferStatus.TIMED_OUT,
+            TransferStatus.COMPLETED,
+        ]
+        assert 0.4 < elapsed < 2.0
+    finally:
+        peer.resume()
+    [result] = await engine.transfer([to_sleepy])
+    assert result.ok
+    assert np.array_equal(engine.regions["buf"].view_numpy(0, MiB), pattern(65, MiB))
+    other.quit()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_vanished_segment_is_not_found(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    peer = spawn_peer("gone", [f"data:{MiB}:67"])
+    engine = make_engine("seeker", transports=(transport,))
+    engine.register_region("buf", MiB)
+    await engine.start()
+    req = TransferRequest(READ, "buf", 0, "gone", "data", 0, 4096)
+    assert (await engine.transfer([req]))[0].ok  # descriptor cached, connection/mapping warm
+    await asyncio.to_thread(peer.quit)  # withdraws the segment and unlinks its memory
+    [result] = await engine.transfer([req], timeout_s=5)
+    assert result.status is TransferStatus.FAILED
+    assert "segment not found" in (result.error or "")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_restarted_segment_is_found_again(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    first = spawn_peer("phoenix", [f"data:{MiB}:68"])
+    engine = make_engine("watcher", transports=(transport,))
+    local = engine.register_region("buf", MiB).view_numpy()
+    await engine.start()
+    req = TransferRequest(READ, "buf", 0, "phoenix", "data", 0, MiB)
+    assert (await engine.transfer([req]))[0].ok
+    await asyncio.to_thread(first.quit)
+    await asyncio.to_thread(spawn_peer, "phoenix", [f"data:{MiB}:69"])  # same name, new incarnation
+    [result] = await engine.transfer([req])  # the cached descriptor is stale: refreshed and retried
+    assert result.ok, result.error
+    assert np.array_equal(local, pattern(69, MiB))
+
+
+async def test_region_registered_after_lookup_is_found(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    server = make_engine("late")
+    await server.start()
+    client = make_engine("early", transports=("tcp",))
+    client.register_region("buf", 4096)
+    await client.start()
+    [miss] = await client.transfer([TransferRequest(READ, "buf", 0, "late", "fresh", 0, 16)])
+    assert miss.status is TransferStatus.FAILED and "unknown region 'fresh'" in (miss.error or "")
+    server.register_region("fresh", 4096).view_numpy()[:16] = np.arange(16, dtype=np.uint8)
+    await server.publish()
+    [hit] = await client.transfer([TransferRequest(READ, "buf", 0, "late", "fresh", 0, 16)])
+    assert hit.ok and client.regions["buf"].view_numpy(0, 16).tolist() == list(range(16))
+    server.unregister_region("fresh")
+    await server.publish()
+    [refused] = await client.transfer([TransferRequest(READ, "buf", 0, "late", "fresh", 0, 16)])
+    assert refused.status is TransferStatus.FAILED
