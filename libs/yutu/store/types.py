@@ -101,3 +101,34 @@ def validate_key(key: Any) -> str:
     if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         raise ValueError(f"object key is longer than {MAX_KEY_BYTES} bytes; use the block key hex")
     return key
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"4096"``, ``"64MiB"``, ``"1g"`` or ``"1.5GB"``; raises ``ValueError`` otherwise."""
+    raw = str(text).strip().lower().replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number) :].strip()
+    if unit not in _UNITS or not number:
+        raise ValueError(f"cannot read a size from {text!r}: write e.g. 4096, 64MiB or 2GiB")
+    value = float(number) * _UNITS[unit]
+    if value < 0 or value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)

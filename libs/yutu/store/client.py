@@ -1,0 +1,489 @@
+"""The store client: put and get objects of the distributed KV store.
+
+    async with StoreClient(StoreClientConfig(redis_url)) as store:      # master found in the registry
+        await store.put("ab12...", payload, replicas=2)                     # True: written
+        data = await store.get("ab12...")                                   # bytes
+        buf = store.register_buffer("kv", 64 << 20)                        # zero copy:
+        await store.get_into("ab12...", buf, offset=0)                      #   straight into buf
+
+Every call is batched: one RPC to the master for all keys (``BatchPutStart``/``BatchGetReplicas``),
+one transfer submission for all blocks, one RPC to finish (``BatchPutEnd``). A put writes every
+replica the master allocated and revokes the put if any write fails. A get reads each key from its
+best replica (same host first) and falls back to the next replica when a transfer fails.
+
+Plain ``put``/``get`` copy through a registered staging buffer; ``put_from``/``get_into`` move
+bytes between the store and the caller's registered buffers with no copy in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from yutu.errors import ErrorKind, YutuError
+from yutu.protocol import store as p
+from yutu.registry import Registry
+from yutu.store.master import MasterClient
+from yutu.store.mount import MountedSegment
+from yutu.store.staging import Staging
+from yutu.store.types import PutOptions, ReplicaDescriptor, validate_key
+from yutu.transfer import Region, SegmentDirectory, TransferEngine, TransferOp, TransferRequest
+from yutu.transfer.segment import local_host_id
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview | Any  # anything exporting a contiguous buffer (numpy arrays too)
+SEGMENT_REGION = "segment"
+
+
+@dataclass(frozen=True)
+class StoreClientConfig:
+    redis_url: str
+    prefix: str = "yutu"  # registry prefix of the deployment
+    master: str | None = None  # master RPC endpoint; None: find it in the registry
+    client_id: str | None = None  # also this client's transfer segment name; default: unique per process
+    staging_bytes: int = 64 << 20  # buffer plain put/get copy through
+    segment_bytes: int = 0  # > 0: contribute this much of the client's memory to the pool
+    transports: tuple[str, ...] = ("shm", "tcp")  # ("tcp",) forces TCP even on one host
+    host: str = "127.0.0.1"  # where this client's data server listens (used when it contributes memory)
+    tcp_connections: int = 4
+    rpc_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+
+
+class StoreClient:
+    def __init__(self, config: StoreClientConfig) -> None:
+        self.config = config
+        self.client_id = (
+            config.client_id or f"store-client-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        )
+        self.host_id = local_host_id()
+        self._redis: aioredis.Redis | None = None
+        self.engine: TransferEngine | None = None
+        self.master: MasterClient | None = None
+        self._staging: Staging | None = None
+        self._segment: MountedSegment | None = None
+        self._tmp_names = itertools.count()
+
+    async def start(self) -> None:
+        c = self.config
+        self._redis = aioredis.from_url(c.redis_url)
+        engine = TransferEngine(
+            self.client_id,
+            SegmentDirectory(self._redis, c.prefix),
+            c.host,
+            0,
+            c.tcp_connections,
+            c.transfer_timeout_s,
+            transports=c.transports,
+        )
+        self.engine = engine
+        self._staging = Staging(engine.register_region("staging", c.staging_bytes))
+        if c.segment_bytes > 0:
+            engine.register_region(SEGMENT_REGION, c.segment_bytes)
+        await engine.start()
+        self.master = MasterClient(
+            c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s
+        )
+        await self.master.connect()
+        if c.segment_bytes > 0:
+            incarnation = engine.descriptor().incarnation
+            self._segment = MountedSegment(
+                self.master, self.client_id, self.client_id, SEGMENT_REGION, c.segment_bytes, incarnation,
+                interval_s=c.heartbeat_interval_s,
+            )  # fmt: skip
+            await self._segment.mount()
+            self._segment.start()
+
+    async def close(self) -> None:
+        if self._segment is not None:
+            await self._segment.close()
+        if self.master is not None:
+            await self.master.close()
+        if self.engine is not None:
+            await self.engine.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> StoreClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def register_buffer(self, name: str, size: int) -> Region:
+        """A registered buffer for ``put_from``/``get_into`` (shared memory; numpy/torch views)."""
+        assert self.engine is not None, "call start() first"
+        return self.engine.register_region(name, size)
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    async def put(
+        self, key: str, data: Buffer, *, replicas: int = 1, soft_pin: bool = False, upsert: bool = False
+    ) -> bool:
+        """Store ``data`` under ``key``; False if the key was already stored (and not ``upsert``)."""
+        return _single(
+            await self.put_batch([(key, data)], replicas=replicas, soft_pin=soft_pin, upsert=upsert)
+        )
+
+    async def put_batch(
+        self,
+        items: Sequence[tuple[str, Buffer]] | Mapping[str, Buffer],
+        *,
+        replicas: int = 1,
+        soft_pin: bool = False,
+        upsert: bool = False,
+    ) -> list[bool]:
+        """Store many objects with one RPC round per step; raises if any key failed (after the rest)."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        views = [_bytes_view(data) for _, data in pairs]
+        keys = [_key(k) for k, _ in pairs]
+        opts = PutOptions(replicas, soft_pin, upsert)
+        results: list[bool | YutuError] = [False] * len(keys)
+        for chunk in self._chunks([len(v) for v in views]):
+            sizes = [len(views[i]) for i in chunk]
+            async with self._space(sizes) as (region, offsets):
+                for i, offset in zip(chunk, offsets, strict=True):
+                    region.buffer[offset : offset + len(views[i])] = views[i]
+                sources = [(region.name, o, s) for o, s in zip(offsets, sizes, strict=True)]
+                for i, r in zip(
+                    chunk, await self._put_many([keys[i] for i in chunk], sources, opts), strict=True
+                ):
+                    results[i] = r
+        return _raise_any(keys, results)
+
+    async def put_from(
+        self, key: str, buffer: Region | str, offset: int, length: int, *, replicas: int = 1,
+        soft_pin: bool = False, upsert: bool = False,
+    ) -> bool:  # fmt: skip
+        """Store ``buffer[offset : offset + length]`` (a registered buffer) without copying it here."""
+        return _single(await self.put_from_batch([key], buffer, [offset], [length], replicas=replicas,
+                                                 soft_pin=soft_pin, upsert=upsert))  # fmt: skip
+
+    async def put_from_batch(
+        self, keys: Sequence[str], buffer: Region | str, offsets: Sequence[int], lengths: Sequence[int], *,
+        replicas: int = 1, soft_pin: bool = False, upsert: bool = False,
+    ) -> list[bool]:  # fmt: skip
+        if not len(keys) == len(offsets) == len(lengths):
+            raise ValueError("keys, offsets and lengths must have the same length")
+        name = self._region_name(buffer)
+        checked = [_key(k) for k in keys]
+        sources = [(name, o, n) for o, n in zip(offsets, lengths, strict=True)]
+        results = await self._put_many(checked, sources, PutOptions(replicas, soft_pin, upsert))
+        return _raise_any(checked, results)
+
+    async def _put_many(
+        self, keys: list[str], sources: list[tuple[str, int, int]], opts: PutOptions
+    ) -> list[bool | YutuError]:
+        """put_start, write every replica in one transfer batch, put_end (or revoke the failed)."""
+        assert self.master is not None and self.engine is not None
+        if not keys:
+            return []
+        msg = p.BatchPutStart(
+            keys, [s[2] for s in sources], opts.replicas, opts.soft_pin, opts.upsert, self.client_id
+        )
+        reply = await self.master.call(msg)
+        results: list[bool | YutuError] = [False] * len(keys)
+        put_ids: dict[int, str] = {}
+        requests: list[TransferRequest] = []
+        owners: list[tuple[int, str]] = []  # (key index, segment) per request
+        for i, outcome in enumerate(reply.results):
+            try:
+                put_id, replicas = p.unwrap(outcome)
+            except YutuError as exc:
+                results[i] = exc
+                continue
+            if put_id is None:
+                continue  # already stored: nothing to write
+            put_ids[i] = put_id
+            region, offset, length = sources[i]
+            for raw in replicas:
+                r = ReplicaDescriptor.from_wire(raw)
+                assert r.offset is not None
+                requests.append(
+                    TransferRequest(TransferOp.WRITE, region, offset, r.segment, r.region, r.offset, length)
+                )
+                owners.append((i, r.segment))
+        failed: dict[int, str] = {}
+        for (i, segment), result in zip(owners, await self.engine.transfer(requests), strict=True):
+            if not result.ok and i not in failed:
+                failed[i] = f"writing {keys[i]!r} to segment {segment!r} failed: {result.error}"
+        done = [i for i in put_ids if i not in failed]
+        if done:
+            ends = await self.master.call(p.BatchPutEnd([keys[i] for i in done], [put_ids[i] for i in done]))
+            for i, outcome in zip(done, ends.results, strict=True):
+                try:
+                    p.unwrap(outcome)
+                    results[i] = True
+                except YutuError as exc:
+                    results[i] = exc
+        if failed:
+            bad = list(failed)
+            await self.master.call(p.BatchPutRevoke([keys[i] for i in bad], [put_ids[i] for i in bad]))
+            for i in bad:
+                results[i] = YutuError(
+                    f"{failed[i]}; the put was revoked: put it again", ErrorKind.UNAVAILABLE
+                )
+        return results
+
+    # -- gets ------------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes:
+        """The bytes of ``key``; raises NOT_FOUND if the store does not hold it."""
+        value = (await self._get_batch([_key(key)]))[0]
+        if isinstance(value, YutuError):
+            raise value
+        return value
+
+    async def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The bytes of every key, None where the store does not hold it."""
+        checked = [_key(k) for k in keys]
+        values = await self._get_batch(checked)
+        out: list[bytes | None] = []
+        for key, value in zip(checked, values, strict=True):
+            if isinstance(value, YutuError):
+                if value.kind is not ErrorKind.NOT_FOUND:
+                    raise YutuError(f"get of {key!r} failed: {value}", value.kind)
+                out.append(None)
+            else:
+                out.append(value)
+        return out
+
+    async def _get_batch(self, keys: list[str]) -> list[bytes | YutuError]:
+        located = await self._locate(keys)
+        values: list[bytes | YutuError] = [v if isinstance(v, YutuError) else b"" for v in located]
+        found = [i for i, v in enumerate(located) if not isinstance(v, YutuError)]
+        sizes = [located[i][0] for i in found]  # type: ignore[index]
+        for chunk in self._chunks(sizes):
+            idx = [found[j] for j in chunk]
+            async with self._space([sizes[j] for j in chunk]) as (region, offsets):
+                dests = [(region.name, o) for o in offsets]
+                errors = await self._read(keys, located, idx, dests)
+                for i, (_, offset), error in zip(idx, dests, errors, strict=True):
+                    size = located[i][0]  # type: ignore[index]
+                    values[i] = error if error is not None else bytes(region.buffer[offset : offset + size])
+        return values
+
+    async def get_into(self, key: str, buffer: Region | str, offset: int = 0) -> int:
+        """Copy ``key`` into a registered buffer at ``offset``; returns its size."""
+        result = (await self.get_into_batch([key], buffer, [offset]))[0]
+        if result is None:
+            raise YutuError(f"object {key!r} not found in the store", ErrorKind.NOT_FOUND)
+        return result
+
+    async def get_into_batch(
+        self, keys: Sequence[str], buffer: Region | str, offsets: Sequence[int]
+    ) -> list[int | None]:
+        """Copy every key into the buffer at its offset; sizes, None where the key is missing."""
+        if len(keys) != len(offsets):
+            raise ValueError("keys and offsets must have the same length")
+        checked = [_key(k) for k in keys]
+        name = self._region_name(buffer)
+        region = self.engine.regions[name] if self.engine is not None else None
+        assert region is not None
+        located = await self._locate(checked)
+        found = [i for i, v in enumerate(located) if not isinstance(v, YutuError)]
+        for i in found:
+            size = located[i][0]  # type: ignore[index]
+            if offsets[i] < 0 or offsets[i] + size > region.size:
+                raise YutuError(
+                    f"{checked[i]!r} has {size} bytes: it does not fit buffer {name!r} ({region.size} bytes) at "
+                    f"offset {offsets[i]}",
+                    ErrorKind.INVALID_REQUEST,
+                )
+        errors = await self._read(checked, located, found, [(name, offsets[i]) for i in found])
+        out: list[int | None] = [None] * len(checked)
+        for i, error in zip(found, errors, strict=True):
+            if error is not None:
+                raise YutuError(f"get of {checked[i]!r} failed: {error}", error.kind)
+            out[i] = located[i][0]  # type: ignore[index]
+        for i, value in enumerate(located):
+            if isinstance(value, YutuError) and value.kind is not ErrorKind.NOT_FOUND:
+                raise YutuError(f"get of {checked[i]!r} failed: {value}", value.kind)
+        return out
+
+    async def _locate(self, keys: list[str]) -> list[tuple[int, list[ReplicaDescriptor]] | YutuError]:
+        """Replicas of every key (one RPC, under a lease), best first: same host, then the rest."""
+        assert self.master is not None
+        reply = await self.master.call(p.BatchGetReplicas(keys))
+        out: list[tuple[int, list[ReplicaDescriptor]] | YutuError] = []
+        for outcome in reply.results:
+            try:
+                size, raw = p.unwrap(outcome)
+            except YutuError as exc:
+                out.append(exc)
+                continue
+            replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
+            replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
+            out.append((size, replicas))
+        return out
+
+    async def _read(
+        self,
+        keys: list[str],
+        located: list[tuple[int, list[ReplicaDescriptor]] | YutuError],
+        indices: list[int],
+        dests: list[tuple[str, int]],
+    ) -> list[YutuError | None]:
+        """READ each ``keys[indices[j]]`` into ``dests[j]``; on failure retry from the next replica."""
+        assert self.engine is not None
+        errors: list[YutuError | None] = [None] * len(indices)
+        tried = [0] * len(indices)
+        reasons: list[list[str]] = [[] for _ in indices]
+        todo = list(range(len(indices)))
+        while todo:
+            requests = []
+            for j in todo:
+                size, replicas = located[indices[j]]  # type: ignore[misc]
+                r = replicas[tried[j]]
+                assert r.offset is not None
+                requests.append(
+                    TransferRequest(
+                        TransferOp.READ, dests[j][0], dests[j][1], r.segment, r.region, r.offset, size
+                    )
+                )
+            results = await self.engine.transfer(requests)
+            retry = []
+            for j, result in zip(todo, results, strict=True):
+                if result.ok:
+                    continue
+                replicas = located[indices[j]][1]  # type: ignore[index]
+                reasons[j].append(f"{replicas[tried[j]].segment}: {result.error}")
+                tried[j] += 1
+                if tried[j] < len(replicas):
+                    retry.append(j)
+                else:
+                    errors[j] = YutuError(
+                        f"every replica of {keys[indices[j]]!r} failed ({'; '.join(reasons[j])}); retry the get",
+                        ErrorKind.UNAVAILABLE,
+                    )
+            todo = retry
+        return errors
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    async def exists(self, key: str) -> bool:
+        assert self.master is not None
+        return bool((await self.master.call(p.Exists(_key(key)))).exists)
+
+    async def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        assert self.master is not None
+        return list((await self.master.call(p.BatchExists([_key(k) for k in keys]))).exists)
+
+    async def remove(self, key: str) -> bool:
+        """Remove ``key``; False if the store did not hold it."""
+        assert self.master is not None
+        return bool((await self.master.call(p.Remove(_key(key)))).count)
+
+    async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
+        assert self.master is not None
+        reply = await self.master.call(p.BatchRemove([_key(k) for k in keys]))
+        return [bool(p.unwrap(o)) for o in reply.results]
+
+    async def replicas(self, key: str) -> list[ReplicaDescriptor]:
+        """Where ``key`` lives now (takes a read lease, like a get)."""
+        located = (await self._locate([_key(key)]))[0]
+        if isinstance(located, YutuError):
+            raise located
+        return located[1]
+
+    async def stats(self) -> dict[str, Any]:
+        assert self.master is not None
+        return dict((await self.master.call(p.GetStats())).stats)
+
+    # -- buffers ---------------------------------------------------------------------------------
+
+    def _region_name(self, buffer: Region | str) -> str:
+        assert self.engine is not None
+        name = buffer.name if isinstance(buffer, Region) else buffer
+        if name not in self.engine.regions:
+            raise ValueError(f"buffer {name!r} is not registered: create it with register_buffer()")
+        return name
+
+    def _chunks(self, sizes: list[int]) -> list[list[int]]:
+        """Split indices of ``sizes`` into runs that fit the staging buffer; an oversized one alone."""
+        assert self._staging is not None
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        for i, size in enumerate(sizes):
+            if not self._staging.fits([size]):
+                chunks.append([i])
+                continue
+            if not self._staging.fits([sizes[j] for j in current] + [size]):
+                chunks.append(current)
+                current = []
+            current.append(i)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _space(self, sizes: list[int]) -> _Space:
+        return _Space(self, sizes)
+
+
+class _Space:
+    """Staging space for ``sizes`` (or a temporary region for one oversized object)."""
+
+    def __init__(self, client: StoreClient, sizes: list[int]) -> None:
+        self.client = client
+        self.sizes = sizes
+        self.offsets: list[int] = []
+        self.tmp: str | None = None
+
+    async def __aenter__(self) -> tuple[Region, list[int]]:
+        staging, engine = self.client._staging, self.client.engine
+        assert staging is not None and engine is not None
+        if staging.fits(self.sizes):
+            self.offsets = await staging.acquire(self.sizes)
+            return staging.region, self.offsets
+        assert len(self.sizes) == 1
+        self.tmp = f"tmp-{next(self.client._tmp_names)}"
+        return engine.register_region(self.tmp, self.sizes[0]), [0]
+
+    async def __aexit__(self, *exc: Any) -> None:
+        staging, engine = self.client._staging, self.client.engine
+        assert staging is not None and engine is not None
+        if self.tmp is not None:
+            engine.unregister_region(self.tmp)
+        elif self.offsets:
+            await staging.release(self.offsets)
+
+
+def _key(key: Any) -> str:
+    try:
+        return validate_key(key)
+    except ValueError as exc:
+        raise YutuError(str(exc), ErrorKind.INVALID_REQUEST) from None
+
+
+def _bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("put needs a contiguous buffer; copy it first (e.g. numpy.ascontiguousarray)")
+    view = view.cast("B")
+    if len(view) == 0:
+        raise YutuError("cannot store an empty object: objects are 1 byte or more", ErrorKind.INVALID_REQUEST)
+    return view
+
+
+def _single(results: list[bool]) -> bool:
+    return results[0]
+
+
+def _raise_any(keys: list[str], results: Sequence[bool | YutuError]) -> list[bool]:
+    errors = [(k, r) for k, r in zip(keys, results, strict=True) if isinstance(r, YutuError)]
+    if errors:
+        key, first = errors[0]
+        more = f" (and {len(errors) - 1} more keys)" if len(errors) > 1 else ""
+        raise YutuError(f"put of {key!r} failed: {first}{more}", first.kind)
+    return [bool(r) for r in results]

@@ -1,0 +1,53 @@
+"""The client's staging buffer: a registered region that plain ``put``/``get`` copy through.
+
+Callers take space for a whole batch at once (all or nothing) and wait while it is full, so two
+batches never hold half of what each needs. A request bigger than the whole buffer cannot be
+served here; the client gives such an object a region of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from yutu.store.allocator import RangeAllocator
+from yutu.transfer import Region
+
+
+class Staging:
+    def __init__(self, region: Region, alignment: int = 64) -> None:
+        self.region = region
+        self.allocator = RangeAllocator(region.size, alignment)
+        self._freed = asyncio.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return self.region.size
+
+    def fits(self, sizes: list[int]) -> bool:
+        """Whether ``sizes`` could ever be held at once (ignoring what is taken now)."""
+        align = self.allocator.alignment
+        return sum(-(-s // align) * align for s in sizes) <= self.capacity
+
+    async def acquire(self, sizes: list[int]) -> list[int]:
+        """Offsets for every size, taken together; waits until they fit. Requires ``fits(sizes)``."""
+        if not self.fits(sizes):
+            raise ValueError(f"{sum(sizes)} bytes never fit a {self.capacity}-byte staging buffer")
+        async with self._freed:
+            while True:
+                offsets: list[int] = []
+                for size in sizes:
+                    offset = self.allocator.allocate(size)
+                    if offset is None:
+                        break
+                    offsets.append(offset)
+                if len(offsets) == len(sizes):
+                    return offsets
+                for offset in offsets:
+                    self.allocator.free(offset)
+                await self._freed.wait()
+
+    async def release(self, offsets: list[int]) -> None:
+        async with self._freed:
+            for offset in offsets:
+                self.allocator.free(offset)
+            self._freed.notify_all()

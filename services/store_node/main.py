@@ -1,0 +1,79 @@
+"""Entry point of ``yutu store-node``: contributes a DRAM segment (and optionally a disk tier) to
+the distributed KV store."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from yutu.config import add_common_options, option
+from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
+from yutu.store.types import parse_size
+
+from services.store_node.settings import NodeSettings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_options(parser)
+    g = parser.add_argument_group("store node")
+    option(g, "--segment-size", default="256MiB", help="DRAM contributed to the pool (e.g. 4GiB)")
+    option(g, "--segment-name", default=None, help="transfer segment name (default: the instance id)")
+    option(g, "--master", default=None, help="store master RPC endpoint (default: find it in the registry)")
+    option(g, "--transfer-port", default=0, type=int, help="TCP port of the transfer data server; 0: any")
+    option(g, "--transports", default="shm,tcp", help="comma-separated transports to serve: shm, tcp")
+    option(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
+    option(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
+    option(
+        g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master"
+    )
+    option(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
+    option(g, "--disk-dir", default=None, help="directory of a disk tier for evicted objects (default: none)")
+    option(g, "--disk-capacity", default="1GiB", help="bytes the disk tier may hold")
+
+
+def settings_from_args(args: argparse.Namespace) -> NodeSettings:
+    instance_id = args.instance_id or default_instance_id("store-node")
+    return NodeSettings(
+        redis_url=args.redis_url,
+        registry_prefix=args.registry_prefix,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        instance_id=instance_id,
+        segment_name=args.segment_name or instance_id,
+        segment_size=parse_size(args.segment_size),
+        master=args.master,
+        transfer_port=args.transfer_port,
+        transports=tuple(t.strip() for t in args.transports.split(",") if t.strip()),
+        tcp_connections=args.tcp_connections,
+        admin_port=args.admin_port,
+        heartbeat_interval_s=args.heartbeat_interval,
+        registry_ttl_s=args.registry_ttl,
+        disk_dir=args.disk_dir,
+        disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
+        log_level=args.log_level,
+    )
+
+
+async def _main(settings: NodeSettings) -> None:
+    from services.store_node.service import StoreNodeService
+
+    service = StoreNodeService(settings)
+    http = HttpServer(admin_app(service), settings.host, settings.admin_port)
+    service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
+    await serve(service, http)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    setup_logging(settings.log_level)
+    asyncio.run(_main(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="yutu store-node", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,200 @@
+"""The store node process: a transfer-engine segment with one DRAM region, mounted on the master.
+
+    start engine (serves reads and writes of the region to any peer) -> mount on the master ->
+    heartbeat every interval (remount when the master says it does not know it; yutu.store.mount) ->
+    [disk tier] long-poll the master for offload / promote / drop tasks and run them in a thread
+
+Ready once the segment is mounted. On SIGTERM the segment is unmounted (its objects leave the
+pool) and the engine closes. A node killed outright is dropped by the master after its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import APIRouter
+from yutu.errors import YutuError
+from yutu.protocol import store as p
+from yutu.registry import Registration, Registry, ServiceRecord
+from yutu.service import Service, advertised
+from yutu.store.master import MasterClient
+from yutu.store.mount import MountedSegment
+from yutu.transfer import Region, SegmentDirectory, TransferEngine
+
+from services.store_node.disk import DiskTierFiles
+from services.store_node.settings import REGION_NAME, NodeSettings
+
+log = logging.getLogger(__name__)
+
+TASK_POLL_S = 10.0
+
+
+class StoreNodeService(Service):
+    kind = "store-node"
+
+    def __init__(self, settings: NodeSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.admin_url = ""
+        self.mount: MountedSegment | None = None
+        self.region: Region | None = None
+        self.engine: TransferEngine | None = None
+        self.master: MasterClient | None = None
+        self.disk = (
+            None if settings.disk_dir is None else DiskTierFiles(settings.disk_dir, settings.disk_capacity)
+        )
+        self.tasks_done = {"offload": 0, "promote": 0, "drop": 0, "failed": 0}
+        self._redis: aioredis.Redis | None = None
+        self._registration: Registration | None = None
+        self._loops: list[asyncio.Task[None]] = []
+
+    @property
+    def incarnation(self) -> int:
+        assert self.engine is not None
+        return self.engine.descriptor().incarnation
+
+    async def startup(self) -> None:
+        s = self.settings
+        self._redis = aioredis.from_url(s.redis_url)
+        await self._redis.ping()
+        registry = Registry(self._redis, s.registry_prefix)
+        directory = SegmentDirectory(self._redis, s.registry_prefix)
+        host = advertised(s.host, s.advertise_host)
+        self.engine = TransferEngine(
+            s.segment_name,
+            directory,
+            s.host,
+            s.transfer_port,
+            s.tcp_connections,
+            transports=s.transports,
+            advertise_host=host,
+        )
+        self.region = self.engine.register_region(REGION_NAME, s.segment_size)
+        await self.engine.start()
+        if self.disk is not None:
+            stale = await asyncio.to_thread(self.disk.clear)
+            if stale:
+                log.info("removed %d stale disk-tier files from %s", stale, self.disk.directory)
+        self.master = MasterClient(
+            s.master, None if s.master else registry, timeout_s=max(2.0, s.heartbeat_interval_s)
+        )
+        self.mount = MountedSegment(
+            self.master, s.instance_id, s.segment_name, REGION_NAME, s.segment_size, self.incarnation,
+            s.disk_capacity, s.heartbeat_interval_s,
+        )  # fmt: skip
+        self.mount.start()  # mounts (retrying until the master answers), then heartbeats
+        if self.disk is not None:
+            self._loops.append(asyncio.create_task(self._task_loop(), name="store-node-tasks"))
+        endpoints = {"admin": self.admin_url} if self.admin_url else {}
+        if self.engine.endpoint is not None:
+            endpoints["transfer"] = "tcp://{}:{}".format(*self.engine.endpoint)
+        meta = {"segment": s.segment_name, "size": s.segment_size, "disk_capacity": s.disk_capacity}
+        self._registration = Registration(
+            registry, ServiceRecord(self.kind, s.instance_id, endpoints, meta), s.registry_ttl_s
+        )
+        await self._registration.start()
+        log.info("store node %s: segment %s of %d bytes", s.instance_id, s.segment_name, s.segment_size)
+
+    async def _task_loop(self) -> None:
+        assert self.master is not None and self.disk is not None
+        while True:
+            try:
+                reply = await self.master.call(
+                    p.FetchTasks(self.settings.instance_id, TASK_POLL_S), TASK_POLL_S + 5
+                )
+            except YutuError:
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                continue
+            results: list[list[Any]] = []
+            for task in reply.tasks:
+                results.append([task[0], await self._run_task(task)])
+            if results:
+                try:
+                    await self.master.call(p.TasksDone(self.settings.instance_id, results))
+                except YutuError as exc:
+                    log.warning("could not report %d disk-tier results: %s", len(results), exc)
+
+    async def _run_task(self, task: list[Any]) -> str | None:
+        assert self.disk is not None and self.region is not None
+        try:
+            task_id, op, segment, key, offset, length = task
+            if segment != self.settings.segment_name:
+                raise ValueError(
+                    f"task for segment {segment!r}, this node serves {self.settings.segment_name!r}"
+                )
+            if op == "offload":
+                await asyncio.to_thread(self.disk.offload, self.region, key, offset, length)
+            elif op == "promote":
+                await asyncio.to_thread(self.disk.promote, self.region, key, offset, length)
+            elif op == "drop":
+                await asyncio.to_thread(self.disk.drop, key)
+            else:
+                raise ValueError(f"unknown disk-tier op {op!r}")
+            self.tasks_done[op] += 1
+            return None
+        except (OSError, ValueError, TypeError) as exc:
+            self.tasks_done["failed"] += 1
+            log.warning("disk-tier task %r failed: %s", task, exc)
+            return f"{type(exc).__name__}: {exc}"
+
+    @property
+    def mounted(self) -> bool:
+        return self.mount is not None and self.mount.mounted
+
+    async def shutdown(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self._registration is not None:
+            await self._registration.close()
+        if self.mount is not None:
+            await self.mount.close(unmount=True)  # its objects leave the pool with it
+        if self.master is not None:
+            await self.master.close()
+        if self.engine is not None:
+            await self.engine.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    def is_ready(self) -> bool:
+        return self.mounted
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "instance_id": self.settings.instance_id, **self.describe()}
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "segment": s.segment_name,
+            "region": REGION_NAME,
+            "size": s.segment_size,
+            "incarnation": None if self.engine is None else self.incarnation,
+            "transfer": None
+            if self.engine is None or self.engine.endpoint is None
+            else list(self.engine.endpoint),
+            "transports": list(s.transports),
+            "mounted": self.mounted,
+            "master": None if self.master is None else self.master.endpoint,
+            "disk_dir": s.disk_dir,
+            "disk_capacity": s.disk_capacity,
+            "disk_tasks": dict(self.tasks_done),
+        }
+
+    def admin_router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.get("/segments")
+        async def segments() -> list[dict[str, Any]]:
+            return [self.describe()]
+
+        @router.get("/stats")
+        async def stats() -> dict[str, Any]:
+            out = self.describe()
+            if self.disk is not None:
+                out["disk_used"] = await asyncio.to_thread(self.disk.used_bytes)
+            return out
+
+        return router

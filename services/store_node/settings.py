@@ -1,0 +1,36 @@
+"""A store node's settings, built once from flags in ``main`` and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REGION_NAME = "dram"  # the registered region a node contributes
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    redis_url: str
+    registry_prefix: str
+    host: str
+    advertise_host: str | None
+    instance_id: str  # also the node id the master knows
+    segment_name: str  # transfer-engine segment name (unique in the deployment)
+    segment_size: int  # bytes of DRAM contributed
+    master: str | None  # explicit master RPC endpoint; None: find it in the registry
+    transfer_port: int  # TCP data server port; 0: any free port
+    transports: tuple[str, ...]  # transports served, e.g. ("shm", "tcp")
+    tcp_connections: int
+    admin_port: int
+    heartbeat_interval_s: float
+    registry_ttl_s: float
+    disk_dir: str | None = None  # disk tier directory; None: no disk tier
+    disk_capacity: int = 0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.segment_size <= 0:
+            raise ValueError(f"--segment-size must be positive, got {self.segment_size}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"--heartbeat-interval must be positive, got {self.heartbeat_interval_s}")
+        if self.disk_dir is not None and self.disk_capacity <= 0:
+            raise ValueError("--disk-capacity must be positive when --disk-dir is given")
