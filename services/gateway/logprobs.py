@@ -23,39 +23,43 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _FLOOR
 
 
-def completion_logprobs(tokens: list[TokenInfo], text: TokenText, base_offset: int = 0) -> CompletionLogprobs:
-    """Completions-style logprobs of ``tokens``; ``text_offset`` values are shifted by ``base_offset``."""
+def _name(token_id: int, text: TokenText, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else text.text_of(token_id)
+
+
+def completion_logprobs(tokens: list[TokenInfo], text: TokenText, as_ids: bool = False) -> CompletionLogprobs:
+    """Completions-style logprobs of ``tokens`` (``as_ids``: tokens named "token_id:<id>", as vLLM)."""
     out = CompletionLogprobs()
     for tok in tokens:
         assert tok.logprob is not None, "logprobs were not asked from the worker"
-        token_str = text.text_of(tok.token_id)
+        token_str = _name(tok.token_id, text, as_ids)
         out.tokens.append(token_str)
         out.token_logprobs.append(_finite(tok.logprob))
-        top = {text.text_of(alt): _finite(lp) for alt, lp in tok.top}
+        top = {_name(alt, text, as_ids): _finite(lp) for alt, lp in tok.top}
         top.setdefault(token_str, _finite(tok.logprob))
         out.top_logprobs.append(top)
-        out.text_offset.append(base_offset + tok.text_offset)
+        out.text_offset.append(tok.text_offset)
     return out
 
 
-def _top(token_id: int, logprob: float, text: TokenText) -> TopLogprob:
+def _top(token_id: int, logprob: float, text: TokenText, as_ids: bool) -> TopLogprob:
     return TopLogprob(
-        token=text.text_of(token_id), logprob=_finite(logprob), bytes=list(text.bytes_of(token_id))
+        token=_name(token_id, text, as_ids), logprob=_finite(logprob), bytes=list(text.bytes_of(token_id))
     )
 
 
-def chat_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[ChatTokenLogprob]:
-    """Chat-style logprob entries of ``tokens``."""
+def chat_logprobs(tokens: list[TokenInfo], text: TokenText, as_ids: bool = False) -> list[ChatTokenLogprob]:
+    """Chat-style logprob entries of ``tokens`` (``as_ids``: tokens named "token_id:<id>")."""
     out = []
     for tok in tokens:
         assert tok.logprob is not None, "logprobs were not asked from the worker"
-        head = _top(tok.token_id, tok.logprob, text)
+        head = _top(tok.token_id, tok.logprob, text, as_ids)
         out.append(
             ChatTokenLogprob(
                 token=head.token,
                 logprob=head.logprob,
                 bytes=head.bytes,
-                top_logprobs=[_top(alt, lp, text) for alt, lp in tok.top],
+                top_logprobs=[_top(alt, lp, text, as_ids) for alt, lp in tok.top],
             )
         )
     return out

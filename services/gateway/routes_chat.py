@@ -52,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(gen, gw, body.logprobs, include_usage),
+            _stream(gen, gw, body, include_usage),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -65,26 +65,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         id=gen.request_id,
         created=int(gen.arrival),
         model=gw.model_name,
-        choices=[_choice(choices[i], gw, body.logprobs) for i in sorted(choices)],
+        choices=[_choice(choices[i], gw, body) for i in sorted(choices)],
         usage=usage_of(gen),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool) -> ChatChoice:
+def _choice(state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest) -> ChatChoice:
+    lp = None
+    if body.logprobs:
+        lp = ChatChoiceLogprobs(
+            content=chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)
+        )
     return ChatChoice(
         index=state.spec.index,
         message=AssistantMessage(content=state.text),
-        logprobs=ChatChoiceLogprobs(content=chat_logprobs(state.tokens, gw.token_text)) if logprobs else None,
+        logprobs=lp,
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
     )
 
 
 async def _stream(
-    gen: Generation, gw: GatewayService, logprobs: bool, include_usage: bool
+    gen: Generation, gw: GatewayService, body: ChatCompletionRequest, include_usage: bool
 ) -> AsyncIterator[str]:
     created = int(gen.arrival)
+    logprobs, as_ids = body.logprobs, body.return_tokens_as_token_ids
 
     def chunk(choices: list[ChatChunkChoice]) -> str:
         return event(
@@ -92,7 +98,9 @@ async def _stream(
         )
 
     def content(update: ChoiceUpdate) -> ChatChunkChoice:
-        lp = ChatChoiceLogprobs(content=chat_logprobs(update.tokens, gw.token_text)) if logprobs else None
+        lp = None
+        if logprobs:
+            lp = ChatChoiceLogprobs(content=chat_logprobs(update.tokens, gw.token_text, as_ids))
         return ChatChunkChoice(index=update.index, delta=ChatDelta(content=update.text), logprobs=lp)
 
     try:

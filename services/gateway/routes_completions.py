@@ -65,17 +65,20 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         id=gen.request_id,
         created=int(gen.arrival),
         model=gw.model_name,
-        choices=[_choice(choices[i], gw, body.logprobs is not None) for i in sorted(choices)],
+        choices=[
+            _choice(choices[i], gw, body.logprobs is not None, body.return_tokens_as_token_ids)
+            for i in sorted(choices)
+        ],
         usage=usage_of(gen),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool) -> CompletionChoice:
+def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool, as_ids: bool) -> CompletionChoice:
     return CompletionChoice(
         index=state.spec.index,
         text=state.text,
-        logprobs=completion_logprobs(state.tokens, gw.token_text) if logprobs else None,
+        logprobs=completion_logprobs(state.tokens, gw.token_text, as_ids) if logprobs else None,
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
     )
@@ -90,7 +93,9 @@ async def _stream(
             async for update in gen.updates():
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = completion_logprobs(update.tokens, gw.token_text)
+                    logprobs = completion_logprobs(
+                        update.tokens, gw.token_text, body.return_tokens_as_token_ids
+                    )
                 chunk = CompletionResponse(
                     id=gen.request_id,
                     created=int(created),

@@ -41,6 +41,7 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(_GenerationRequest):

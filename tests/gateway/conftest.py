@@ -6,7 +6,7 @@
   tests the gateway's control logic (aborts, worker loss, failures) where a real engine cannot be
   steered; everything about real generation is tested against ``stack`` instead.
 - ``running_gateway``: a gateway served inside the test's event loop (real HTTP on loopback).
-- ``stack``: a real worker and a real gateway as subprocesses (module scope, shared by most tests).
+- ``stack``: a real worker and a real gateway as subprocesses (session scope, shared by most tests).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ async def fake_worker(redis_url: str, registry_prefix: str) -> AsyncIterator[Fak
         await worker.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stack(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One real worker (64 KV blocks of 16 tokens, context 256) and one gateway, shared by a module."""
+    """One real worker (64 KV blocks of 16 tokens, context 256) and one gateway, shared by the gateway tests."""
     prefix = f"yutu-gw-{uuid.uuid4().hex[:8]}"
     logs = tmp_path_factory.mktemp("gw-stack")
     worker = spawn(

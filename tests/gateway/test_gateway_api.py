@@ -1,0 +1,225 @@
+"""The OpenAI API against a real worker, through the official ``openai`` client.
+
+Greedy output is checked token for token against the model run directly (no server), logprob
+values against the model's own log-softmax, and streamed text against non-streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+from gateway_support import MODEL_NAME, Stack
+from yutu.engine.loader import load_model
+from yutu.engine.testing import PagedRunner, greedy_generate
+from yutu.engine.tokenizer import Tokenizer
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(stack: Stack) -> torch.nn.Module:
+    m, _ = load_model(stack.model_dir, torch.device("cpu"), torch.float32)
+    return m
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens)
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def test_models_health_ready(stack: Stack, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    card = models.data[0].model_dump()
+    assert card["max_model_len"] == stack.max_model_len
+    assert "yutu_note" not in card  # a real (if tiny) checkpoint, not the demo model
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert httpx.get(f"{stack.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{stack.base_url}/ready").json() == {"ready": True}
+
+
+def test_greedy_completion_equals_the_model_run_directly(
+    stack: Stack, client: openai.OpenAI, model: torch.nn.Module
+) -> None:
+    tok = Tokenizer.from_dir(stack.model_dir)
+    prompt_ids = tok.encode(PROMPT)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    choice = out.choices[0]
+    got = ids_of(choice.logprobs.tokens)
+    assert got == greedy_generate(model, prompt_ids, 12)
+    assert choice.finish_reason == "length"
+    assert choice.text == tok.decode(got)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        len(prompt_ids),
+        12,
+        len(prompt_ids) + 12,
+    )
+    # Logprob values are the model's own log-softmax at each position.
+    runner = PagedRunner(model, num_blocks=8, block_size=16)
+    (logits,) = runner.step([(0, prompt_ids + got[:-1])])
+    ref = torch.log_softmax(logits[len(prompt_ids) - 1 :], dim=-1)  # (12, V)
+    for i, token_id in enumerate(got):
+        assert choice.logprobs.token_logprobs[i] == pytest.approx(ref[i, token_id].item(), abs=1e-4)
+        top = choice.logprobs.top_logprobs[i]
+        assert len(top) == 3  # greedy: the sampled token is the best alternative
+        best_key, best_lp = max(top.items(), key=lambda kv: kv[1])
+        assert best_key == f"token_id:{token_id}" and best_lp == choice.logprobs.token_logprobs[i]
+        want = torch.topk(ref[i], 3)
+        assert ids_of(list(top)) == want.indices.tolist()
+        assert list(top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
+    # Offsets follow the text: each token's text starts where the previous one ended.
+    plain = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert plain.choices[0].text == choice.text  # a second identical request: the same text
+    offsets = plain.choices[0].logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert all(len(t) == 1 for t in plain.choices[0].logprobs.top_logprobs)  # logprobs=0: the sampled token
+
+
+def test_prompt_as_token_ids_and_as_a_list(stack: Stack, client: openai.OpenAI) -> None:
+    tok = Tokenizer.from_dir(stack.model_dir)
+    args = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    by_text = client.completions.create(prompt=PROMPT, **args).choices[0].text
+    by_ids = client.completions.create(prompt=tok.encode(PROMPT), **args).choices[0].text
+    assert by_ids == by_text
+    other = client.completions.create(prompt="a b c", **args).choices[0].text
+    both = client.completions.create(prompt=[PROMPT, "a b c"], **args)
+    assert [(c.index, c.text) for c in both.choices] == [(0, by_text), (1, other)]
+
+
+def test_chat_stream_concatenates_to_the_non_streamed_text(stack: Stack, client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    args = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0}
+    full = client.chat.completions.create(**args)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    text = full.choices[0].message.content
+    assert text and full.usage.completion_tokens > 0
+    tok = Tokenizer.from_dir(stack.model_dir)
+    assert full.usage.prompt_tokens == len(tok.encode_chat(messages))
+
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
+    # The same prompt again: its full blocks come from the worker's prefix cache.
+    assert (
+        usage.prompt_tokens_details.cached_tokens
+        == (usage.prompt_tokens // stack.block_size) * stack.block_size
+    )
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+    # Raw SSE: data lines, then [DONE].
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json={**args, "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert "usage" not in lines[-2] or json.loads(lines[-2][6:])["usage"] is None  # no include_usage
+
+
+def test_chat_logprobs_shape(stack: Stack, client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        if not entry.token.startswith("bytes:"):
+            assert bytes(entry.bytes) == entry.token.encode("utf-8")
+    no_lp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert no_lp.choices[0].logprobs is None
+
+
+def test_n_and_seed_reproducibility(stack: Stack, client: openai.OpenAI) -> None:
+    args = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    two = client.completions.create(n=2, seed=1234, **args)
+    assert [c.index for c in two.choices] == [0, 1]
+    again = client.completions.create(n=2, seed=1234, **args)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+    assert two.choices[0].text != two.choices[1].text  # seeds 1234 and 1235
+    # Choice i runs with seed + i: choice 1 of n=2 is the single choice of seed 1235.
+    single = client.completions.create(n=1, seed=1235, **args)
+    assert single.choices[0].text == two.choices[1].text
+    assert two.usage.completion_tokens == 20 and two.usage.prompt_tokens == single.usage.prompt_tokens
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=7
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_strings_truncate_and_finish_with_stop(stack: Stack, client: openai.OpenAI) -> None:
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(max_tokens=30, **args).choices[0].text
+    # A stop string from the middle of the greedy text (its first occurrence, clean characters).
+    start = next(
+        i for i in range(3, len(full) - 3) if "\ufffd" not in full[i : i + 2] and full[i : i + 2].strip()
+    )
+    stop = full[start : start + 2]
+    cut = full.index(stop)
+    out = client.completions.create(max_tokens=30, stop=[stop, "never-seen-xyz"], **args)
+    assert out.choices[0].text == full[:cut]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_dump()["stop_reason"] == stop
+    assert out.usage.completion_tokens < 30
+    streamed = list(client.completions.create(max_tokens=30, stop=stop, stream=True, **args))
+    assert "".join(c.choices[0].text for c in streamed) == full[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_cached_tokens_count_the_reused_full_blocks(stack: Stack, client: openai.OpenAI) -> None:
+    rng = random.Random(99)
+    prompt = [rng.randrange(10, 500) for _ in range(100)]  # 6 full blocks of 16, then 4 tokens
+    args = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.completions.create(**args)
+    assert first.usage.prompt_tokens == 100
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(**args)
+    assert second.usage.prompt_tokens_details.cached_tokens == (100 // stack.block_size) * stack.block_size
+    assert second.choices[0].text == first.choices[0].text
