@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import selectors
+import select
 import signal
 import subprocess
 import sys
@@ -32,19 +32,19 @@ def alive(pid: int) -> bool:
     return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> str:
+def read_until(proc: subprocess.Popen[bytes], needle: str, timeout_s: float) -> str:
     assert proc.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    seen = ""
+    fd = proc.stdout.fileno()
+    seen = b""
     deadline = time.monotonic() + timeout_s
-    while needle not in seen:
+    while needle.encode() not in seen:
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"`yutu up` did not print {needle!r} (exit {proc.poll()}); output:\n{seen}")
-        if selector.select(timeout=0.5):
-            line = proc.stdout.readline()
-            seen += line
-    return seen
+            raise AssertionError(
+                f"`yutu up` did not print {needle!r} (exit {proc.poll()}); output:\n{seen.decode()}"
+            )
+        if select.select([fd], [], [], 0.5)[0]:
+            seen += os.read(fd, 65536)
+    return seen.decode()
 
 
 def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         banner = read_until(proc, "Ctrl-C stops everything", timeout_s=240)

@@ -113,6 +113,7 @@ def up(argv: list[str]) -> int:
 
     args = up_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s yutu up: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polls are not news
     if args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")
     group = ProcessGroup(Path(args.log_dir) if args.log_dir else None)
