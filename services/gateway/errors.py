@@ -82,12 +82,29 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     parts: list[str] = []
     param: str | None = None
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = _field_path(err.get("loc", ()))
         where = ".".join(loc) if loc else "body"
         if param is None and loc:
             param = where
-        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+        part = f"{where}: {err.get('msg', 'invalid value')}"
+        if part not in parts:
+            parts.append(part)
     return invalid("invalid request: " + "; ".join(parts), param)
+
+
+def _field_path(loc: tuple[int | str, ...] | list[int | str]) -> list[str]:
+    """The field path of a pydantic error location, without "body" and union member tags."""
+    path: list[str] = []
+    for item in loc:
+        if item == "body" and not path:
+            continue
+        if isinstance(item, str) and (not item.isidentifier() or item in _TYPE_TAGS):
+            break  # "str", "list[int]", "function-after[...]": which union member failed
+        path.append(str(item))
+    return path
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,171 @@
+"""Bad input gets the OpenAI error envelope with the exact status and type; API keys; /tokenize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_support import MODEL_NAME, Stack, gateway_url, start_gateway, stop_process, wait_ready
+from yutu.engine.tokenizer import Tokenizer
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CMPL = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+
+
+def post(stack: Stack, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}{path}", timeout=30, **kwargs)
+
+
+def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    err: dict[str, Any] = body["error"]
+    assert err["type"] == type_, err
+    if param is not None:
+        assert err["param"] == param, err
+    assert err["message"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {**CMPL, "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+        ("/v1/completions", {**CMPL, "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {**CMPL, "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {**CMPL, "top_p": 0}, "top_p"),
+        ("/v1/completions", {**CMPL, "n": 0}, "n"),
+        ("/v1/completions", {**CMPL, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {**CMPL, "prompt": {"a": 1}}, "prompt"),
+        ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
+        ("/v1/completions", {"prompt": "hi"}, "model"),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages.0.role",
+        ),
+        ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/completions", {**CMPL, "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {**CMPL, "echo": True}, "echo"),
+        ("/v1/completions", {**CMPL, "stop": ["ok", ""]}, "stop"),
+        ("/v1/completions", {**CMPL, "prompt": [1, 2, 100000]}, "prompt"),
+        ("/v1/completions", {**CMPL, "prompt": []}, "prompt"),
+    ],
+)
+def test_invalid_requests_are_400_invalid_request_error(
+    stack: Stack, path: str, body: dict[str, Any], param: str
+) -> None:
+    envelope(post(stack, path, json=body), 400, "invalid_request_error", param)
+
+
+def test_invalid_json_and_unknown_routes(stack: Stack) -> None:
+    err = envelope(
+        post(
+            stack,
+            "/v1/completions",
+            content=b'{"model": "tiny", "prompt": ',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+        "invalid_request_error",
+    )
+    assert "not valid JSON" in err["message"]
+    envelope(httpx.get(f"{stack.base_url}/v1/nope"), 404, "not_found_error")
+    envelope(httpx.get(f"{stack.base_url}/v1/completions"), 405, "invalid_request_error")
+
+
+def test_unknown_model_is_404(stack: Stack) -> None:
+    for path, body in [("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)]:
+        err = envelope(post(stack, path, json={**body, "model": "gpt-7"}), 404, "not_found_error", "model")
+        assert err["code"] == "model_not_found" and "gpt-7" in err["message"] and MODEL_NAME in err["message"]
+    envelope(httpx.get(f"{stack.base_url}/v1/models/gpt-7"), 404, "not_found_error", "model")
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-7", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-1)
+
+
+def test_too_long_prompts_are_413_with_both_numbers(stack: Stack) -> None:
+    limit = stack.max_model_len
+    err = envelope(
+        post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * (limit + 44)}),
+        413,
+        "request_too_large",
+        "prompt",
+    )
+    assert str(limit) in err["message"] and str(limit + 44) in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = envelope(
+        post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * 200, "max_tokens": 100}),
+        413,
+        "request_too_large",
+        "max_tokens",
+    )
+    assert f"{limit} tokens" in err["message"] and "300" in err["message"] and "at most 56" in err["message"]
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}
+    err = envelope(post(stack, "/v1/chat/completions", json=long_chat), 413, "request_too_large")
+    assert str(limit) in err["message"]
+    # A prompt that fits, with the rest of the context for the answer, is fine.
+    ok = post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * 250, "max_tokens": 6})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 6
+
+
+def test_tokenize_and_detokenize(stack: Stack) -> None:
+    tok = Tokenizer.from_dir(stack.model_dir)
+    resp = post(stack, "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello, world"}).json()
+    assert resp == {"count": len(tok.encode("Hello, world")), "max_model_len": stack.max_model_len,
+                    "tokens": tok.encode("Hello, world"), "token_strs": None}  # fmt: skip
+    resp = post(
+        stack, "/tokenize", json={"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True}
+    )
+    assert resp.json()["tokens"] == tok.encode("Hello", add_special_tokens=False)
+    assert resp.json()["token_strs"] == ["Hello"]
+    messages = [{"role": "user", "content": "hi"}]
+    resp = post(stack, "/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()
+    assert resp["tokens"] == tok.encode_chat(messages)
+    ids = tok.encode("Hello, world")
+    assert post(stack, "/detokenize", json={"model": MODEL_NAME, "tokens": ids}).json() == {
+        "prompt": "Hello, world"
+    }
+    envelope(post(stack, "/detokenize", json={"tokens": [10**6]}), 400, "invalid_request_error", "tokens")
+    envelope(
+        post(stack, "/tokenize", json={"model": "gpt-7", "prompt": "x"}), 404, "not_found_error", "model"
+    )
+
+
+def test_api_keys(stack: Stack, tmp_path: Path) -> None:
+    proc = start_gateway(
+        tmp_path, stack.model_dir, stack.redis_url, stack.prefix, "--api-key", "k1,k2", "--api-key", "k3"
+    )
+    try:
+        url = gateway_url(stack.redis_url, stack.prefix, proc)
+        wait_ready(url, [proc])
+        assert httpx.get(f"{url}/health").status_code == 200  # open
+        assert httpx.get(f"{url}/ready").status_code == 200  # open
+        for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}]:
+            resp = httpx.post(f"{url}/v1/completions", json=CMPL, headers=headers, timeout=30)
+            err = envelope(resp, 401, "authentication_error")
+            assert err["code"] == "invalid_api_key" and resp.headers["www-authenticate"] == "Bearer"
+            envelope(httpx.get(f"{url}/v1/models", headers=headers), 401, "authentication_error")
+        for key in ("k1", "k2", "k3"):
+            ok = httpx.post(
+                f"{url}/v1/completions", json=CMPL, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            )
+            assert ok.status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL_NAME]
+    finally:
+        stop_process(proc)
