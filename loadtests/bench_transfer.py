@@ -5,12 +5,15 @@
 A peer engine runs in a child process (region of ``--size-mib * --batch`` bytes) next to a raw
 socket server. The parent measures, each ``--repeat`` times (best run reported):
 
-- raw TCP stream: the child ``sendall``s ``iters`` x size bytes, the parent ``recv_into`` one buffer;
+- raw TCP stream: the child ``sendall``s ``iters`` x size bytes, the parent ``recv_into``s them;
 - engine TCP READ: ``iters`` single-request batches of ``size`` bytes, then batches of ``--batch``;
 - numpy memcpy: ``np.copyto`` of ``size`` bytes between two warm arrays;
 - engine SHM READ: as for TCP, with transports ("shm",).
 
-Prints GB/s and the ratios engine/baseline. Starts its own redis-server unless ``--redis-url``.
+Every series touches the same working set (``--batch`` chunks of ``size``, rotating), so baselines
+and engine pay the same cache misses. The series are interleaved round by round; the report gives
+medians of GB/s and of the per-round ratios engine/baseline. Starts its own redis-server unless
+``--redis-url`` is given.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -44,9 +47,10 @@ def free_port() -> int:
 # ------------------------------------------------------------------------- child: peer + raw server
 
 
-def raw_server(listener: socket.socket, size: int) -> None:
-    """Per connection: read a u64 total, send that many bytes from one ``size`` buffer."""
-    buf = memoryview(bytearray(os.urandom(size)))
+def raw_server(listener: socket.socket, size: int, chunks: int) -> None:
+    """Per connection: read a u64 total, send that many bytes in ``size`` pieces rotating over a
+    ``chunks * size`` buffer (the same memory footprint as the engine's region)."""
+    buf = memoryview(bytearray(os.urandom(size)) * chunks)
     while True:
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -56,18 +60,21 @@ def raw_server(listener: socket.socket, size: int) -> None:
                 if len(head) < 8:
                     break
                 (total,) = struct.unpack("!Q", head)
+                j = 0
                 while total > 0:
                     n = min(total, size)
-                    conn.sendall(buf[:n])
+                    conn.sendall(buf[j * size : j * size + n])
                     total -= n
+                    j = (j + 1) % chunks
 
 
 async def serve_peer(args: argparse.Namespace) -> None:
+    size = args.size_mib * MiB
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=raw_server, args=(listener, args.size_mib * MiB), daemon=True).start()
+    threading.Thread(target=raw_server, args=(listener, size, args.batch), daemon=True).start()
     client = aioredis.Redis.from_url(args.redis_url)
     engine = TransferEngine("bench-peer", SegmentDirectory(client, prefix="bench"))
-    region = engine.register_region("pool", args.size_mib * MiB * args.batch)
+    region = engine.register_region("pool", size * args.batch)
     region.view_numpy()[:] = 7  # touch every page: measure copies, not first faults
     await engine.start()
     print(json.dumps({"raw_port": listener.getsockname()[1]}), flush=True)
@@ -79,97 +86,123 @@ async def serve_peer(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------- parent: measurements
 
 
-def raw_tcp_gbps(port: int, size: int, iters: int) -> float:
-    buf = memoryview(bytearray(size))
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        total = size * iters
+class RawClient:
+    def __init__(self, port: int, size: int, chunks: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.size, self.chunks = size, chunks
+        self.buf = memoryview(bytearray(size * chunks))
+        self.buf[:] = b"\x01" * len(self.buf)
+
+    def gbps(self, iters: int) -> float:
+        """Stream ``iters * size`` bytes, received into rotating ``size`` chunks."""
+        size, total = self.size, self.size * iters
         t0 = time.perf_counter()
-        s.sendall(struct.pack("!Q", total))
-        got = 0
-        while got < total:
-            n = s.recv_into(buf[: min(size, total - got)])
-            if n == 0:
-                raise ConnectionError("raw server closed")
-            got += n
+        self.sock.sendall(struct.pack("!Q", total))
+        for i in range(iters):
+            j = i % self.chunks
+            view, pos = self.buf[j * size : (j + 1) * size], 0
+            while pos < size:
+                n = self.sock.recv_into(view[pos:])
+                if n == 0:
+                    raise ConnectionError("raw server closed")
+                pos += n
         return total / (time.perf_counter() - t0) / 1e9
 
 
-def memcpy_gbps(size: int, iters: int) -> float:
-    src = np.full(size, 3, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    np.copyto(dst, src)
+def memcpy_gbps(src: np.ndarray, dst: np.ndarray, size: int, iters: int, chunks: int) -> float:
+    """``iters`` copies of ``size`` bytes, rotating over ``chunks`` chunks (1 = cache-hot)."""
     t0 = time.perf_counter()
-    for _ in range(iters):
-        np.copyto(dst, src)
+    for i in range(iters):
+        j = (i % chunks) * size
+        np.copyto(dst[j : j + size], src[j : j + size])
     return size * iters / (time.perf_counter() - t0) / 1e9
 
 
-async def engine_gbps(engine: TransferEngine, size: int, iters: int, batch: int) -> float:
-    """Move ``iters * size`` bytes with READs in batches of ``batch`` requests of ``size`` bytes."""
+async def engine_gbps(engine: TransferEngine, size: int, iters: int, per_batch: int, chunks: int) -> float:
+    """``iters`` READs of ``size`` bytes, ``per_batch`` requests per batch, rotating over ``chunks``."""
     reqs = [
         TransferRequest(TransferOp.READ, "buf", j * size, "bench-peer", "pool", j * size, size)
-        for j in range(batch)
+        for j in range(chunks)
     ]
-    rounds = max(1, iters // batch)
-    await engine.transfer(reqs)  # warm up: connections, mappings, pages
+    batches = [
+        [reqs[(b * per_batch + k) % chunks] for k in range(per_batch)]
+        for b in range(max(1, iters // per_batch))
+    ]
     t0 = time.perf_counter()
-    for _ in range(rounds):
-        results = await engine.transfer(reqs)
-        bad = [r for r in results if not r.ok]
-        if bad:
-            raise RuntimeError(f"transfer failed: {bad[0]}")
-    return size * batch * rounds / (time.perf_counter() - t0) / 1e9
+    for batch in batches:
+        results = await engine.transfer(batch)
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"transfer failed: {[r.error for r in results if not r.ok][0]}")
+    return size * per_batch * len(batches) / (time.perf_counter() - t0) / 1e9
 
 
-async def best(repeat: int, fn: Callable[[], Awaitable[float]]) -> float:
-    return max([await fn() for _ in range(repeat)])
-
-
-async def measure(args: argparse.Namespace, raw_port: int) -> dict[str, float]:
-    size = args.size_mib * MiB
+async def measure(args: argparse.Namespace, raw_port: int) -> dict[str, list[float]]:
+    size, chunks, iters = args.size_mib * MiB, args.batch, args.iters
     client = aioredis.Redis.from_url(args.redis_url)
     directory = SegmentDirectory(client, prefix="bench")
-    out: dict[str, float] = {}
     loop = asyncio.get_running_loop()
-
-    async def raw() -> float:
-        return await loop.run_in_executor(None, raw_tcp_gbps, raw_port, size, args.iters)
-
-    async def memcpy() -> float:
-        return memcpy_gbps(size, args.iters)
-
-    out["raw_tcp"] = await best(args.repeat, raw)
-    out["memcpy"] = await best(args.repeat, memcpy)
+    raw = RawClient(raw_port, size, chunks)
+    src = np.full(size * chunks, 3, dtype=np.uint8)
+    dst = np.ones(size * chunks, dtype=np.uint8)
+    engines = {}
     for transport in ("tcp", "shm"):
-        engine = TransferEngine(f"bench-{transport}", directory, transports=(transport,))
-        engine.register_region("buf", size * args.batch).view_numpy()[:] = 0
-        async with engine:
-            out[f"{transport}_single"] = await best(
-                args.repeat, lambda e=engine: engine_gbps(e, size, args.iters, 1)
-            )
-            out[f"{transport}_batch"] = await best(
-                args.repeat, lambda e=engine: engine_gbps(e, size, args.iters, args.batch)
-            )
+        engine = TransferEngine(
+            f"bench-{transport}",
+            directory,
+            tcp_connections=args.connections,
+            transports=(transport,),
+            tcp_slice_bytes=args.slice_kib * 1024,
+        )
+        engine.register_region("buf", size * chunks).view_numpy()[:] = 1
+        await engine.start()
+        await engine_gbps(engine, size, chunks, chunks, chunks)  # warm: connections, mappings, pages
+        engines[transport] = engine
+    out: dict[str, list[float]] = {}
+    for _ in range(args.repeat):  # interleaved, so drift and neighbours hit every series alike
+        sample = {
+            "raw_tcp": await loop.run_in_executor(None, raw.gbps, iters),
+            "tcp_single": await engine_gbps(engines["tcp"], size, iters, 1, chunks),
+            "tcp_batch": await engine_gbps(engines["tcp"], size, iters, args.batch, chunks),
+            "memcpy": memcpy_gbps(src, dst, size, iters, chunks),
+            "memcpy_hot": memcpy_gbps(src, dst, size, iters, 1),
+            "shm_single": await engine_gbps(engines["shm"], size, iters, 1, chunks),
+            "shm_batch": await engine_gbps(engines["shm"], size, iters, args.batch, chunks),
+        }
+        for key, value in sample.items():
+            out.setdefault(key, []).append(value)
+        for key in ("tcp_single", "tcp_batch"):
+            out.setdefault(key + "/raw", []).append(sample[key] / sample["raw_tcp"])
+        for key in ("shm_single", "shm_batch"):
+            out.setdefault(key + "/memcpy", []).append(sample[key] / sample["memcpy"])
+    for engine in engines.values():
+        await engine.close()
+    raw.sock.close()
     await client.aclose()
     return out
 
 
-def report(args: argparse.Namespace, r: dict[str, float]) -> None:
-    print(f"size {args.size_mib} MiB, {args.iters} per run, batch {args.batch}, best of {args.repeat} (GB/s)")
-    print(f"  raw TCP stream (sendall/recv_into) {r['raw_tcp']:6.2f}")
+def report(args: argparse.Namespace, r: dict[str, list[float]]) -> None:
+    med = {k: statistics.median(v) for k, v in r.items()}
     print(
-        f"  engine TCP READ, 1 per batch       {r['tcp_single']:6.2f}  = {r['tcp_single'] / r['raw_tcp']:4.0%} of raw"
+        f"{args.size_mib} MiB READs, {args.iters} per series, working set {args.batch} x {args.size_mib} MiB, "
+        f"median of {args.repeat} interleaved rounds"
+    )
+    print(f"  raw TCP stream (sendall/recv_into)  {med['raw_tcp']:6.2f} GB/s")
+    print(
+        f"  engine TCP, 1 request per batch     {med['tcp_single']:6.2f} GB/s  {med['tcp_single/raw']:4.0%} of raw"
     )
     print(
-        f"  engine TCP READ, {args.batch:2d} per batch      {r['tcp_batch']:6.2f}  = {r['tcp_batch'] / r['raw_tcp']:4.0%} of raw"
-    )
-    print(f"  numpy memcpy                       {r['memcpy']:6.2f}")
-    print(
-        f"  engine SHM READ, 1 per batch       {r['shm_single']:6.2f}  = {r['shm_single'] / r['memcpy']:4.0%} of memcpy"
+        f"  engine TCP, {args.batch:2d} requests per batch   {med['tcp_batch']:6.2f} GB/s  {med['tcp_batch/raw']:4.0%} of raw"
     )
     print(
-        f"  engine SHM READ, {args.batch:2d} per batch      {r['shm_batch']:6.2f}  = {r['shm_batch'] / r['memcpy']:4.0%} of memcpy"
+        f"  numpy memcpy (same working set)     {med['memcpy']:6.2f} GB/s   (cache-hot 4 MiB: {med['memcpy_hot']:.2f})"
+    )
+    print(
+        f"  engine SHM, 1 request per batch     {med['shm_single']:6.2f} GB/s  {med['shm_single/memcpy']:4.0%} of memcpy"
+    )
+    print(
+        f"  engine SHM, {args.batch:2d} requests per batch   {med['shm_batch']:6.2f} GB/s  {med['shm_batch/memcpy']:4.0%} of memcpy"
     )
 
 
@@ -180,8 +213,10 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=4)
     parser.add_argument("--iters", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--connections", type=int, default=4, help="tcp_connections of the engine")
+    parser.add_argument("--slice-kib", type=int, default=2048, help="tcp_slice_bytes of the engine, in KiB")
     parser.add_argument("--serve-peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_peer:

@@ -151,7 +151,7 @@ async def test_stalled_peer_times_out_and_recovers(
             TransferStatus.TIMED_OUT,
             TransferStatus.COMPLETED,
         ]
-        assert 0.4 < elapsed < 2.0
+        assert 0.4 < elapsed < 5.0
     finally:
         peer.resume()
     [result] = await engine.transfer([to_sleepy])

@@ -92,7 +92,16 @@ class PeerProcess:
         await asyncio.to_thread(self.command, f"fill {region} {seed}")
 
     def stop(self) -> None:
+        """SIGSTOP, and wait until the kernel reports the process stopped (delivery is async)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
+        raise TimeoutError(f"peer {self.segment} did not stop")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

@@ -58,7 +58,7 @@ class TransferEngine:
         *,
         transports: Sequence[str] = DEFAULT_TRANSPORTS,
         advertise_host: str | None = None,
-        tcp_slice_bytes: int = 4 << 20,
+        tcp_slice_bytes: int = 2 << 20,
         shm_dir: str | None = None,
     ) -> None:
         """``transports`` limits what this engine uses and offers (e.g. ``("tcp",)`` to force TCP);

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ from yutu.transfer.tcp_wire import (
     decode_reply_header,
     encode_request,
     recv_exact,
+    send_all,
     tune_socket,
 )
 from yutu.transfer.transport import COMPLETED, Outcome, Progress
@@ -178,12 +180,15 @@ class PeerConnections:
 class TcpClient:
     """Runs TCP transfers for the engine; owns the pools and the worker threads."""
 
-    def __init__(self, connections: int = 4, slice_bytes: int = 4 << 20) -> None:
+    def __init__(self, connections: int = 4, slice_bytes: int = 2 << 20, lanes: int | None = None) -> None:
+        """``connections`` bounds the pool per peer; ``lanes`` (default: min(connections, CPUs)) is how
+        many of them one batch drives in parallel: more streams than cores only add contention."""
         if connections < 1 or not 4096 <= slice_bytes <= DRAIN_LIMIT:
             raise ValueError(
                 f"need connections >= 1 and 4096 <= slice_bytes <= {DRAIN_LIMIT}, got {connections}, {slice_bytes}"
             )
         self.connections = connections
+        self.lanes = max(1, min(connections, lanes or os.cpu_count() or 1))
         self.slice_bytes = slice_bytes
         self._pools: dict[PeerAddress, PeerConnections] = {}
         self._lock = threading.Lock()
@@ -210,7 +215,7 @@ class TcpClient:
                 parts[index] += 1
         loop = asyncio.get_running_loop()
         progress = Progress(loop, parts, on_done)
-        n_lanes = min(self.connections, len(slices))
+        n_lanes = min(self.lanes, len(slices))
         lanes = [slices[i::n_lanes] for i in range(n_lanes)]
         futures = [
             loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline, progress)
@@ -293,8 +298,7 @@ class TcpClient:
         else:
             for rid, s in zip(ids, window, strict=True):
                 sock.settimeout(_remaining(deadline))
-                sock.sendall(encode_request(op, rid, s.region, s.offset, len(s.local)))
-                sock.sendall(s.local)
+                send_all(sock, encode_request(op, rid, s.region, s.offset, len(s.local)), s.local)
         reply = bytearray(REPLY.size)
         reply_view = memoryview(reply)
         for rid, s in zip(ids, window, strict=True):

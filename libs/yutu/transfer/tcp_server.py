@@ -30,6 +30,7 @@ from yutu.transfer.tcp_wire import (
     encode_reply,
     recv_exact,
     recv_exact_into,
+    send_all,
     tune_socket,
 )
 
@@ -134,8 +135,7 @@ class DataServer:
                 if view is None:
                     conn.sendall(encode_reply(status, rid, 0, msg))
                     continue
-                conn.sendall(encode_reply(WireStatus.OK, rid, length))
-                conn.sendall(view)
+                send_all(conn, encode_reply(WireStatus.OK, rid, length), view)
             else:
                 if view is None:
                     if length > DRAIN_LIMIT:

@@ -108,6 +108,16 @@ def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
         n -= got
 
 
+def send_all(sock: socket.socket, head: bytes, payload: memoryview) -> None:
+    """Send ``head`` then ``payload`` with as few syscalls as possible (one ``sendmsg`` when the
+    socket buffer takes it all), so a header never travels alone ahead of its payload."""
+    sent = sock.sendmsg([head, payload])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    sock.sendall(payload[sent - len(head) :])
+
+
 def tune_socket(sock: socket.socket) -> None:
     """Settings of every data-plane socket: no Nagle delay on the small headers."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -16,6 +16,7 @@ can be mapped (checked by the SHM transport, which falls back to ``tcp`` when it
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -99,13 +100,18 @@ class Progress:
         self, loop: asyncio.AbstractEventLoop, parts: list[int], on_done: Callable[[int, Outcome], None]
     ) -> None:
         self._loop = loop
+        self._loop_thread = threading.get_ident()  # built on the loop's thread
         self._left = list(parts)  # parts still running, per request
         self._outcomes = [COMPLETED] * len(parts)
         self._on_done = on_done
 
     def post(self, finished: list[tuple[int, Outcome]]) -> None:
         """From any thread: these (request index, part outcome) pairs are final."""
-        if finished:
+        if not finished:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._apply(finished)
+        else:
             try:
                 self._loop.call_soon_threadsafe(self._apply, finished)
             except RuntimeError:
