@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from yutu.engine.attention import AttentionMetadata
+from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model
 from yutu.engine.model import LlamaForCausalLM
 from yutu.engine.testing import PagedRunner, greedy_generate, make_tiny_checkpoint
@@ -195,3 +195,61 @@ def test_rejects_mismatched_cache_and_metadata(tmp_path: Path) -> None:
     no_blocks = AttentionMetadata(torch.tensor([0, 1, 2]), [0, 3], [3], [[]])
     with pytest.raises(ValueError, match="need 0 < chunk <= context and >= 1 blocks"):
         model(ids, torch.arange(3), cache, no_blocks)
+
+
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """Dense attention of q (n, nh, hd) at positions q_pos over keys 0..ctx-1, k/v (ctx, kvh, hd)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (ctx, nh, hd)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (nh, n, ctx)
+    k_pos = torch.arange(k.shape[0])[None, :]  # (1, ctx)
+    allowed = k_pos <= q_pos[:, None]  # (n, ctx)
+    if window is not None:
+        allowed &= k_pos > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (n, nh, hd)
+
+
+@pytest.mark.parametrize("window", [None, 5, 16])
+@pytest.mark.parametrize("group_tokens", [None, 1, 40])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_matches_dense_reference(
+    window: int | None, group_tokens: int | None, block_size: int
+) -> None:
+    """Mixed chunks and decode steps over shuffled blocks; decode groups of every size."""
+    gen = torch.Generator().manual_seed(0)
+    nh, kvh, hd, num_blocks = 6, 2, 8, 64
+    chunks_and_contexts = [(1, 37), (5, 5), (1, 3), (12, 30), (1, 17), (1, 1), (3, 50)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.zeros(num_blocks, block_size, kvh, hd)
+    v_cache = torch.zeros(num_blocks, block_size, kvh, hd)
+    q_parts, slots, query_start, tables, expected = [], [], [0], [], []
+    for chunk, ctx in chunks_and_contexts:
+        table = [order.pop() for _ in range(-(-ctx // block_size))]
+        k = torch.randn(ctx, kvh, hd, generator=gen)
+        v = torch.randn(ctx, kvh, hd, generator=gen)
+        all_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        write_kv_cache(k, v, k_cache, v_cache, all_slots)  # the cached prefix and this chunk
+        q = torch.randn(chunk, nh, hd, generator=gen)
+        q_parts.append(q)
+        slots.append(all_slots[ctx - chunk :])
+        query_start.append(query_start[-1] + chunk)
+        tables.append(table)
+        expected.append(_reference_attention(q, k, v, torch.arange(ctx - chunk, ctx), window, 0.3))
+    meta = AttentionMetadata(torch.cat(slots), query_start, [c for _, c in chunks_and_contexts], tables)
+    plan = build_attention_plan(meta, block_size, torch.device("cpu"), window, group_tokens)
+    if group_tokens == 1:
+        assert len(plan.decode) == 4  # one decode sequence per group
+    if group_tokens is None:
+        assert len(plan.decode) == 1
+    if window == 5:  # blocks wholly before the window are not read: 5 keys span at most 3 blocks
+        assert max(g.block_table.shape[1] for g in plan.decode) <= 3
+        assert max(span.block_ids.numel() for span in plan.prefill) <= -(-(12 + 4) // block_size) + 1
+    out = paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, 0.3, plan=plan)
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=0)
+    # Without a plan, paged_attention builds the same one itself.
+    torch.testing.assert_close(
+        paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, 0.3, sliding_window=window), out
+    )

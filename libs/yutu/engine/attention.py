@@ -49,17 +49,27 @@ class _PrefillSpan:
 
     q_start: int  # first row of the chunk in the flat batch
     q_end: int  # one past its last row
-    context_len: int  # keys to attend over (cached prefix + this chunk)
-    block_ids: torch.Tensor  # (ceil(context_len / block_size),) int64
-    mask: torch.Tensor | None  # (chunk, context_len) bool, True = attend; None = plain causal
+    key_start: int  # position of the first key gathered (> 0 only under a sliding window)
+    context_len: int  # one past the position of the last key (cached prefix + this chunk)
+    block_ids: torch.Tensor  # (num_gathered_blocks,) int64: blocks holding keys key_start .. context_len-1
+    mask: torch.Tensor | None  # (chunk, context_len - key_start) bool, True = attend; None = plain causal
+
+
+@dataclass
+class _DecodeGroup:
+    """Sequences with one-token chunks, attended together in one padded call."""
+
+    rows: torch.Tensor  # (D,) int64: rows of their tokens in the flat batch
+    block_table: torch.Tensor  # (D, max_blocks) int64, padded with block 0
+    mask: torch.Tensor  # (D, 1, 1, max_blocks * block_size) bool, True = attend
 
 
 @dataclass
 class AttentionPlan:
     """Index tensors derived from one AttentionMetadata, built once per forward and shared by layers.
 
-    Sequences with a one-token chunk (decode steps) are batched into one padded attention call;
-    longer chunks (prefill) are attended one sequence at a time.
+    Sequences with a one-token chunk (decode steps) are batched into padded attention calls, in
+    groups of similar context length; longer chunks (prefill) are attended one sequence at a time.
     """
 
     block_size: int
@@ -67,18 +77,23 @@ class AttentionPlan:
     write_blocks: torch.Tensor  # (T,) int64: cache block of each token of the batch
     write_offsets: torch.Tensor  # (T,) int64: offset of each token inside its block
     prefill: list[_PrefillSpan]
-    decode_rows: torch.Tensor | None  # (D,) int64: rows of decode tokens in the flat batch
-    decode_block_table: torch.Tensor | None  # (D, max_blocks) int64, padded with block 0
-    decode_mask: torch.Tensor | None  # (D, 1, 1, max_blocks * block_size) bool, True = attend
+    decode: list[_DecodeGroup]
 
 
 def build_attention_plan(
-    meta: AttentionMetadata, block_size: int, device: torch.device, sliding_window: int | None = None
+    meta: AttentionMetadata,
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    max_decode_group_tokens: int | None = None,
 ) -> AttentionPlan:
     """Turn ``meta`` into the index tensors paged_attention needs, on ``device``.
 
     With ``sliding_window`` W a query at position p sees keys at positions p-W+1 .. p (the
-    Hugging Face convention); without it, keys 0 .. p.
+    Hugging Face convention), and blocks wholly before the window are not read; without it, keys
+    0 .. p. Decode sequences are sorted by context length and grouped so that a group's padded
+    key count (sequences x longest context) stays within ``max_decode_group_tokens`` (None: one
+    group) -- on CPU, small groups keep the gathered keys in cache.
     """
     slots = meta.slot_mapping.to(device=device, dtype=torch.int64)  # (T,)
     if len(meta.query_start) != meta.num_seqs + 1 or len(meta.block_tables) != meta.num_seqs:
@@ -91,9 +106,7 @@ def build_attention_plan(
             f"query_start ends at {meta.query_start[-1]} but slot_mapping has {slots.shape[0]} tokens"
         )
     prefill: list[_PrefillSpan] = []
-    decode_rows: list[int] = []
-    decode_ctx: list[int] = []
-    decode_tables: list[list[int]] = []
+    decode: list[tuple[int, int, int, list[int]]] = []  # (row, key_start, context_len, block ids)
     for i, ctx in enumerate(meta.context_lens):
         q_start, q_end = meta.query_start[i], meta.query_start[i + 1]
         chunk = q_end - q_start
@@ -103,42 +116,57 @@ def build_attention_plan(
                 f"sequence {i}: chunk of {chunk} tokens, context {ctx}, {len(meta.block_tables[i])} blocks "
                 f"(need 0 < chunk <= context and >= {num_blocks} blocks of {block_size})"
             )
+        # The chunk's first query sits at ctx - chunk; under a window it sees nothing before
+        # ctx - chunk - W + 1, so start at the block holding that position.
+        first_key = 0 if sliding_window is None else max(0, ctx - chunk - sliding_window + 1)
+        first_block = first_key // block_size
+        key_start = first_block * block_size
+        table = meta.block_tables[i][first_block:num_blocks]
         if chunk == 1:
-            decode_rows.append(q_start)
-            decode_ctx.append(ctx)
-            decode_tables.append(meta.block_tables[i][:num_blocks])
+            decode.append((q_start, key_start, ctx, table))
             continue
-        block_ids = torch.tensor(meta.block_tables[i][:num_blocks], dtype=torch.int64, device=device)
+        block_ids = torch.tensor(table, dtype=torch.int64, device=device)
         mask = None
         if chunk != ctx or (sliding_window is not None and ctx > sliding_window):
             q_pos = torch.arange(ctx - chunk, ctx, device=device)[:, None]  # (chunk, 1)
-            k_pos = torch.arange(ctx, device=device)[None, :]  # (1, ctx)
-            mask = k_pos <= q_pos  # (chunk, ctx)
+            k_pos = torch.arange(key_start, ctx, device=device)[None, :]  # (1, ctx - key_start)
+            mask = k_pos <= q_pos  # (chunk, ctx - key_start)
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-        prefill.append(_PrefillSpan(q_start, q_end, ctx, block_ids, mask))
+        prefill.append(_PrefillSpan(q_start, q_end, key_start, ctx, block_ids, mask))
 
-    decode_rows_t = decode_table_t = decode_mask_t = None
-    if decode_rows:
-        max_blocks = max(len(t) for t in decode_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        decode_rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=device)  # (D,)
-        decode_table_t = torch.tensor(padded, dtype=torch.int64, device=device)  # (D, max_blocks)
-        ctx_t = torch.tensor(decode_ctx, dtype=torch.int64, device=device)[:, None]  # (D, 1)
-        k_pos = torch.arange(max_blocks * block_size, device=device)[None, :]  # (1, S)
+    groups: list[_DecodeGroup] = []
+    decode.sort(key=lambda d: len(d[3]), reverse=True)  # longest first: each group's first is its longest
+    start = 0
+    while start < len(decode):
+        group_blocks = len(decode[start][3])
+        end = start + 1
+        while end < len(decode) and (
+            max_decode_group_tokens is None
+            or (end + 1 - start) * group_blocks * block_size <= max_decode_group_tokens
+        ):
+            end += 1
+        members = decode[start:end]
+        start = end
+        rows = torch.tensor([m[0] for m in members], dtype=torch.int64, device=device)  # (D,)
+        padded = [m[3] + [0] * (group_blocks - len(m[3])) for m in members]
+        table_t = torch.tensor(padded, dtype=torch.int64, device=device)  # (D, max_blocks)
+        key_start_t = torch.tensor([m[1] for m in members], dtype=torch.int64, device=device)[
+            :, None
+        ]  # (D, 1)
+        ctx_t = torch.tensor([m[2] for m in members], dtype=torch.int64, device=device)[:, None]  # (D, 1)
+        k_pos = key_start_t + torch.arange(group_blocks * block_size, device=device)[None, :]  # (D, S)
         mask = k_pos < ctx_t  # (D, S)
         if sliding_window is not None:
-            mask &= k_pos >= ctx_t - sliding_window
-        decode_mask_t = mask[:, None, None, :]  # (D, 1, 1, S)
+            mask &= k_pos > ctx_t - 1 - sliding_window
+        groups.append(_DecodeGroup(rows, table_t, mask[:, None, None, :]))  # mask (D, 1, 1, S)
     return AttentionPlan(
         block_size=block_size,
         sliding_window=sliding_window,
         write_blocks=slots // block_size,
         write_offsets=slots % block_size,
         prefill=prefill,
-        decode_rows=decode_rows_t,
-        decode_block_table=decode_table_t,
-        decode_mask=decode_mask_t,
+        decode=groups,
     )
 
 
@@ -190,33 +218,31 @@ def paged_attention(
 
     # Prefill chunks, one sequence at a time: chunk rows a = 0..n-1 sit at positions ctx-n+a.
     for span in plan.prefill:
-        ctx = span.context_len
-        k = k_cache_layer[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:ctx]  # (ctx, kvh, hd)
-        v = v_cache_layer[span.block_ids].reshape(-1, num_kv_heads, head_dim)[:ctx]  # (ctx, kvh, hd)
+        n_keys = span.context_len - span.key_start
+        k = k_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
+        v = v_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
         qs = q[span.q_start : span.q_end].transpose(0, 1)[None]  # (1, nh, n, hd)
         o = F.scaled_dot_product_attention(
             qs,
-            k.transpose(0, 1)[None],  # (1, kvh, ctx, hd)
-            v.transpose(0, 1)[None],  # (1, kvh, ctx, hd)
-            attn_mask=span.mask,  # (n, ctx) or None
+            k.transpose(0, 1)[None],  # (1, kvh, n_keys, hd)
+            v.transpose(0, 1)[None],  # (1, kvh, n_keys, hd)
+            attn_mask=span.mask,  # (n, n_keys) or None
             is_causal=span.mask is None,
             scale=scale,
             enable_gqa=True,
         )  # (1, nh, n, hd)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1)  # (n, nh, hd)
 
-    # Decode steps, all at once: pad every block table to the longest, mask the padding.
-    if plan.decode_rows is not None:
-        assert plan.decode_block_table is not None and plan.decode_mask is not None
-        num_dec, max_blocks = plan.decode_block_table.shape
+    # Decode steps, a group at a time: block tables padded to the group's longest, padding masked.
+    for group in plan.decode:
+        num_dec, max_blocks = group.block_table.shape
         span_len = max_blocks * block_size
-        k = k_cache_layer[plan.decode_block_table]  # (D, max_blocks, bs, kvh, hd)
-        v = v_cache_layer[plan.decode_block_table]  # (D, max_blocks, bs, kvh, hd)
-        k = k.reshape(num_dec, span_len, num_kv_heads, head_dim).transpose(1, 2)  # (D, kvh, S, hd)
-        v = v.reshape(num_dec, span_len, num_kv_heads, head_dim).transpose(1, 2)  # (D, kvh, S, hd)
-        qd = q[plan.decode_rows][:, :, None, :]  # (D, nh, 1, hd)
+        flat_table = group.block_table.view(-1)  # (D * max_blocks,): 1-D indexing gathers faster
+        k = k_cache_layer[flat_table].view(num_dec, span_len, num_kv_heads, head_dim)  # (D, S, kvh, hd)
+        v = v_cache_layer[flat_table].view(num_dec, span_len, num_kv_heads, head_dim)  # (D, S, kvh, hd)
+        qd = q[group.rows][:, :, None, :]  # (D, nh, 1, hd)
         o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale, enable_gqa=True
         )  # (D, nh, 1, hd)
-        out[plan.decode_rows] = o[:, :, 0, :]  # (D, nh, hd)
+        out[group.rows] = o[:, :, 0, :]  # (D, nh, hd)
     return out

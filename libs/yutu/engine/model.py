@@ -26,6 +26,8 @@ from yutu.engine.attention import (
 )
 from yutu.engine.model_config import ModelConfig
 
+CPU_DECODE_GROUP_BYTES = 1 << 20  # see LlamaForCausalLM._decode_group_tokens
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like the reference implementation."""
@@ -204,10 +206,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # (T, H)
         cos, sin = self.rotary(positions, h.dtype)  # (T, hd), (T, hd)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
+        group_tokens = self._decode_group_tokens(kv_cache)
         for i, layer in enumerate(self.model.layers):
             window = self.config.layer_sliding_window(i)
             if window not in plans:
-                plans[window] = build_attention_plan(meta, block_size, h.device, window)
+                plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
             h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window])  # (T, H)
         return self.model.norm(h)  # (T, H)
@@ -215,6 +218,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, V) float32 logits."""
         return self.lm_head(hidden).float()  # (N, V)
+
+    def _decode_group_tokens(self, kv_cache: torch.Tensor) -> int | None:
+        """Keys per padded decode attention call: all at once on GPUs; on CPUs few enough that the
+        gathered K (or V) of a group fits in cache (measured: faster than one big call or one per
+        sequence)."""
+        if kv_cache.device.type != "cpu":
+            return None
+        bytes_per_token = self.config.num_kv_heads * self.config.head_dim * kv_cache.element_size()
+        return max(1, CPU_DECODE_GROUP_BYTES // bytes_per_token)
 
     def _check_cache(self, kv_cache: torch.Tensor) -> None:
         c = self.config
