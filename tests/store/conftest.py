@@ -170,5 +170,6 @@ async def store_cluster(redis_url: str, registry_prefix: str, tmp_path: Path) ->
                 await client.close()
             except Exception:  # noqa: BLE001 - a failed test may leave a client half-closed
                 pass
-        for proc in reversed(cluster.procs):
+        # nodes first, while the master can still take their unmount; then the masters
+        for proc in sorted(reversed(cluster.procs), key=lambda p: "store_master" in " ".join(p.args)):
             proc.stop(timeout=5.0)

@@ -63,18 +63,18 @@ class MasterClient:
     async def call(self, msg: Any, timeout_s: float | None = None) -> Any:
         if self._rpc is None:
             await self.connect()
-        assert self._rpc is not None
+        rpc = self._rpc
+        assert rpc is not None
         try:
-            return await self._rpc.call(msg, timeout_s)
+            return await rpc.call(msg, timeout_s)
         except YutuError as exc:
-            if exc.kind is not ErrorKind.UNAVAILABLE or self._fixed is not None:
+            if exc.kind is not ErrorKind.UNAVAILABLE or self._fixed is not None or self._rpc is not rpc:
                 raise
-            before = self._rpc.endpoint
             try:
                 await self.connect()
             except YutuError:
                 raise exc from None
-            if self._rpc.endpoint == before:
+            if self._rpc is rpc or self._rpc is None:
                 raise
             return await self._rpc.call(msg, timeout_s)
 
