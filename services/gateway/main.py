@@ -8,8 +8,6 @@ import logging
 
 from yutu.service import HttpServer, serve, setup_logging
 
-from services.gateway.app import build_app
-from services.gateway.service import GatewayService
 from services.gateway.settings import GatewaySettings
 from services.gateway.settings import add_arguments as add_arguments
 
@@ -26,6 +24,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(settings: GatewaySettings) -> int:
+    # Imported here so `yutu gateway --help` stays fast (the model source pulls in torch).
+    from services.gateway.app import build_app
+    from services.gateway.service import GatewayService
+
     service = GatewayService(settings)
     http = HttpServer(build_app(service), settings.host, settings.port)
     service.http = http

@@ -143,6 +143,8 @@ def reject_unsupported(req: _GenerationRequest) -> None:
             raise invalid(f"{name} is not supported yet: leave it unset or 0", name)
     if req.logit_bias:
         raise invalid("logit_bias is not supported yet: leave it unset", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise invalid("echo is not supported yet: leave it false", "echo")

@@ -166,9 +166,13 @@ def test_chat_logprobs_shape(stack: Stack, client: openai.OpenAI) -> None:
         if not entry.token.startswith("bytes:"):
             assert bytes(entry.bytes) == entry.token.encode("utf-8")
     no_lp = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=3,
+        extra_body={"ignore_eos": True},
     )
     assert no_lp.choices[0].logprobs is None
+    assert (no_lp.usage.completion_tokens, no_lp.choices[0].finish_reason) == (3, "length")
 
 
 def test_n_and_seed_reproducibility(stack: Stack, client: openai.OpenAI) -> None:

@@ -57,6 +57,8 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/completions", {**CMPL, "presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/completions", {**CMPL, "echo": True}, "echo"),
+        ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
         ("/v1/completions", {**CMPL, "stop": ["ok", ""]}, "stop"),
         ("/v1/completions", {**CMPL, "prompt": [1, 2, 100000]}, "prompt"),
         ("/v1/completions", {**CMPL, "prompt": []}, "prompt"),
