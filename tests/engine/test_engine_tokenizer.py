@@ -185,3 +185,27 @@ def test_incremental_detokenizer_holds_back_partial_emoji(tok: Tokenizer) -> Non
     assert [detok.push([i]) for i in ids[1:-1]] == [""] * (len(ids) - 2)
     assert detok.push(ids[-1:]) == "🐇"
     assert detok.flush() == "" and detok.token_ids == ids
+
+
+def test_incremental_detokenizer_keeps_sentencepiece_spaces() -> None:
+    """Metaspace decoders (Llama 2, Mistral) drop the leading space of a decode's first token; the
+    detokenizer decodes with prompt context, so the space between prompt and answer survives."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from yutu.engine.demo_tokenizer import demo_corpus
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    backend.train_from_iterator([d for d in demo_corpus() if d.isascii()], trainer=trainer)
+    tok = Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
+    text = "Question: the moon rabbit pounds herbs"
+    ids = tok.encode(text)
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]) == "Question:")
+    assert tok.decode(ids[split:]) == "the moon rabbit pounds herbs"  # the space is lost alone
+    detok = IncrementalDetokenizer(tok, ids[:split])
+    assert "".join(detok.push([i]) for i in ids[split:]) + detok.flush() == " the moon rabbit pounds herbs"
