@@ -7,7 +7,9 @@ import random
 from pathlib import Path
 
 import pytest
-from yutu.engine.demo_tokenizer import CHAT_TEMPLATE
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from yutu.engine.demo_tokenizer import CHAT_TEMPLATE, demo_corpus
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -190,11 +192,6 @@ def test_incremental_detokenizer_holds_back_partial_emoji(tok: Tokenizer) -> Non
 def test_incremental_detokenizer_keeps_sentencepiece_spaces() -> None:
     """Metaspace decoders (Llama 2, Mistral) drop the leading space of a decode's first token; the
     detokenizer decodes with prompt context, so the space between prompt and answer survives."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from yutu.engine.demo_tokenizer import demo_corpus
-
     backend = Backend(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
     backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
