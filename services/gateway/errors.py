@@ -133,7 +133,10 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         message = str(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}: see /docs for the API"
+            message = (
+                f"no route {request.method} {request.url.path}: this server answers /v1/models,"
+                " /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /ready, /metrics"
+            )
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         return JSONResponse(

@@ -259,7 +259,11 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.usable]
 
     def pick(self) -> WorkerClient:
-        """The usable worker with the fewest in-flight requests (ties: the least recently picked)."""
+        """The usable worker with the fewest in-flight requests (ties: the least recently picked).
+
+        Workers whose connection is up come before ones still connecting (a registered worker whose
+        process is gone never connects; its record expires within the registry TTL).
+        """
         candidates = self.usable()
         if not candidates:
             raise YutuError(
@@ -269,7 +273,12 @@ class WorkerPool:
             )
         best = min(
             candidates,
-            key=lambda w: (w.in_flight, self._last_pick.get(w.info.instance_id, -1), w.info.instance_id),
+            key=lambda w: (
+                not w.connected,
+                w.in_flight,
+                self._last_pick.get(w.info.instance_id, -1),
+                w.info.instance_id,
+            ),
         )
         self._last_pick[best.info.instance_id] = next(self._turn)
         return best

@@ -124,14 +124,22 @@ def gateway_settings(model: Path, redis_url: str, prefix: str, **overrides: Any)
 
 
 @asynccontextmanager
-async def running_gateway(settings: GatewaySettings) -> AsyncIterator[tuple[str, GatewayService]]:
-    """A gateway in this event loop: yields (base URL, service)."""
+async def running_gateway(
+    settings: GatewaySettings, connected_workers: int = 1
+) -> AsyncIterator[tuple[str, GatewayService]]:
+    """A gateway in this event loop, once ``connected_workers`` workers are connected: (base URL, service)."""
     service = GatewayService(settings)
     http = HttpServer(build_app(service), settings.host, settings.port)
     service.http = http
     try:
         await service.startup()
         await http.start()
+        for _ in range(100):
+            if sum(w.connected for w in service.pool.workers.values()) >= connected_workers:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"gateway did not connect to {connected_workers} worker(s)")
         yield f"http://127.0.0.1:{http.port}", service
     finally:
         await http.stop()

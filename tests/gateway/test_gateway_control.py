@@ -100,7 +100,7 @@ async def test_worker_death_mid_request_is_an_error_not_a_hang(
     w1 = await FakeWorker(redis_url, registry_prefix).start()
     w2 = await FakeWorker(redis_url, registry_prefix).start()
     try:
-        async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, gw):
+        async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix), 2) as (url, gw):
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -169,7 +169,7 @@ async def test_least_loaded_pick_and_n_seeds(tiny_model: Path, redis_url: str, r
     w1 = await FakeWorker(redis_url, registry_prefix).start()
     w2 = await FakeWorker(redis_url, registry_prefix).start()
     try:
-        async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, _):
+        async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix), 2) as (url, _):
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "n": 2, "seed": 41, "temperature": 0.7,
                         "top_k": 5, "ignore_eos": True, "stop_token_ids": [7]}  # fmt: skip
@@ -201,7 +201,7 @@ async def test_least_loaded_pick_and_n_seeds(tiny_model: Path, redis_url: str, r
 async def test_no_worker_is_503_and_models_marks_demo(
     tiny_model: Path, redis_url: str, registry_prefix: str
 ) -> None:
-    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, gw):
+    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix), 0) as (url, gw):
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             assert (await client.get("/ready")).status_code == 503
             resp = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
