@@ -108,7 +108,7 @@ def up_parser() -> argparse.ArgumentParser:
 
 def up(argv: list[str]) -> int:
     from yutu.engine.default_model import DEFAULT_MODEL_NAME
-    from yutu.engine.model_source import resolve_model
+    from yutu.engine.model_source import resolve_model, served_model_name
     from yutu.launcher import ProcessGroup, child_env, free_port, python_module, redis_reachable, start_redis
 
     args = up_parser().parse_args(argv)
@@ -130,7 +130,7 @@ def up(argv: list[str]) -> int:
             start_redis(group, args.redis_url, Path.home() / ".cache" / "yutu" / "redis")
         log.info("preparing model %s", args.model or f"{DEFAULT_MODEL_NAME} (built-in demo)")
         model_dir = resolve_model(args.model)
-        served = args.served_model_name or model_dir.name
+        served = args.served_model_name or served_model_name(args.model, model_dir)
         env = child_env()
         common = ["--redis-url", args.redis_url]
         for i in range(args.workers):

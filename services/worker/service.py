@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from fastapi import APIRouter
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from yutu.engine.model_source import resolve_model
+from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind
 from yutu.protocol.codec import ProtocolError
@@ -83,7 +83,7 @@ class WorkerService(Service):
         log.info("loading model from %s", self.model_dir)
         self.engine = await asyncio.to_thread(LLMEngine, config)
         self.demo = bool(self.engine.model_config.yutu_demo)
-        self.served_model_name = s.served_model_name or self.model_dir.name
+        self.served_model_name = s.served_model_name or served_model_name(s.model, self.model_dir)
         if self.demo:
             log.warning(
                 "serving the built-in demo model %r: random weights, its text is meaningless;"

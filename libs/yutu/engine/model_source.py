@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from yutu.engine.default_model import ensure_default_model
+from yutu.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 
@@ -30,6 +31,20 @@ def resolve_model(path_or_id: str | None) -> Path:
     if _looks_like_path(path_or_id):
         raise ValueError(f"model directory {path} does not exist: pass an existing local directory")
     return _from_hub(path_or_id)
+
+
+def served_model_name(path_or_id: str | None, model_dir: Path) -> str:
+    """The name clients use for a model when none is configured.
+
+    The demo model is ``yutu-demo-tiny`` (its directory carries a version suffix), a hub id is
+    itself, and a local checkpoint is its directory's name.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("yutu_demo"):
+        return DEFAULT_MODEL_NAME
+    if path_or_id is not None and not Path(path_or_id).expanduser().exists():
+        return path_or_id
+    return model_dir.name
 
 
 def _looks_like_path(value: str) -> bool:
