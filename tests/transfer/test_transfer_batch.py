@@ -137,3 +137,32 @@ async def test_poll_and_empty_batch(
     assert batch.poll() == [TransferStatus.PENDING]
     [result] = await batch.wait()
     assert result.ok and batch.done() and batch.poll() == [TransferStatus.COMPLETED]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_many_small_interleaved_reads_and_writes(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
+    block = 4096 + 5
+    n = 300
+    peer = spawn_peer("s-peer", [f"source:{n * block}:71", f"sink:{n * block}:72"])
+    engine = make_engine("s-client", transports=(transport,), tcp_connections=2)
+    local = engine.register_region("buf", 2 * n * block).view_numpy()
+    local[n * block :] = pattern(73, n * block)
+    await engine.start()
+    requests = []
+    for i in range(n):  # READ, WRITE, READ, WRITE ...: every pipeline window is one request long
+        op = READ if i % 2 == 0 else WRITE
+        local_off = i * block if op is READ else n * block + i * block
+        region = "source" if op is READ else "sink"
+        requests.append(TransferRequest(op, "buf", local_off, "s-peer", region, i * block, block))
+    requests += [
+        TransferRequest(READ, "buf", i * block, "s-peer", "source", i * block, block) for i in range(1, n, 2)
+    ]
+    results = await engine.transfer(requests)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert np.array_equal(local[: n * block], pattern(71, n * block))
+    sink = pattern(72, n * block).copy()
+    for i in range(1, n, 2):
+        sink[i * block : (i + 1) * block] = local[n * block + i * block : n * block + (i + 1) * block]
+    assert await peer.adigest("sink", 0, n * block) == digest(sink)

@@ -211,3 +211,27 @@ async def test_region_registered_after_lookup_is_found(
     await server.publish()
     [refused] = await client.transfer([TransferRequest(READ, "buf", 0, "late", "fresh", 0, 16)])
     assert refused.status is TransferStatus.FAILED
+
+
+async def test_closing_the_engine_fails_in_flight_batches(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    spawn_peer("busy", [f"data:{32 * MiB}:75"])
+    engine = make_engine("quitter", transports=("tcp",))
+    engine.register_region("buf", 32 * MiB)
+    await engine.start()
+    reqs = [TransferRequest(READ, "buf", 0, "busy", "data", 0, 32 * MiB) for _ in range(32)]
+    batch = await engine.submit(reqs)
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(engine.close(), timeout=10)
+    results = await asyncio.wait_for(batch.wait(), timeout=10)
+    assert {r.status for r in results} <= {TransferStatus.COMPLETED, TransferStatus.FAILED}
+    assert any(r.status is TransferStatus.FAILED for r in results)
+
+
+async def test_simultaneous_starts_under_one_name_leave_one_winner(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    a, b = make_engine("twin"), make_engine("twin")
+    outcomes = await asyncio.gather(a.start(), b.start(), return_exceptions=True)
+    assert sorted(type(o).__name__ for o in outcomes) == ["NoneType", "SegmentConflictError"]

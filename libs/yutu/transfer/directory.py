@@ -48,6 +48,12 @@ class SegmentDirectory:
         host whose process is gone (killed before its TTL ran out) is treated as stale and replaced.
         """
         existing = await self._fetch(desc.name)
+        if existing is None:
+            # SET NX: of two engines starting under one name at once, exactly one wins.
+            if await self.redis.set(self.key(desc.name), desc.to_json(), px=int(self.ttl_s * 1000), nx=True):
+                self._cache[desc.name] = (time.monotonic(), desc)
+                return
+            existing = await self._fetch(desc.name)
         if existing is not None and existing.incarnation != desc.incarnation:
             local = existing.same_pid_namespace(local_host_id(), local_pid_namespace())
             if not (local and not pid_alive(existing.pid)):

@@ -26,7 +26,7 @@ import secrets
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -238,9 +238,13 @@ class TransferEngine:
         for i, req in enumerate(batch.requests):
             by_segment[req.remote_segment].append(i)
         try:
-            await asyncio.gather(
-                *(self._run_segment(batch, seg, idx, True) for seg, idx in by_segment.items())
-            )
+            if len(by_segment) == 1:  # the common case: skip gather's extra tasks
+                [(seg, idx)] = by_segment.items()
+                await self._run_segment(batch, seg, idx, True)
+            else:
+                await asyncio.gather(
+                    *(self._run_segment(batch, s, idx, True) for s, idx in by_segment.items())
+                )
         except asyncio.CancelledError:
             for i in range(len(batch.requests)):
                 batch._finish(i, TransferResult(TransferStatus.FAILED, "engine closed during the transfer"))
@@ -297,13 +301,16 @@ class TransferEngine:
 
             return on_done
 
-        jobs = []
+        jobs: list[Coroutine[Any, Any, None]] = []
         if shm_items:
             jobs.append(self._shm.execute(peer, shm_items, batch.deadline, done("shm", shm_idx)))
         if tcp_items:
             address = PeerAddress(peer.tcp_host, peer.tcp_port, peer.name, peer.incarnation)
             jobs.append(self._tcp.execute(address, tcp_items, batch.deadline, done("tcp", tcp_idx)))
-        await asyncio.gather(*jobs)
+        if len(jobs) == 1:
+            await jobs[0]
+        elif jobs:
+            await asyncio.gather(*jobs)
         if unreachable:
             await self._after_unreachable(batch, segment, peer, sorted(unreachable), retry, reasons[0])
 

@@ -101,6 +101,7 @@ class PeerConnections:
         self.peer = peer
         self._max = max_connections
         self._idle: deque[socket.socket] = deque()
+        self._busy: set[socket.socket] = set()
         self._open = 0
         self._closed = False
         self._cond = threading.Condition()
@@ -112,22 +113,30 @@ class PeerConnections:
                 if self._closed:
                     raise PeerUnreachableError(f"connection pool to {self.peer.segment!r} was closed")
                 if self._idle:
-                    return self._idle.pop()
+                    sock = self._idle.pop()
+                    self._busy.add(sock)
+                    return sock
                 if self._open < self._max:
                     self._open += 1
                     break
                 if not self._cond.wait(timeout=_remaining(deadline)):
                     _remaining(deadline)
         try:
-            return self._connect(deadline)
+            sock = self._connect(deadline)
         except BaseException:
             with self._cond:
                 self._open -= 1
                 self._cond.notify()
             raise
+        with self._cond:
+            self._busy.add(sock)
+            if self._closed:
+                sock.shutdown(socket.SHUT_RDWR)  # closed while we connected: the lane fails now
+        return sock
 
     def release(self, sock: socket.socket, healthy: bool) -> None:
         with self._cond:
+            self._busy.discard(sock)
             if healthy and not self._closed:
                 self._idle.append(sock)
             else:
@@ -143,8 +152,14 @@ class PeerConnections:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Close idle connections and cut busy ones (their lanes fail at once)."""
         with self._cond:
             self._closed = True
+            for sock in self._busy:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self.drop_idle()
 
     def _connect(self, deadline: float) -> socket.socket:
@@ -221,7 +236,8 @@ class TcpClient:
             loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline, progress)
             for lane in lanes
         ]
-        await asyncio.gather(*futures)
+        for future in futures:
+            await future
 
     def forget(self, peer: PeerAddress) -> None:
         """Close and drop the pool of ``peer`` (after it failed or changed incarnation)."""

@@ -110,7 +110,6 @@ class DataServer:
     def _serve_requests(self, conn: socket.socket) -> None:
         header = bytearray(REQUEST.size)
         header_view = memoryview(header)
-        scratch = memoryview(bytearray(SCRATCH_BYTES))
         greeted = False
         while True:
             first = conn.recv_into(header_view)
@@ -141,7 +140,7 @@ class DataServer:
                     if length > DRAIN_LIMIT:
                         conn.sendall(encode_reply(status, rid, 0, msg + "; connection closed"))
                         return
-                    discard(conn, length, scratch)
+                    discard(conn, length, memoryview(bytearray(min(length, SCRATCH_BYTES))))
                     conn.sendall(encode_reply(status, rid, 0, msg))
                     continue
                 recv_exact_into(conn, view)
