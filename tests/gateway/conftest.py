@@ -23,12 +23,11 @@ import torch
 from gateway_support import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
-    MODEL_NAME,
     FakeWorker,
     Stack,
     gateway_url,
-    spawn,
     start_gateway,
+    start_worker,
     stop_process,
     wait_ready,
 )
@@ -56,13 +55,7 @@ def stack(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFac
     """One real worker (64 KV blocks of 16 tokens, context 256) and one gateway, shared by the gateway tests."""
     prefix = f"yutu-gw-{uuid.uuid4().hex[:8]}"
     logs = tmp_path_factory.mktemp("gw-stack")
-    worker = spawn(
-        ["-m", "services.worker.main", "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-         "--redis-url", redis_url, "--registry-prefix", prefix, "--admin-port", "0", "--zmq-port", "0",
-         "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-         "--torch-threads", "1", "--log-level", "info"],
-        logs / "worker.log",
-    )  # fmt: skip
+    worker = start_worker(logs, tiny_model, redis_url, prefix)
     gateway = start_gateway(logs, tiny_model, redis_url, prefix)
     try:
         url = gateway_url(redis_url, prefix, gateway)

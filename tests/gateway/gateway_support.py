@@ -31,6 +31,8 @@ from services.gateway.settings import GatewaySettings
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
+BLOCK_SIZE = 16  # of the real workers the tests start
+MAX_MODEL_LEN = 256
 
 # -- scripted worker ------------------------------------------------------------------------------
 
@@ -179,6 +181,20 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
 
 
+def start_worker(
+    logs: Path, model: Path, redis_url: str, prefix: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    """A real worker: 64 KV blocks of BLOCK_SIZE tokens, context MAX_MODEL_LEN, one torch thread."""
+    name = f"worker-{uuid.uuid4().hex[:6]}"
+    return spawn(
+        ["-m", "services.worker.main", "--model", str(model), "--served-model-name", MODEL_NAME,
+         "--redis-url", redis_url, "--registry-prefix", prefix, "--admin-port", "0", "--zmq-port", "0",
+         "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+         "--torch-threads", "1", "--instance-id", name, "--log-level", "info", *extra],
+        logs / f"{name}.log",
+    )  # fmt: skip
+
+
 def start_gateway(
     stack_dir: Path, model: Path, redis_url: str, prefix: str, *extra: str
 ) -> subprocess.Popen[bytes]:
@@ -227,7 +243,3 @@ def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float 
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not ready in {timeout_s}s")
-
-
-BLOCK_SIZE = 16
-MAX_MODEL_LEN = 256

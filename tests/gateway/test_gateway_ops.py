@@ -1,12 +1,23 @@
-"""Operations against the real stack: a client leaving mid-stream frees the worker; /metrics."""
+"""Operations with real processes: a client leaving frees the worker, a worker dying, /metrics."""
 
 from __future__ import annotations
 
+import json
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-from gateway_support import MODEL_NAME, Stack
+from gateway_support import (
+    MODEL_NAME,
+    Stack,
+    gateway_url,
+    start_gateway,
+    start_worker,
+    stop_process,
+    wait_ready,
+)
 
 
 def worker_info(stack: Stack) -> dict[str, Any]:
@@ -76,3 +87,36 @@ def test_metrics_have_latency_histograms_and_counters(stack: Stack) -> None:
     assert samples['yutu_gateway_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert samples['yutu_gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
     assert samples[f"yutu_gateway_requests_in_flight{{{label}}}"] == 0
+
+
+def test_a_killed_worker_ends_the_stream_with_an_error_then_done(
+    tiny_model: Path, redis_url: str, registry_prefix: str, tmp_path: Path
+) -> None:
+    worker = start_worker(tmp_path, tiny_model, redis_url, registry_prefix)
+    gateway = start_gateway(tmp_path, tiny_model, redis_url, registry_prefix)
+    try:
+        url = gateway_url(redis_url, registry_prefix, gateway)
+        wait_ready(url, [worker, gateway])
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        started = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+            events: list[str] = []
+            for line in resp.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    worker.send_signal(signal.SIGKILL)  # mid-request, no goodbye
+        assert time.monotonic() - started < 10  # an error, not a hang until the record expires
+        assert events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][len("data: ") :])["error"]
+        assert err["type"] == "service_unavailable" and "disconnected" in err["message"]
+        assert all("choices" in json.loads(e[len("data: ") :]) for e in events[:-2])
+        # No worker left: the next request is a 503 at once, and the gateway is not ready.
+        resp = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{url}/ready").status_code == 503
+    finally:
+        stop_process(gateway)
+        stop_process(worker)
