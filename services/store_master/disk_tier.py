@@ -106,7 +106,10 @@ class DiskTier:
     # -- promote (read of an object only on disk) ------------------------------------------------
 
     def start_promote(self, key: str) -> str:
-        """The id of the task bringing ``key`` back to DRAM (an existing one if already running)."""
+        """The id of the task bringing ``key`` back to DRAM (an existing one if already running).
+
+        Raises ``NoSpaceError`` when its segment has no room (the caller evicts and retries).
+        """
         for running in self.running.values():
             if running.task.key == key and running.task.op == "promote" and not running.orphaned:
                 return running.task.task_id
@@ -116,13 +119,9 @@ class DiskTier:
         replica = entry.disk_replicas()[0]
         offset = self.state.segments.allocate_on(replica.segment, replica.length)
         if offset is None:
-            self.state.evict()
-            offset = self.state.segments.allocate_on(replica.segment, replica.length)
-        if offset is None:
-            raise YutuError(
-                f"no DRAM free on {replica.segment} to bring {key!r} back from disk; retry shortly",
-                ErrorKind.OVERLOADED,
-            )
+            from services.store_master.state import NoSpaceError
+
+            raise NoSpaceError(f"no DRAM free on {replica.segment} to bring {key!r} back from disk; retry shortly")
         entry.busy = "promoting"
         return self._new_task("promote", replica.segment, key, offset, replica.length).task_id
 

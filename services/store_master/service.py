@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import redis.asyncio as aioredis
@@ -36,6 +36,7 @@ from services.store_master.state import Effects, MasterState, NoSpaceError, chec
 log = logging.getLogger(__name__)
 
 TASK_WAIT_S = 30.0  # how long a put or a read waits for a disk-tier task
+T = TypeVar("T")
 
 
 class StoreMasterService(Service):
@@ -286,27 +287,39 @@ class StoreMasterService(Service):
 
     # -- puts ------------------------------------------------------------------------------------
 
-    async def _start_one(
-        self, key: Any, size: Any, m: p.PutStart | p.BatchPutStart
-    ) -> tuple[str | None, list[Any]]:
-        check_int("size", size, 1)
-        capacity = self.state.segments.capacity
-        for _ in range(int(1 / self.settings.policy.eviction_ratio) + 2):
+    async def _with_room(self, attempt: Callable[[], T], size: int) -> T:
+        """Run ``attempt`` (a state operation); on NoSpaceError evict, wait for disk moves, retry."""
+        policy = self.settings.policy
+        for _ in range(int(1 / policy.eviction_ratio) + 2):
             try:
-                put_id, replicas = self.state.put_start(key, size, m.replicas, m.soft_pin, m.upsert, m.writer)
-                break
+                return attempt()
             except NoSpaceError:
-                victims = self.state.evict(max(int(capacity * self.settings.policy.eviction_ratio), size))
+                target = max(int(self.state.segments.capacity * policy.eviction_ratio), size)
+                victims = self.state.evict(target)
                 tasks = await self._settle()
-                if not victims:
+                if not victims and not self._offloads_running():
+                    soon = self.state.next_release_at()
+                    if soon is not None and soon - self.state.clock() <= policy.lease_ttl_s:
+                        await asyncio.sleep(max(0.0, soon - self.state.clock()) + 0.01)  # a lease ends: wait
+                        self.state.sweep()
+                        continue
                     raise YutuError(
                         f"the store is full: no room for {size} bytes and every object is leased, pinned or "
                         "being written; retry later or add store nodes",
                         ErrorKind.OVERLOADED,
                     ) from None
-                await self._wait_tasks([t.task_id for t in tasks if t.op == "offload"])
-        else:
-            raise YutuError(f"could not make room for {size} bytes; retry later", ErrorKind.OVERLOADED)
+                waits = [t.task_id for t in tasks if t.op == "offload"] or self._offloads_running()
+                await self._wait_tasks(waits)
+        raise YutuError(f"could not make room for {size} bytes; retry later", ErrorKind.OVERLOADED)
+
+    def _offloads_running(self) -> list[str]:
+        return [t for t, r in self.state.disk.running.items() if r.task.op == "offload"]
+
+    async def _start_one(self, key: Any, size: Any, m: p.PutStart | p.BatchPutStart) -> tuple[str | None, list[Any]]:
+        check_int("size", size, 1)
+        put_id, replicas = await self._with_room(
+            lambda: self.state.put_start(key, size, m.replicas, m.soft_pin, m.upsert, m.writer), size
+        )
         if self.state.over_watermark():
             self.state.evict()
         return put_id, [self._describe(r) for r in replicas]
@@ -362,7 +375,8 @@ class StoreMasterService(Service):
     async def _replicas_of(self, key: Any) -> tuple[int, list[Any]]:
         found = self.state.get_replicas(key)
         if found is None:  # only on disk: bring it back first
-            task_id = self.state.disk.start_promote(key)
+            entry = self.state.objects[key]
+            task_id = await self._with_room(lambda: self.state.disk.start_promote(key), entry.size)
             await self._settle()
             await self._wait_tasks([task_id])
             found = self.state.get_replicas(key)

@@ -405,6 +405,18 @@ class MasterState:
         self.counters.eviction_rounds += 1
         return victims
 
+    def next_release_at(self) -> float | None:
+        """When DRAM held only by a lease is next released (a retired extent, or a leased object
+        eviction could then take), or None if nothing is waiting on a lease."""
+        now = self.clock()
+        times = [t for t, _, _ in self.retired]
+        for key in self.lru:
+            entry = self.objects[key]
+            if entry.lease_until > now and entry.dram_replicas():
+                if entry.pending is None and entry.busy is None and not (entry.soft_pin and entry.pin_until > now):
+                    times.append(entry.lease_until)
+        return min(times, default=None)
+
     # -- housekeeping ----------------------------------------------------------------------------
 
     def sweep(self) -> None:

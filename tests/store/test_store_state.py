@@ -341,3 +341,17 @@ def test_disk_tier_offload_then_promote() -> None:
     assert found is not None and [(r.medium, r.offset) for r in found[1]] == [(Medium.DRAM, 0)]
     assert st.segments.segments["seg0"].disk_used == 0
     st.check()
+
+
+def test_next_release_at_reports_when_leased_space_frees() -> None:
+    st, clock = make(segments=1)
+    assert st.next_release_at() is None
+    put(st, "a", 64)
+    put(st, "b", 64, soft_pin=True)
+    st.get_replicas("b")  # pinned as well as leased: its lease ending frees nothing
+    assert st.next_release_at() is None
+    st.get_replicas("a")
+    assert st.next_release_at() == clock.now + 5.0
+    clock.now += 1
+    assert st.remove("a")  # retired until the same instant
+    assert st.retired == [(1005.0, "seg0", 0)] and st.next_release_at() == 1005.0

@@ -1,0 +1,69 @@
+"""Admin REST of master and node, registry records, and KV event replay."""
+
+from __future__ import annotations
+
+import zmq
+import zmq.asyncio
+from yutu.protocol.kv_events import END_SEQ, BlockStored, decode_batch
+from yutu.registry import Registry
+
+from tests.store.conftest import Cluster
+
+
+async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster) -> None:
+    master = store_cluster.master(kv_events_replay_port="0", kv_events_topic="store")
+    node = store_cluster.node("n0", size="2MiB")
+    client = await store_cluster.client()
+    for key in ("00aa", "00bb", "00cc"):
+        assert await client.put(key, b"v" * 100) is True
+
+    assert master.get("/health").json() == {"status": "ok"}
+    assert master.get("/ready").json() == {"ready": True}
+    assert master.get("/info").json()["kind"] == "store-master"
+    stats = master.get("/stats").json()
+    assert (stats["capacity"], stats["used"], stats["objects"], stats["segments"]) == (2 << 20, 3 * 128, 3, 1)
+    (segment,) = master.get("/segments").json()
+    assert (segment["segment"], segment["node_id"], segment["allocations"], segment["fragmentation"]) == (
+        "n0", "n0", 3, 0.0,
+    )  # fmt: skip
+    obj = master.get("/objects/00bb").json()
+    assert obj["size"] == 100 and obj["replicas"] == [
+        ["n0", "dram", 128, 100, "complete", segment["host_id"], "dram"]
+    ]
+    assert master.get("/objects/nope").status_code == 404
+    metrics = master.get("/metrics").text
+    for line in (
+        "yutu_store_capacity 2.097152e+06",
+        "yutu_store_objects 3.0",
+        'yutu_store_ops_total{op="BatchPutStart",outcome="ok"} 3.0',
+        'yutu_store_op_latency_seconds_count{op="BatchPutEnd"} 3.0',
+        "yutu_store_evicted_objects_total 0.0",
+    ):
+        assert line in metrics, line
+    assert node.get("/segments").json()[0]["mounted"] is True
+    assert node.get("/stats").json()["size"] == 2 << 20
+
+    registry = Registry.from_url(store_cluster.redis_url, store_cluster.prefix)
+    try:
+        (m,) = await registry.list("store-master")
+        (n,) = await registry.list("store-node")
+    finally:
+        await registry.close()
+    assert set(m.endpoints) == {"rpc", "kv_events", "kv_events_replay", "admin"}
+    assert n.meta == {"segment": "n0", "size": 2 << 20, "disk_capacity": 0} and "transfer" in n.endpoints
+
+    req = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    req.connect(m.endpoints["kv_events_replay"])
+    try:
+        await req.send_multipart([b"", (1).to_bytes(8, "big")])  # everything from sequence 1 on
+        replayed = []
+        while True:
+            _, seq, payload = await req.recv_multipart()
+            if seq == END_SEQ:
+                break
+            (event,) = decode_batch(payload).events
+            assert isinstance(event, BlockStored)
+            replayed.append((int.from_bytes(seq, "big"), event.block_hashes))
+    finally:
+        req.close(linger=0)
+    assert replayed == [(1, [bytes.fromhex("00bb")]), (2, [bytes.fromhex("00cc")])]
