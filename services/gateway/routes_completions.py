@@ -91,6 +91,8 @@ async def _stream(
     try:
         async with gen:
             async for update in gen.updates():
+                if not (update.text or update.finish_reason or body.logprobs is not None):
+                    continue  # tokens whose text is still held back (half a character, a stop prefix)
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = completion_logprobs(

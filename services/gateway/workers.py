@@ -176,7 +176,10 @@ class WorkerClient:
     async def _write(self) -> None:
         while True:
             msg = await self._outbox.get()
-            await self._sock.send_multipart([CHANNEL.encode(msg)])
+            try:
+                await self._sock.send_multipart([CHANNEL.encode(msg)])
+            finally:
+                self._outbox.task_done()
 
     async def _watch(self) -> None:
         while True:
@@ -190,14 +193,17 @@ class WorkerClient:
                     f"worker {self.info.instance_id} disconnected while generating: retry the request"
                 )
 
-    async def close(self) -> None:
-        """Abort what is in flight (best effort), then close the sockets."""
+    async def close(self, flush_timeout_s: float = 0.5) -> None:
+        """Abort what is in flight (best effort: a gone worker cannot hear it), then close the sockets."""
         for request_id in list(self._requests):
-            try:
-                self._sock.send_multipart([CHANNEL.encode(AbortRequest(request_id))], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._abort(request_id)
         self.fail_all(f"worker {self.info.instance_id} left the pool: retry the request")
+        try:
+            await asyncio.wait_for(self._outbox.join(), flush_timeout_s)
+        except TimeoutError:
+            log.info(
+                "could not flush %d message(s) to worker %s", self._outbox.qsize(), self.info.instance_id
+            )
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
