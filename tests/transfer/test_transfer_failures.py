@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -235,3 +236,28 @@ async def test_simultaneous_starts_under_one_name_leave_one_winner(
     a, b = make_engine("twin"), make_engine("twin")
     outcomes = await asyncio.gather(a.start(), b.start(), return_exceptions=True)
     assert sorted(type(o).__name__ for o in outcomes) == ["NoneType", "SegmentConflictError"]
+
+
+async def test_same_host_peer_without_a_mappable_file_is_reached_over_tcp(
+    spawn_peer: Callable[..., PeerProcess],
+    make_engine: Callable[..., TransferEngine],
+    directory: SegmentDirectory,
+) -> None:
+    spawn_peer("hidden", [f"a:{MiB}:76", f"b:{MiB}:77"])
+    engine = make_engine("finder")  # shm and tcp
+    local = engine.register_region("buf", 2 * MiB).view_numpy()
+    await engine.start()
+    desc = await directory.lookup("hidden")
+    [warm] = await engine.transfer([TransferRequest(READ, "buf", 0, "hidden", "a", 0, MiB)])
+    assert warm.ok and warm.transport == "shm"
+    for name in ("a", "b"):  # someone cleans /dev/shm under a live peer
+        os.unlink(desc.regions[name].path)
+    results = await engine.transfer(
+        [
+            TransferRequest(READ, "buf", 0, "hidden", "a", 0, MiB),  # was mapped: fails over to TCP
+            TransferRequest(READ, "buf", MiB, "hidden", "b", 0, MiB),  # never mapped: TCP from the start
+        ]
+    )
+    assert [(r.status, r.transport) for r in results] == [(TransferStatus.COMPLETED, "tcp")] * 2
+    assert np.array_equal(local[:MiB], pattern(76, MiB))
+    assert np.array_equal(local[MiB:], pattern(77, MiB))

@@ -288,6 +288,7 @@ class TransferEngine:
                 batch._finish(i, TransferResult(TransferStatus.FAILED, str(exc)))
         unreachable: list[int] = []
         reasons: list[str] = []
+        via: set[str] = set()  # transports that found the peer unreachable
 
         def done(transport: str, idx: list[int]) -> Callable[[int, Outcome], None]:
             def on_done(k: int, outcome: Outcome) -> None:
@@ -296,6 +297,7 @@ class TransferEngine:
                 if outcome.unreachable:
                     unreachable.append(idx[k])
                     reasons.append(outcome.error or "")
+                    via.add(transport)
                 else:
                     batch._finish(idx[k], TransferResult(outcome.status, outcome.error, transport))
 
@@ -312,7 +314,7 @@ class TransferEngine:
         elif jobs:
             await asyncio.gather(*jobs)
         if unreachable:
-            await self._after_unreachable(batch, segment, peer, sorted(unreachable), retry, reasons[0])
+            await self._after_unreachable(batch, segment, peer, sorted(unreachable), retry, reasons[0], via)
 
     async def _after_unreachable(
         self,
@@ -322,9 +324,11 @@ class TransferEngine:
         indices: list[int],
         retry: bool,
         reason: str,
+        via: set[str],
     ) -> None:
         """The peer could not be reached: re-read the directory. Gone -> "segment not found";
-        restarted (new incarnation) -> retry once; same incarnation -> the peer is dead or stuck."""
+        restarted (new incarnation) -> retry once; its shared-memory file gone but TCP allowed ->
+        retry once over TCP; otherwise the peer is dead or stuck."""
         self.directory.invalidate(segment)
         self._tcp.forget(PeerAddress(old.tcp_host, old.tcp_port, old.name, old.incarnation))
         self._shm.forget(old)
@@ -336,7 +340,8 @@ class TransferEngine:
         except Exception as exc:
             self._fail(batch, indices, f"segment directory lookup of {segment!r} failed: {exc}")
             return
-        if retry and fresh.incarnation != old.incarnation:
+        tcp_possible = "tcp" in candidate_transports(self.transports, fresh, local_host_id())
+        if retry and (fresh.incarnation != old.incarnation or (via == {"shm"} and tcp_possible)):
             await self._run_segment(batch, segment, indices, False)
             return
         self.directory.invalidate(segment)  # its entry is stale: do not trust it next time either

@@ -79,13 +79,15 @@ class Region:
         self._array = np.frombuffer(mm, dtype=np.uint8)  # (size,)
 
     @classmethod
-    def create(cls, name: str, size: int, directory: str | None = None) -> Region:
-        """Create a zero-filled region of ``size`` bytes backed by a new file in ``directory``."""
+    def create(cls, name: str, size: int, shm_dir: str | None = None) -> Region:
+        """Create a zero-filled region of ``size`` bytes backed by a new file in ``shm_dir``
+        (default ``shm_directory()``)."""
         validate_region_name(name)
         if not isinstance(size, int) or size <= 0:
             raise RegionError(f"region size must be a positive int, got {size!r} (region {name!r})")
-        directory = directory or shm_directory()
-        path = os.path.join(directory, f"{FILE_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}-{size}")
+        path = os.path.join(
+            shm_dir or shm_directory(), f"{FILE_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}-{size}"
+        )
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -170,12 +172,12 @@ class Region:
         self.close()
 
 
-def sweep_stale_region_files(directory: str | None = None) -> list[str]:
+def sweep_stale_region_files(shm_dir: str | None = None) -> list[str]:
     """Remove region files whose owner process is no longer alive on this host; return their paths.
 
     Only meaningful on the host (and pid namespace) that created the files.
     """
-    directory = directory or shm_directory()
+    directory = shm_dir or shm_directory()
     removed: list[str] = []
     for entry in os.listdir(directory):
         match = _FILE_RE.match(entry)

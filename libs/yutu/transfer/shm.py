@@ -71,14 +71,20 @@ class ShmTransport:
 
     def __init__(self, workers: int = 2) -> None:
         self._maps: dict[tuple[str, int], _Mapping] = {}
+        self._unmappable: set[tuple[str, int]] = set()  # (path, inode) that failed to map
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="yutu-shm")
 
     def usable(self, region: RegionDescriptor) -> bool:
-        """Whether ``region`` can be mapped from this process (else the engine falls back to TCP)."""
+        """Whether ``region`` can be mapped from this process (else the engine falls back to TCP).
+        A file that could not be mapped is not tried again."""
+        key = (region.path, region.inode)
+        if key in self._unmappable:
+            return False
         try:
             self._mapping(region)
         except PeerUnreachableError:
+            self._unmappable.add(key)
             return False
         return True
 
@@ -137,6 +143,8 @@ class ShmTransport:
             self._check_peer(peer, items)
         except PeerUnreachableError as exc:
             self.forget(peer)
+            with self._lock:
+                self._unmappable.update((it.region.path, it.region.inode) for it in items)
             progress.post(
                 [(i, Outcome(TransferStatus.FAILED, str(exc), unreachable=True)) for i in range(len(items))]
             )
