@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from yutu.engine.model_source import resolve_model
+from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
@@ -30,8 +30,8 @@ DEMO_NOTE = "random weights: text is meaningless; serve a real checkpoint with m
 
 
 def served_name(settings: GatewaySettings, model_dir: Path) -> str:
-    """The model name clients use: --served-model-name, else the model directory's name (as the worker)."""
-    return settings.served_model_name or model_dir.name
+    """The model name clients use: --served-model-name, else the rule the worker applies too."""
+    return settings.served_model_name or served_model_name(settings.model, model_dir)
 
 
 class GatewayService(Service):

@@ -22,8 +22,8 @@ from tokenizers import Tokenizer
 from yutu.engine.demo_tokenizer import BOS, EOS, EOT, SPECIAL_TOKENS, TokenizerFiles, train_demo_tokenizer
 from yutu.engine.loader import INDEX_FILE, SINGLE_FILE, expected_weight_shapes
 from yutu.engine.model_config import ModelConfig
+from yutu.engine.model_source import DEFAULT_MODEL_NAME
 
-DEFAULT_MODEL_NAME = "yutu-demo-tiny"
 DEFAULT_MODEL_VERSION = "v1"  # bump when the recipe below changes: the cache dir name changes with it
 _SEED = 20250225
 _VOCAB_TARGET = 2560

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from yutu.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
+DEFAULT_MODEL_NAME = "yutu-demo-tiny"  # the built-in demo model's served name (kept torch-free here)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 
 
@@ -18,6 +17,8 @@ def resolve_model(path_or_id: str | None) -> Path:
     first, then the network). Raises ValueError saying how to pass a local directory otherwise.
     """
     if path_or_id is None:
+        from yutu.engine.default_model import ensure_default_model  # imports torch: only when needed
+
         return ensure_default_model()
     path = Path(path_or_id).expanduser()
     if path.is_dir():
