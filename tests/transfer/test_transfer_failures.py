@@ -261,3 +261,18 @@ async def test_same_host_peer_without_a_mappable_file_is_reached_over_tcp(
     assert [(r.status, r.transport) for r in results] == [(TransferStatus.COMPLETED, "tcp")] * 2
     assert np.array_equal(local[:MiB], pattern(76, MiB))
     assert np.array_equal(local[MiB:], pattern(77, MiB))
+
+
+async def test_mappings_of_departed_regions_are_pruned(make_engine: Callable[..., TransferEngine]) -> None:
+    owner = make_engine("owner")
+    owner.register_region("data", MiB).view_numpy()[:] = 5
+    await owner.start()
+    reader = make_engine("reader")
+    reader.register_region("buf", MiB)
+    await reader.start()
+    [r] = await reader.transfer([TransferRequest(READ, "buf", 0, "owner", "data", 0, MiB)])
+    assert r.ok and r.transport == "shm"
+    assert reader._shm.prune() == 0  # still there: kept
+    owner.unregister_region("data")  # unlinks the file; our mapping alone would keep its pages
+    await owner.publish()
+    assert reader._shm.prune() == 1

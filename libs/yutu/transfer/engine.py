@@ -194,6 +194,7 @@ class TransferEngine:
         period = self.directory.ttl_s / 3
         while True:
             await asyncio.sleep(period)
+            self._shm.prune()
             try:
                 await self.directory.publish(self.descriptor())
             except Exception as exc:  # keep trying: a Redis blip must not kill the segment

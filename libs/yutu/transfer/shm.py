@@ -110,6 +110,25 @@ class ShmTransport:
             for desc in peer.regions.values():
                 self._maps.pop((desc.path, desc.inode), None)
 
+    def prune(self) -> int:
+        """Drop mappings whose file is gone (the peer unregistered the region or exited), so a
+        departed peer's pages are freed; return how many were dropped. A few ``stat`` calls."""
+        with self._lock:
+            keys = list(self._maps)
+        gone = []
+        for path, inode in keys:
+            try:
+                alive = os.stat(path).st_ino == inode
+            except OSError:
+                alive = False
+            if not alive:
+                gone.append((path, inode))
+        with self._lock:
+            for key in gone:
+                self._maps.pop(key, None)
+            self._unmappable.clear()  # let files that failed to map be tried again now and then
+        return len(gone)
+
     def close(self) -> None:
         with self._lock:
             self._maps.clear()  # mmaps unmap once no numpy view refers to them
