@@ -61,8 +61,13 @@ class TransferEngine:
         tcp_slice_bytes: int = 2 << 20,
         shm_dir: str | None = None,
     ) -> None:
-        """``transports`` limits what this engine uses and offers (e.g. ``("tcp",)`` to force TCP);
-        ``advertise_host`` is the address peers dial when ``host`` is a wildcard."""
+        """``host``/``port``: where the TCP data server listens (port 0: any free port).
+        ``tcp_connections``: pooled connections per peer. ``default_timeout_s``: batch deadline when
+        ``submit`` gets none. ``transports`` limits what this engine uses and offers (e.g.
+        ``("tcp",)`` to force TCP; "rdma" raises ``TransportUnavailableError``). ``advertise_host``:
+        the address peers dial when ``host`` is a wildcard. ``tcp_slice_bytes``: TCP transfers are
+        cut into slices of this size, spread over the pooled connections. ``shm_dir``: where region
+        files are created (default ``/dev/shm``)."""
         if not isinstance(segment_name, str) or not segment_name or len(segment_name.encode()) > 255:
             raise ValueError(f"segment_name must be a non-empty str of <= 255 bytes, got {segment_name!r}")
         if default_timeout_s <= 0:

@@ -1,8 +1,8 @@
 """The TCP transport's client side: pooled connections per peer, sliced and pipelined transfers.
 
-A batch's requests to one peer are cut into slices of at most ``slice_bytes`` and dealt round-robin
-onto up to ``connections`` lanes; each lane runs in a worker thread on one pooled connection with
-blocking sockets. Within a lane, consecutive slices of the same op are pipelined in windows (all
+A batch's requests to one peer are cut into slices of at most ``slice_bytes`` (2 MiB) and dealt
+round-robin onto ``lanes`` lanes (min(connections, CPUs): on two cores, two streams beat four); each
+lane runs in a worker thread on one pooled connection with blocking sockets. Within a lane, consecutive slices of the same op are pipelined in windows (all
 READ headers go out in one ``sendall``, then the replies and payloads are read in order), so a
 window costs one round trip, not one per slice. READ and WRITE slices are never mixed in a window:
 a peer busy sending READ payload while we push WRITE payload would deadlock both sides.
