@@ -28,8 +28,10 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is dead for our purpose (its parent has not reaped it yet).
-    return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    try:  # a zombie is dead for our purpose (its parent has not reaped it yet)
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
 
 
 def read_until(proc: subprocess.Popen[bytes], needle: str, timeout_s: float) -> str:
@@ -79,6 +81,31 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert not any(alive(c) for c in children)
         assert not redis_reachable(redis_url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny-kill", arch="llama", seed=6)
+    port, redis_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
+         "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--log-dir", str(tmp_path / "logs"),
+         "--kv-cache-memory-mib", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        read_until(proc, "Ctrl-C stops everything", timeout_s=240)
+        children = children_of(proc.pid)
+        assert len(children) == 3
+        proc.kill()  # no chance to clean up: the children must notice on their own
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(c) for c in children)
     finally:
         if proc.poll() is None:
             proc.kill()

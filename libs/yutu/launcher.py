@@ -7,6 +7,7 @@ name and pid), or to a log file when one is given.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -56,7 +57,9 @@ class ProcessGroup:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{name}.log"
             out = log_path.open("ab")
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, preexec_fn=_die_with_parent
+        )
         if out is not None:
             out.close()  # the child holds its own descriptor
         child = Child(name, argv, proc, ready_url, log_path)
@@ -111,6 +114,16 @@ class ProcessGroup:
         return "; last lines of its log:\n" + "\n".join(lines)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def redis_reachable(url: str) -> bool:
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
     try:
@@ -135,19 +148,8 @@ def start_redis(group: ProcessGroup, url: str, data_dir: Path) -> None:
             "  or point Yutu at a running Redis with --redis-url / YUTU_REDIS_URL."
         )
     data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        binary,
-        "--port",
-        str(parsed.port or 6379),
-        "--bind",
-        host,
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(data_dir),
-    ]
+    argv = [binary, "--port", str(parsed.port or 6379), "--bind", host, "--save", "", "--appendonly", "no",
+            "--dir", str(data_dir), "--logfile", str(data_dir / "redis.log")]  # fmt: skip
     child = group.spawn("redis", argv)
     deadline = time.monotonic() + 15
     while not redis_reachable(url):
