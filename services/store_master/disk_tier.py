@@ -121,7 +121,9 @@ class DiskTier:
         if offset is None:
             from services.store_master.state import NoSpaceError
 
-            raise NoSpaceError(f"no DRAM free on {replica.segment} to bring {key!r} back from disk; retry shortly")
+            raise NoSpaceError(
+                f"no DRAM free on {replica.segment} to bring {key!r} back from disk; retry shortly"
+            )
         entry.busy = "promoting"
         return self._new_task("promote", replica.segment, key, offset, replica.length).task_id
 

@@ -9,9 +9,9 @@ Allocations are not stored: they are rebuilt from the replicas on recovery. Leas
 and disk-tier tasks in flight are not stored either; a restarted master starts without them.
 
 :class:`Persister` batches writes: operations mark what they changed, then ``await commit()``.
-One flusher task writes everything marked so far in one pipeline (the current in-memory value of
-each marked record, or a delete when it is gone), so concurrent operations share round trips and
-an operation is acknowledged only after its metadata is in Redis.
+One pipeline writes everything marked so far (the current in-memory value of each marked record,
+or a delete when it is gone), so concurrent operations share round trips and an operation is
+acknowledged only after its metadata is in Redis.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -48,15 +49,21 @@ class MetadataStore:
         return segments, objects
 
     async def write(self, objects: dict[str, bytes | None], segments: dict[str, bytes | None]) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for hash_key, records in ((self.objects_key, objects), (self.segments_key, segments)):
-                puts = {k: v for k, v in records.items() if v is not None}
-                gone = [k for k, v in records.items() if v is None]
-                if puts:
-                    pipe.hset(hash_key, mapping=puts)  # type: ignore[arg-type]
-                if gone:
-                    pipe.hdel(hash_key, *gone)
-            await pipe.execute()
+        commands: list[tuple[str, ...] | tuple[Any, ...]] = []
+        for hash_key, records in ((self.objects_key, objects), (self.segments_key, segments)):
+            puts = [x for k, v in records.items() if v is not None for x in (k, v)]
+            gone = [k for k, v in records.items() if v is None]
+            if puts:
+                commands.append(("HSET", hash_key, *puts))
+            if gone:
+                commands.append(("HDEL", hash_key, *gone))
+        if len(commands) == 1:  # the common case: one command, no pipeline machinery
+            await self.redis.execute_command(*commands[0])
+        elif commands:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                await pipe.execute()
 
     async def clear(self) -> None:
         await self.redis.delete(self.objects_key, self.segments_key)
@@ -67,7 +74,12 @@ def _text(raw: bytes | str) -> str:
 
 
 class Persister:
-    """Group-commit writer; ``snapshot_object``/``snapshot_segment`` give a record's current bytes."""
+    """Group-commit writer; ``snapshot_object``/``snapshot_segment`` give a record's current bytes.
+
+    The first caller of :meth:`commit` with nothing in flight writes at once (inline, no hop to
+    another task); callers arriving meanwhile wait for it and, if their marks came after it took
+    its snapshot, one of them writes the next batch. A failed write keeps the marks for the next.
+    """
 
     def __init__(
         self,
@@ -80,68 +92,60 @@ class Persister:
         self._snapshot_segment = snapshot_segment
         self._objects: set[str] = set()
         self._segments: set[str] = set()
-        self._wakeup = asyncio.Event()
-        self._next: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._marked = 0  # generation of the latest mark
+        self._written = 0  # every mark up to this generation is in Redis
+        self._inflight: asyncio.Future[None] | None = None
         self.writes = 0  # pipelines written (for /stats)
 
     def mark(self, objects: set[str], segments: set[str]) -> None:
-        self._objects |= objects
-        self._segments |= segments
+        if objects or segments:
+            self._objects |= objects
+            self._segments |= segments
+            self._marked += 1
 
     @property
     def dirty(self) -> bool:
         return bool(self._objects or self._segments)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="store-persister")
-
     async def commit(self) -> None:
         """Return once everything marked before this call is in Redis; raises UNAVAILABLE if not."""
-        if self._task is None:
-            raise YutuError("the metadata writer is not running", ErrorKind.UNAVAILABLE)
-        if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-        future = self._next
-        self._wakeup.set()
-        await asyncio.shield(future)
+        wanted = self._marked
+        while self._written < wanted:
+            if self._inflight is not None:
+                await asyncio.shield(self._inflight)
+                continue
+            await self._write()
 
-    async def _run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            future, self._next = self._next, None
-            objects, self._objects = self._objects, set()
-            segments, self._segments = self._segments, set()
-            try:
-                await self.store.write(
-                    {k: self._snapshot_object(k) for k in objects},
-                    {n: self._snapshot_segment(n) for n in segments},
-                )
-                self.writes += 1
-                if future is not None and not future.done():
-                    future.set_result(None)
-            except (RedisError, OSError) as exc:
-                log.warning("writing store metadata to Redis failed: %s", exc)
-                self._objects |= objects  # retried with the next commit
-                self._segments |= segments
-                if future is not None and not future.done():
-                    future.set_exception(
-                        YutuError(
-                            f"store metadata could not be saved to Redis ({exc}); retry",
-                            ErrorKind.UNAVAILABLE,
-                        )
-                    )
+    async def _write(self) -> None:
+        self._inflight = asyncio.get_running_loop().create_future()
+        generation = self._marked
+        objects, self._objects = self._objects, set()
+        segments, self._segments = self._segments, set()
+        try:
+            await self.store.write(
+                {k: self._snapshot_object(k) for k in objects},
+                {n: self._snapshot_segment(n) for n in segments},
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("writing store metadata to Redis failed: %s", exc)
+            self._objects |= objects  # kept for the next commit
+            self._segments |= segments
+            error = YutuError(
+                f"store metadata could not be saved to Redis ({exc}); retry", ErrorKind.UNAVAILABLE
+            )
+            self._inflight.set_exception(error)
+            self._inflight.exception()  # retrieved: waiters get it from their own await
+            self._inflight = None
+            raise error from None
+        self.writes += 1
+        self._written = max(self._written, generation)
+        self._inflight.set_result(None)
+        self._inflight = None
 
     async def close(self) -> None:
-        """Write what is still marked, then stop."""
-        if self._task is None:
-            return
+        """Write what is still marked."""
         if self.dirty:
             try:
                 await asyncio.wait_for(self.commit(), 5.0)
             except (TimeoutError, YutuError) as exc:
                 log.warning("final metadata write failed: %s", exc)
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None

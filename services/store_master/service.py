@@ -9,6 +9,7 @@ go to their node's queue. Handlers never block the loop.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,6 @@ from yutu.protocol.kv_events import AllBlocksCleared
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcServer
 from yutu.service import Service, advertised
-from yutu.store.types import ReplicaDescriptor
 
 from services.store_master.admin import build_router
 from services.store_master.events import KVEventPublisher
@@ -96,7 +96,6 @@ class StoreMasterService(Service):
                 "recovered %d segments and %d objects from Redis", len(segments), len(self.state.objects)
             )
         self._persister = Persister(store, self._snapshot_object, self._snapshot_segment)
-        self._persister.start()
         if s.kv_events:
             self._events = KVEventPublisher(
                 s.host, s.kv_events_port, s.kv_events_topic, s.data_parallel_rank, s.kv_events_replay_port
@@ -211,11 +210,18 @@ class StoreMasterService(Service):
         return None if segment is None else msgpack.packb(segment.to_wire(), use_bin_type=True)
 
     def _describe(self, replica: Replica) -> list[Any]:
+        """The replica as a ``ReplicaDescriptor.to_wire()`` list."""
         segment = self.state.segments.get(replica.segment)
         region, host_id = ("", "") if segment is None else (segment.region, segment.host_id)
-        return ReplicaDescriptor(
-            replica.segment, region, replica.offset, replica.length, replica.state, host_id, replica.medium
-        ).to_wire()
+        return [
+            replica.segment,
+            region,
+            replica.offset,
+            replica.length,
+            replica.state.value,
+            host_id,
+            replica.medium.value,
+        ]
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -228,13 +234,17 @@ class StoreMasterService(Service):
             except Exception:  # noqa: BLE001 - housekeeping must keep running
                 log.exception("housekeeping failed")
 
-    async def _batch(self, items: list[Any], one: Callable[[Any], Awaitable[Any]]) -> p.BatchReply:
+    async def _batch(self, items: list[Any], one: Callable[[Any], Any]) -> p.BatchReply:
+        """One outcome per item; ``one`` returns a value, or an awaitable of it for the slow path."""
         if not isinstance(items, list):
             raise YutuError("a batch request needs a list", ErrorKind.INVALID_REQUEST)
         results: list[p.Outcome] = []
         for item in items:
             try:
-                results.append(p.ok(await one(item)))
+                value = one(item)
+                if inspect.isawaitable(value):
+                    value = await value
+                results.append([None, value])
             except YutuError as exc:
                 results.append(p.failed(exc.kind, str(exc)))
         return p.BatchReply(results, self.settings.policy.lease_ttl_s)
@@ -315,18 +325,30 @@ class StoreMasterService(Service):
     def _offloads_running(self) -> list[str]:
         return [t for t, r in self.state.disk.running.items() if r.task.op == "offload"]
 
-    async def _start_one(self, key: Any, size: Any, m: p.PutStart | p.BatchPutStart) -> tuple[str | None, list[Any]]:
+    def _start_one(self, key: Any, size: Any, m: p.PutStart | p.BatchPutStart) -> Any:
+        """``[put_id, replicas]``, or an awaitable of it when room must be made first."""
         check_int("size", size, 1)
+        try:
+            put_id, replicas = self.state.put_start(key, size, m.replicas, m.soft_pin, m.upsert, m.writer)
+        except NoSpaceError:
+            return self._start_slow(key, size, m)
+        return self._started(put_id, replicas)
+
+    async def _start_slow(self, key: Any, size: int, m: p.PutStart | p.BatchPutStart) -> list[Any]:
         put_id, replicas = await self._with_room(
             lambda: self.state.put_start(key, size, m.replicas, m.soft_pin, m.upsert, m.writer), size
         )
+        return self._started(put_id, replicas)
+
+    def _started(self, put_id: str | None, replicas: list[Replica]) -> list[Any]:
         if self.state.over_watermark():
             self.state.evict()
-        return put_id, [self._describe(r) for r in replicas]
+        return [put_id, [self._describe(r) for r in replicas]]
 
     async def _put_start(self, m: p.PutStart) -> p.PutStartReply:
         try:
-            put_id, replicas = await self._start_one(m.key, m.size, m)
+            value = self._start_one(m.key, m.size, m)
+            put_id, replicas = await value if inspect.isawaitable(value) else value
         finally:
             await self._settle()
         return p.PutStartReply(m.key, put_id, replicas)
@@ -334,12 +356,10 @@ class StoreMasterService(Service):
     async def _batch_put_start(self, m: p.BatchPutStart) -> p.BatchReply:
         if not isinstance(m.keys, list) or not isinstance(m.sizes, list) or len(m.keys) != len(m.sizes):
             raise YutuError("keys and sizes must be lists of the same length", ErrorKind.INVALID_REQUEST)
-
-        async def one(i: int) -> list[Any]:
-            return list(await self._start_one(m.keys[i], m.sizes[i], m))
-
         try:
-            return await self._batch(list(range(len(m.keys))), one)
+            return await self._batch(
+                list(range(len(m.keys))), lambda i: self._start_one(m.keys[i], m.sizes[i], m)
+            )
         finally:
             await self._settle()
 
@@ -362,38 +382,39 @@ class StoreMasterService(Service):
     async def _pairs(self, keys: Any, put_ids: Any, op: Callable[[str, str], None]) -> p.BatchReply:
         if not isinstance(keys, list) or not isinstance(put_ids, list) or len(keys) != len(put_ids):
             raise YutuError("keys and put_ids must be lists of the same length", ErrorKind.INVALID_REQUEST)
-
-        async def one(i: int) -> None:
-            op(keys[i], put_ids[i])
-
-        reply = await self._batch(list(range(len(keys))), one)
+        reply = await self._batch(list(range(len(keys))), lambda i: op(keys[i], put_ids[i]))
         await self._settle()
         return reply
 
     # -- reads -----------------------------------------------------------------------------------
 
-    async def _replicas_of(self, key: Any) -> tuple[int, list[Any]]:
+    def _replicas_of(self, key: Any) -> Any:
+        """``[size, replicas]`` under a lease, or an awaitable of it when the object is on disk."""
         found = self.state.get_replicas(key)
-        if found is None:  # only on disk: bring it back first
-            entry = self.state.objects[key]
-            task_id = await self._with_room(lambda: self.state.disk.start_promote(key), entry.size)
-            await self._settle()
-            await self._wait_tasks([task_id])
-            found = self.state.get_replicas(key)
-            if found is None:
-                raise YutuError(f"could not bring {key!r} back from disk; retry", ErrorKind.UNAVAILABLE)
+        if found is None:
+            return self._promote(key)
         size, replicas = found
-        return size, [self._describe(r) for r in replicas]
+        return [size, [self._describe(r) for r in replicas]]
+
+    async def _promote(self, key: str) -> list[Any]:
+        """Bring an object that is only on disk back to DRAM, then lease it."""
+        entry = self.state.objects[key]
+        task_id = await self._with_room(lambda: self.state.disk.start_promote(key), entry.size)
+        await self._settle()
+        await self._wait_tasks([task_id])
+        found = self.state.get_replicas(key)
+        if found is None:
+            raise YutuError(f"could not bring {key!r} back from disk; retry", ErrorKind.UNAVAILABLE)
+        size, replicas = found
+        return [size, [self._describe(r) for r in replicas]]
 
     async def _get_replicas(self, m: p.GetReplicas) -> p.ReplicasReply:
-        size, replicas = await self._replicas_of(m.key)
+        value = self._replicas_of(m.key)
+        size, replicas = await value if inspect.isawaitable(value) else value
         return p.ReplicasReply(m.key, size, replicas, self.settings.policy.lease_ttl_s)
 
     async def _batch_get_replicas(self, m: p.BatchGetReplicas) -> p.BatchReply:
-        async def one(key: Any) -> list[Any]:
-            return list(await self._replicas_of(key))
-
-        return await self._batch(m.keys, one)
+        return await self._batch(m.keys, self._replicas_of)
 
     async def _exists(self, m: p.Exists) -> p.ExistsReply:
         return p.ExistsReply(self.state.exists(m.key))
@@ -409,10 +430,7 @@ class StoreMasterService(Service):
         return p.Ack(int(removed))
 
     async def _batch_remove(self, m: p.BatchRemove) -> p.BatchReply:
-        async def one(key: Any) -> bool:
-            return self.state.remove(key)
-
-        reply = await self._batch(m.keys, one)
+        reply = await self._batch(m.keys, self.state.remove)
         await self._settle()
         return reply
 

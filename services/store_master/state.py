@@ -413,7 +413,11 @@ class MasterState:
         for key in self.lru:
             entry = self.objects[key]
             if entry.lease_until > now and entry.dram_replicas():
-                if entry.pending is None and entry.busy is None and not (entry.soft_pin and entry.pin_until > now):
+                if (
+                    entry.pending is None
+                    and entry.busy is None
+                    and not (entry.soft_pin and entry.pin_until > now)
+                ):
                     times.append(entry.lease_until)
         return min(times, default=None)
 

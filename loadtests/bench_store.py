@@ -1,0 +1,441 @@
+"""Benchmark of the distributed KV store next to its physical baselines, all in one run.
+
+    python loadtests/bench_store.py --out bench_store.json
+
+Starts what it needs itself (redis-server on a free port, a store master, one store node), then for
+64 KiB, 1 MiB and 4 MiB objects measures:
+
+- store put and get, single ops and batches of 32, over TCP (a client limited to ``("tcp",)``) and
+  over shared memory (same host), with the bytes API (``put``/``get``: one copy through the staging
+  buffer) and the zero-copy API (``put_from``/``get_into``: registered buffers);
+- Redis SET/GET of the same values (redis-py, sync client: its best case), single and 32 per pipeline;
+- a raw loopback TCP stream (``sendall``/``recv_into`` between two processes) and a plain memcpy
+  (``numpy.copyto``) of blocks of the same size.
+
+Every measurement cycles over a working set of ``--working-set`` bytes (default 128 MiB, past the
+CPU caches) so no number is a cache artefact. Throughput is object bytes per second; latency is per
+call (a batch call for batches). Prints a table, checks the targets, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
+
+from yutu.store.client import StoreClient, StoreClientConfig  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
+BATCH = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summary(lat: list[float], nbytes: int, elapsed: float) -> dict[str, float]:
+    arr = np.array(lat)
+    return {
+        "gbps": nbytes / elapsed / 1e9,
+        "p50_us": float(np.percentile(arr, 50) * 1e6),
+        "p99_us": float(np.percentile(arr, 99) * 1e6),
+        "calls": len(lat),
+    }
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def bench_memcpy(size: int, working_set: int, seconds: float) -> dict[str, float]:
+    src = np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB)  # (working_set,)
+    dst = np.zeros_like(src)
+    blocks = working_set // size
+    lat: list[float] = []
+    moved, i = 0, 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        o = (i % blocks) * size
+        t = time.perf_counter()
+        np.copyto(dst[o : o + size], src[o : o + size])
+        lat.append(time.perf_counter() - t)
+        moved += size
+        i += 1
+    return summary(lat, moved, sum(lat))
+
+
+def _stream_sender(port: int, size: int, working_set: int, total: int) -> None:
+    buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
+    blocks = working_set // size
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for i in range(total // size):
+            o = (i % blocks) * size
+            s.sendall(buf[o : o + size])
+
+
+def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float]:
+    """One loopback TCP stream between two processes, ``size`` bytes per send/receive."""
+    total = int(3.0e9 * seconds) // size * size  # about `seconds` at 3 GB/s
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = mp.get_context("spawn").Process(
+            target=_stream_sender, args=(listener.getsockname()[1], size, working_set, total)
+        )
+        sender.start()
+        conn, _ = listener.accept()
+    buf = memoryview(bytearray(working_set))
+    blocks = working_set // size
+    lat: list[float] = []
+    with conn:
+        start = time.perf_counter()
+        for i in range(total // size):
+            o = (i % blocks) * size
+            view, got = buf[o : o + size], 0
+            t = time.perf_counter()
+            while got < size:
+                n = conn.recv_into(view[got:])
+                if not n:
+                    raise RuntimeError("sender closed early")
+                got += n
+            lat.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - start
+    sender.join(10)
+    return summary(lat, total, elapsed)
+
+
+def bench_redis(r: redis.Redis, size: int, working_set: int, seconds: float) -> dict[str, dict[str, float]]:
+    value = os.urandom(size)
+    keys = [f"bench:{size}:{i}" for i in range(working_set // size)]
+    out: dict[str, dict[str, float]] = {}
+
+    def run(op: Callable[[int], None], per_call: int) -> dict[str, float]:
+        lat: list[float] = []
+        i = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            op(i)
+            lat.append(time.perf_counter() - t)
+            i += 1
+        return summary(lat, i * per_call * size, time.perf_counter() - start)
+
+    def batch_keys(i: int) -> list[str]:
+        first = (i * BATCH) % len(keys)
+        return keys[first : first + BATCH]
+
+    def pipe_set(i: int) -> None:
+        pipe = r.pipeline(transaction=False)
+        for k in batch_keys(i):
+            pipe.set(k, value)
+        pipe.execute()
+
+    out["put/single"] = run(lambda i: r.set(keys[i % len(keys)], value), 1)
+    out["get/single"] = run(lambda i: r.get(keys[i % len(keys)]), 1)
+    out["put/batch"] = run(pipe_set, BATCH)
+    out["get/batch"] = run(lambda i: r.mget(batch_keys(i)), BATCH)
+    r.flushdb()
+    return out
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+class Store:
+    """redis-server, a store master and a store node as subprocesses; stopped by ``close``."""
+
+    def __init__(self, workdir: Path, node_bytes: int) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.redis_port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.prefix = "bench"
+        self.node_bytes = node_bytes
+        self.master_admin = ""
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "OMP_NUM_THREADS": "1"}
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, url: str, proc: subprocess.Popen[bytes], name: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {(self.workdir / f'{name}.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{name} did not become ready")
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server not found: apt-get install redis-server")
+        self._spawn([binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", str(self.workdir)], "redis")  # fmt: skip
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        common = ["--redis-url", self.redis_url, "--registry-prefix", self.prefix, "--log-level", "warning"]
+        master_admin, node_admin = free_port(), free_port()
+        master = self._spawn([sys.executable, "-m", "services.store_master.main", *common,
+                              "--admin-port", str(master_admin), "--instance-id", "bench-master"], "master")  # fmt: skip
+        self.master_admin = f"http://127.0.0.1:{master_admin}"
+        self._wait_ready(self.master_admin, master, "master")
+        node = self._spawn([sys.executable, "-m", "services.store_node.main", *common, "--admin-port",
+                            str(node_admin), "--instance-id", "bench-node", "--segment-size",
+                            str(self.node_bytes)], "node")  # fmt: skip
+        self._wait_ready(f"http://127.0.0.1:{node_admin}", node, "node")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):  # node, master, redis
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+
+async def timed(op: Callable[[int], Awaitable[Any]], per_call_bytes: int, seconds: float,
+                between: Callable[[int], Awaitable[Any]] | None = None) -> dict[str, float]:  # fmt: skip
+    """Call ``op(i)`` for about ``seconds`` of measured time; ``between(i)`` runs untimed before call i."""
+    lat: list[float] = []
+    i = 0
+    while sum(lat) < seconds or i < 3:
+        if between is not None:
+            await between(i)
+        t = time.perf_counter()
+        await op(i)
+        lat.append(time.perf_counter() - t)
+        i += 1
+    return summary(lat, i * per_call_bytes, sum(lat))
+
+
+async def bench_store_size(
+    client: StoreClient, size: int, working_set: int, seconds: float, tag: str
+) -> dict[str, dict[str, float]]:
+    """put/get x single/batch x bytes/zero-copy for one object size through ``client``."""
+    n = working_set // size
+    src, dst = client.engine.regions["src"], client.engine.regions["dst"]  # type: ignore[union-attr]
+    value = bytes(src.buffer[:size])
+    out: dict[str, dict[str, float]] = {}
+    keys = [f"{tag}-{size}-g{i}" for i in range(n)]
+    offsets = [i * size for i in range(n)]
+    for first in range(0, n, BATCH):  # the objects gets will read
+        assert all(await client.put_from_batch(keys[first : first + BATCH], src, offsets[first : first + BATCH],
+                                               [size] * min(BATCH, n - first)))  # fmt: skip
+
+    def span(i: int) -> tuple[list[str], list[int]]:
+        first = (i * BATCH) % n
+        return keys[first : first + BATCH], offsets[first : first + BATCH]
+
+    out["get/single/bytes"] = await timed(lambda i: client.get(keys[i % n]), size, seconds)
+    out["get/single/zero-copy"] = await timed(
+        lambda i: client.get_into(keys[i % n], dst, offsets[i % n]), size, seconds
+    )
+    out["get/batch/bytes"] = await timed(lambda i: client.get_batch(span(i)[0]), size * BATCH, seconds)
+    out["get/batch/zero-copy"] = await timed(
+        lambda i: client.get_into_batch(span(i)[0], dst, span(i)[1]), size * BATCH, seconds
+    )
+    await client.remove_batch(keys)
+
+    # puts: fresh keys; every pass over the working set is removed again, untimed
+    generation = [0]
+
+    def fresh(i: int, count: int) -> list[str]:
+        return [f"{tag}-{size}-p{generation[0]}-{(i * count + j) % n}" for j in range(count)]
+
+    def cleaner(count: int) -> Callable[[int], Awaitable[None]]:
+        async def clean(i: int) -> None:
+            if i and (i * count) % n == 0:
+                await client.remove_batch([f"{tag}-{size}-p{generation[0]}-{j}" for j in range(n)])
+                generation[0] += 1
+
+        return clean
+
+    async def finish() -> None:
+        await client.remove_batch([f"{tag}-{size}-p{generation[0]}-{j}" for j in range(n)])
+        generation[0] += 1
+
+    def one_offset(i: int) -> int:
+        return (i % n) * size
+
+    out["put/single/bytes"] = await timed(
+        lambda i: client.put(fresh(i, 1)[0], value), size, seconds, cleaner(1)
+    )
+    await finish()
+    out["put/single/zero-copy"] = await timed(
+        lambda i: client.put_from(fresh(i, 1)[0], src, one_offset(i), size), size, seconds, cleaner(1)
+    )
+    await finish()
+    out["put/batch/bytes"] = await timed(
+        lambda i: client.put_batch([(k, value) for k in fresh(i, BATCH)]),
+        size * BATCH,
+        seconds,
+        cleaner(BATCH),
+    )
+    await finish()
+    out["put/batch/zero-copy"] = await timed(
+        lambda i: client.put_from_batch(fresh(i, BATCH), src, span(i)[1], [size] * BATCH),
+        size * BATCH, seconds, cleaner(BATCH),
+    )  # fmt: skip
+    await finish()
+    return out
+
+
+async def run_store(store: Store, working_set: int, seconds: float) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for transport, transports in (("tcp", ("tcp",)), ("shm", ("shm", "tcp"))):
+        config = StoreClientConfig(store.redis_url, prefix=store.prefix, staging_bytes=BATCH * 4 * MiB + MiB,
+                                   transports=transports)  # fmt: skip
+        async with StoreClient(config) as client:
+            src = client.register_buffer("src", working_set)
+            src.view_numpy()[:] = np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB)
+            client.register_buffer("dst", working_set).view_numpy()[:] = 0  # touch the pages once
+            for size in SIZES:
+                results[f"{transport}/{size}"] = await bench_store_size(
+                    client, size, working_set, seconds, transport
+                )
+                print(f"  store over {transport}, {size // KiB} KiB done", flush=True)
+    async with httpx.AsyncClient() as http:
+        results["master_stats"] = (await http.get(store.master_admin + "/stats", timeout=5)).json()
+    return results
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def report(res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    head = f"{'size':>6} {'op':<5} {'mode':<6} {'path':<22} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for size in SIZES:
+        label = f"{size // KiB}K" if size < MiB else f"{size // MiB}M"
+        base = res["baselines"][str(size)]
+        for name in ("memcpy", "socket"):
+            b = base[name]
+            print(
+                f"{label:>6} {'-':<5} {'-':<6} {name:<22} {b['gbps']:7.2f} {b['p50_us']:9.1f} {b['p99_us']:9.1f}"
+            )
+        for op in ("put", "get"):
+            for mode in ("single", "batch"):
+                r = base["redis"][f"{op}/{mode}"]
+                print(
+                    f"{label:>6} {op:<5} {mode:<6} {'redis':<22} {r['gbps']:7.2f} {r['p50_us']:9.1f} {r['p99_us']:9.1f}"
+                )
+                for transport in ("tcp", "shm"):
+                    for api in ("bytes", "zero-copy"):
+                        s = res["store"][f"{transport}/{size}"][f"{op}/{mode}/{api}"]
+                        path = f"store {transport} {api}"
+                        print(f"{label:>6} {op:<5} {mode:<6} {path:<22} {s['gbps']:7.2f} {s['p50_us']:9.1f} "
+                              f"{s['p99_us']:9.1f}  x{s['gbps'] / r['gbps']:.1f} redis")  # fmt: skip
+                        rows.append({"size": size, "op": op, "mode": mode, "transport": transport, "api": api,
+                                     **s, "vs_redis": s["gbps"] / r["gbps"]})  # fmt: skip
+    return rows
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    size = 4 * MiB
+    base = res["baselines"][str(size)]
+    for mode in ("single", "batch"):
+        tcp = res["store"][f"tcp/{size}"][f"get/{mode}/zero-copy"]["gbps"]
+        shm = res["store"][f"shm/{size}"][f"get/{mode}/zero-copy"]["gbps"]
+        out.append({"target": f"4 MiB get ({mode}) over TCP >= 60% of the raw socket stream",
+                    "ratio": tcp / base["socket"]["gbps"], "need": 0.6})  # fmt: skip
+        out.append({"target": f"4 MiB get ({mode}) over SHM >= 50% of memcpy",
+                    "ratio": shm / base["memcpy"]["gbps"], "need": 0.5})  # fmt: skip
+    for size in SIZES:
+        for op in ("put", "get"):
+            for mode in ("single", "batch"):
+                redis_gbps = res["baselines"][str(size)]["redis"][f"{op}/{mode}"]["gbps"]
+                best = max(res["store"][f"{t}/{size}"][f"{op}/{mode}/{api}"]["gbps"]
+                           for t in ("tcp", "shm") for api in ("bytes", "zero-copy"))  # fmt: skip
+                tcp_bytes = res["store"][f"tcp/{size}"][f"{op}/{mode}/bytes"]["gbps"]
+                out.append({"target": f"{size // KiB} KiB {op} ({mode}) beats Redis >= 3x (best path)",
+                            "ratio": best / redis_gbps, "need": 3.0, "tcp_bytes_ratio": tcp_bytes / redis_gbps})  # fmt: skip
+    print()
+    for t in out:
+        t["met"] = t["ratio"] >= t["need"]
+        extra = f" (TCP bytes API: x{t['tcp_bytes_ratio']:.2f})" if "tcp_bytes_ratio" in t else ""
+        print(f"[{'PASS' if t['met'] else 'MISS'}] {t['target']}: {t['ratio']:.2f}{extra}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="bench_store.json", help="where to write the JSON results")
+    parser.add_argument("--seconds", type=float, default=0.5, help="measured seconds per data point")
+    parser.add_argument("--working-set", type=int, default=128, help="MiB cycled over by every measurement")
+    args = parser.parse_args()
+    working_set = args.working_set * MiB
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="yutu-bench-store-"))
+    store = Store(workdir, node_bytes=3 * working_set)
+    try:
+        store.start()
+        print(f"services up in {time.perf_counter() - started:.1f}s; baselines...", flush=True)
+        r = redis.Redis.from_url(store.redis_url.rsplit("/", 1)[0] + "/1")  # its own db: flushdb is safe
+        baselines: dict[str, Any] = {}
+        for size in SIZES:
+            baselines[str(size)] = {
+                "memcpy": bench_memcpy(size, working_set, args.seconds),
+                "socket": bench_socket(size, working_set, args.seconds),
+                "redis": bench_redis(r, size, working_set, args.seconds),
+            }
+        r.close()
+        print("store...", flush=True)
+        res = {"baselines": baselines, "store": asyncio.run(run_store(store, working_set, args.seconds))}
+    finally:
+        store.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    rows = report(res)
+    res["rows"] = rows
+    res["targets"] = targets(res)
+    res["config"] = {"working_set": working_set, "seconds": args.seconds, "cpus": os.cpu_count(), "batch": BATCH,
+                     "elapsed_s": time.perf_counter() - started}  # fmt: skip
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {args.out} in {res['config']['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
