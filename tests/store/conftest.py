@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from yutu.store.client import StoreClient, StoreClientConfig
+from yutu.transfer import sweep_stale_region_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,10 +134,10 @@ class Cluster:
         return fresh
 
     async def client(self, **overrides: object) -> StoreClient:
-        config = StoreClientConfig(
-            redis_url=self.redis_url, prefix=self.prefix, staging_bytes=8 << 20, rpc_timeout_s=5.0,
-            transfer_timeout_s=5.0, **overrides,  # type: ignore[arg-type]
-        )  # fmt: skip
+        settings: dict[str, object] = {
+            "staging_bytes": 8 << 20, "rpc_timeout_s": 5.0, "transfer_timeout_s": 5.0, **overrides,
+        }  # fmt: skip
+        config = StoreClientConfig(redis_url=self.redis_url, prefix=self.prefix, **settings)  # type: ignore[arg-type]
         client = StoreClient(config)
         await client.start()
         self.clients.append(client)
@@ -173,3 +174,4 @@ async def store_cluster(redis_url: str, registry_prefix: str, tmp_path: Path) ->
         # nodes first, while the master can still take their unmount; then the masters
         for proc in sorted(reversed(cluster.procs), key=lambda p: "store_master" in " ".join(p.args)):
             proc.stop(timeout=5.0)
+        sweep_stale_region_files()  # shared memory left by nodes the test SIGKILLed

@@ -172,3 +172,21 @@ async def test_out_of_range_transfers_are_refused_and_change_nothing(store_clust
     assert "outside" in (results[0].error or "") and "no-such-region" in (results[2].error or "")
     assert await client.get("k") == b"\x01" * 1000  # nothing changed
     assert replica.offset == 0
+
+
+async def test_clients_and_nodes_follow_a_master_that_moves(store_cluster: Cluster) -> None:
+    first = store_cluster.master(port="0", node_ttl="6")  # any free port: found through the registry
+    node = store_cluster.node("n0")
+    client = await store_cluster.client(rpc_timeout_s=1.0)
+    await client.put("moved", b"m" * 4096)
+    assert client.master is not None
+    old = client.master.endpoint
+    first.kill()
+    second = store_cluster.master(name="master2", port="0", node_ttl="6")
+    new = await _rpc_endpoint(store_cluster)  # the most recently started master
+    assert new != old
+    assert await client.get("moved") == b"m" * 4096  # first call times out; the registry names the new one
+    assert client.master.endpoint == new
+    store_cluster.wait_for(lambda: node.get("/segments").json()[0]["master"] == new, 8, "n0 to follow")
+    assert await client.put("after-move", b"a" * 100) is True
+    assert second.get("/stats").json()["objects"] == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from yutu.errors import ErrorKind, YutuError
 
@@ -31,3 +32,20 @@ async def test_round_trip_1_byte_to_64_mib(store_cluster: Cluster, transports: t
     with pytest.raises(YutuError) as err:
         await client.get("obj-1")
     assert err.value.kind is ErrorKind.NOT_FOUND
+
+
+async def test_buffers_of_any_kind_and_remove_all(store_cluster: Cluster) -> None:
+    store_cluster.master()
+    store_cluster.node("n0")
+    client = await store_cluster.client()
+    array = np.arange(1000, dtype=np.float32)  # (1000,) float32 = 4000 bytes
+    assert await client.put("np", array) is True
+    assert await client.put("mv", memoryview(bytearray(b"abc"))) is True
+    assert np.frombuffer(await client.get("np"), dtype=np.float32).tolist() == array.tolist()
+    with pytest.raises(YutuError) as err:
+        await client.put("empty", b"")
+    assert err.value.kind is ErrorKind.INVALID_REQUEST
+    with pytest.raises(ValueError):
+        await client.put("strided", array[::2])  # not contiguous: refused before anything is sent
+    assert await client.remove_all() == 2
+    assert await client.exists_batch(["np", "mv"]) == [False, False]

@@ -390,6 +390,11 @@ class StoreClient:
         reply = await self.master.call(p.BatchRemove([_key(k) for k in keys]))
         return [bool(p.unwrap(o)) for o in reply.results]
 
+    async def remove_all(self) -> int:
+        """Remove every object of the store (publishes AllBlocksCleared); returns how many."""
+        assert self.master is not None
+        return int((await self.master.call(p.RemoveAll())).count)
+
     async def replicas(self, key: str) -> list[ReplicaDescriptor]:
         """Where ``key`` lives now (takes a read lease, like a get)."""
         located = (await self._locate([_key(key)]))[0]
