@@ -4,14 +4,47 @@ state at scrape time (capacity, used, objects, evictions, ...)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from services.store_master.events import KVEventPublisher
+    from services.store_master.persistence import Persister
     from services.store_master.service import StoreMasterService
+    from services.store_master.state import MasterState
+
+
+def collect_stats(
+    state: MasterState, persister: Persister | None, events: KVEventPublisher | None
+) -> dict[str, Any]:
+    """The numbers /stats, /metrics and GetStats report."""
+    c = state.counters
+    segments = state.segments.segments.values()
+    return {
+        "capacity": state.segments.capacity,
+        "used": state.segments.used_bytes,
+        "usage": round(state.segments.usage, 6),
+        "fragmentation": round(state.segments.fragmentation(), 6),
+        "segments": len(state.segments),
+        "objects": sum(1 for e in state.objects.values() if e.readable),
+        "pending_puts": sum(1 for e in state.objects.values() if e.pending is not None),
+        "retired_extents": len(state.retired),
+        "disk_capacity": sum(s.disk_capacity for s in segments),
+        "disk_used": sum(s.disk_used for s in segments),
+        "evicted_objects": c.evicted_objects,
+        "evicted_bytes": c.evicted_bytes,
+        "eviction_rounds": c.eviction_rounds,
+        "reclaimed_puts": c.reclaimed_puts,
+        "lost_objects": c.lost_objects,
+        "offloaded_objects": c.offloaded_objects,
+        "promoted_objects": c.promoted_objects,
+        "metadata_writes": 0 if persister is None else persister.writes,
+        "published_events": 0 if events is None else events.published_events,
+    }
+
 
 _GAUGES = {
     "capacity": "bytes of DRAM contributed by mounted segments",

@@ -27,15 +27,15 @@ from yutu.service import Service, advertised
 
 from services.store_master.admin import build_router
 from services.store_master.events import KVEventPublisher
-from services.store_master.metrics import StoreMetrics
+from services.store_master.metrics import StoreMetrics, collect_stats
 from services.store_master.objects import NodeTask, Replica
 from services.store_master.persistence import MetadataStore, Persister
 from services.store_master.settings import MasterSettings
 from services.store_master.state import Effects, MasterState, NoSpaceError, check_int
+from services.store_master.tasks import TaskDispatcher
 
 log = logging.getLogger(__name__)
 
-TASK_WAIT_S = 30.0  # how long a put or a read waits for a disk-tier task
 T = TypeVar("T")
 
 
@@ -55,9 +55,7 @@ class StoreMasterService(Service):
         self._registration: Registration | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._ready = False
-        self._node_queues: dict[str, list[NodeTask]] = {}
-        self._node_wakeups: dict[str, asyncio.Event] = {}
-        self._task_futures: dict[str, asyncio.Future[str | None]] = {}
+        self.tasks = TaskDispatcher()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             p.MountSegment: self._mount,
             p.BatchMountSegment: self._batch_mount,
@@ -139,9 +137,7 @@ class StoreMasterService(Service):
             await self._persister.close()
         if self._events is not None:
             await self._events.close()
-        for future in self._task_futures.values():
-            if not future.done():
-                future.set_result("master shutting down")
+        self.tasks.close()
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -182,24 +178,10 @@ class StoreMasterService(Service):
             await self._persister.commit()
         if self._events is not None and effects.events:
             await self._events.publish(effects.events)
-        for task in effects.tasks:
-            self._node_queues.setdefault(task.node_id, []).append(task)
-            self._node_wakeups.setdefault(task.node_id, asyncio.Event()).set()
-            if task.op != "drop":
-                self._task_futures[task.task_id] = asyncio.get_running_loop().create_future()
+        self.tasks.enqueue(effects.tasks)
         for task_id in effects.failed_tasks:
-            self._finish_task(task_id, "the node holding the segment was lost")
+            self.tasks.finish(task_id, "the node holding the segment was lost")
         return effects.tasks
-
-    def _finish_task(self, task_id: str, error: str | None) -> None:
-        future = self._task_futures.pop(task_id, None)
-        if future is not None and not future.done():
-            future.set_result(error)
-
-    async def _wait_tasks(self, task_ids: list[str]) -> None:
-        futures = [self._task_futures[t] for t in task_ids if t in self._task_futures]
-        if futures:
-            await asyncio.wait(futures, timeout=TASK_WAIT_S)
 
     def _snapshot_object(self, key: str) -> bytes | None:
         entry = self.state.objects.get(key)
@@ -319,7 +301,7 @@ class StoreMasterService(Service):
                         ErrorKind.OVERLOADED,
                     ) from None
                 waits = [t.task_id for t in tasks if t.op == "offload"] or self._offloads_running()
-                await self._wait_tasks(waits)
+                await self.tasks.wait(waits)
         raise YutuError(f"could not make room for {size} bytes; retry later", ErrorKind.OVERLOADED)
 
     def _offloads_running(self) -> list[str]:
@@ -401,7 +383,7 @@ class StoreMasterService(Service):
         entry = self.state.objects[key]
         task_id = await self._with_room(lambda: self.state.disk.start_promote(key), entry.size)
         await self._settle()
-        await self._wait_tasks([task_id])
+        await self.tasks.wait([task_id])
         found = self.state.get_replicas(key)
         if found is None:
             raise YutuError(f"could not bring {key!r} back from disk; retry", ErrorKind.UNAVAILABLE)
@@ -445,22 +427,14 @@ class StoreMasterService(Service):
     async def _fetch_tasks(self, m: p.FetchTasks) -> p.TasksReply:
         if not isinstance(m.node_id, str) or not isinstance(m.wait_s, int | float):
             raise YutuError("FetchTasks needs a node_id str and wait_s seconds", ErrorKind.INVALID_REQUEST)
-        wakeup = self._node_wakeups.setdefault(m.node_id, asyncio.Event())
-        if not self._node_queues.get(m.node_id):
-            try:
-                await asyncio.wait_for(wakeup.wait(), max(0.0, min(float(m.wait_s), 60.0)))
-            except TimeoutError:
-                pass
-        wakeup.clear()
-        tasks = self._node_queues.pop(m.node_id, [])
-        return p.TasksReply([t.to_wire() for t in tasks])
+        return p.TasksReply([t.to_wire() for t in await self.tasks.fetch(m.node_id, float(m.wait_s))])
 
     async def _tasks_done(self, m: p.TasksDone) -> p.Ack:
         if not isinstance(m.results, list) or not all(isinstance(r, list) and len(r) == 2 for r in m.results):
             raise YutuError("results must be [[task_id, error or None], ...]", ErrorKind.INVALID_REQUEST)
         for task_id, error in m.results:
             self.state.disk.task_done(str(task_id), None if error is None else str(error))
-            self._finish_task(str(task_id), None if error is None else str(error))
+            self.tasks.finish(str(task_id), None if error is None else str(error))
         await self._settle()
         return p.Ack(len(m.results))
 
@@ -470,25 +444,4 @@ class StoreMasterService(Service):
         return p.StatsReply(self.stats())
 
     def stats(self) -> dict[str, Any]:
-        st, c = self.state, self.state.counters
-        return {
-            "capacity": st.segments.capacity,
-            "used": st.segments.used_bytes,
-            "usage": round(st.segments.usage, 6),
-            "fragmentation": round(st.segments.fragmentation(), 6),
-            "segments": len(st.segments),
-            "objects": sum(1 for e in st.objects.values() if e.readable),
-            "pending_puts": sum(1 for e in st.objects.values() if e.pending is not None),
-            "retired_extents": len(st.retired),
-            "disk_capacity": sum(s.disk_capacity for s in st.segments.segments.values()),
-            "disk_used": sum(s.disk_used for s in st.segments.segments.values()),
-            "evicted_objects": c.evicted_objects,
-            "evicted_bytes": c.evicted_bytes,
-            "eviction_rounds": c.eviction_rounds,
-            "reclaimed_puts": c.reclaimed_puts,
-            "lost_objects": c.lost_objects,
-            "offloaded_objects": c.offloaded_objects,
-            "promoted_objects": c.promoted_objects,
-            "metadata_writes": 0 if self._persister is None else self._persister.writes,
-            "published_events": 0 if self._events is None else self._events.published_events,
-        }
+        return collect_stats(self.state, self._persister, self._events)

@@ -33,7 +33,7 @@ from yutu.protocol import store as p
 from yutu.registry import Registry
 from yutu.store.master import MasterClient
 from yutu.store.mount import MountedSegment
-from yutu.store.staging import Staging
+from yutu.store.staging import Space, Staging
 from yutu.store.types import PutOptions, ReplicaDescriptor, validate_key
 from yutu.transfer import Region, SegmentDirectory, TransferEngine, TransferOp, TransferRequest
 from yutu.transfer.segment import local_host_id
@@ -432,36 +432,9 @@ class StoreClient:
             chunks.append(current)
         return chunks
 
-    def _space(self, sizes: list[int]) -> _Space:
-        return _Space(self, sizes)
-
-
-class _Space:
-    """Staging space for ``sizes`` (or a temporary region for one oversized object)."""
-
-    def __init__(self, client: StoreClient, sizes: list[int]) -> None:
-        self.client = client
-        self.sizes = sizes
-        self.offsets: list[int] = []
-        self.tmp: str | None = None
-
-    async def __aenter__(self) -> tuple[Region, list[int]]:
-        staging, engine = self.client._staging, self.client.engine
-        assert staging is not None and engine is not None
-        if staging.fits(self.sizes):
-            self.offsets = await staging.acquire(self.sizes)
-            return staging.region, self.offsets
-        assert len(self.sizes) == 1
-        self.tmp = f"tmp-{next(self.client._tmp_names)}"
-        return engine.register_region(self.tmp, self.sizes[0]), [0]
-
-    async def __aexit__(self, *exc: Any) -> None:
-        staging, engine = self.client._staging, self.client.engine
-        assert staging is not None and engine is not None
-        if self.tmp is not None:
-            engine.unregister_region(self.tmp)
-        elif self.offsets:
-            await staging.release(self.offsets)
+    def _space(self, sizes: list[int]) -> Space:
+        assert self._staging is not None and self.engine is not None
+        return Space(self._staging, self.engine, sizes, f"tmp-{next(self._tmp_names)}")
 
 
 def _key(key: Any) -> str:

@@ -8,9 +8,10 @@ served here; the client gives such an object a region of its own.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from yutu.store.allocator import RangeAllocator
-from yutu.transfer import Region
+from yutu.transfer import Region, TransferEngine
 
 
 class Staging:
@@ -51,3 +52,33 @@ class Staging:
             for offset in offsets:
                 self.allocator.free(offset)
             self._freed.notify_all()
+
+
+class Space:
+    """``async with``: staging space for ``sizes``, or a temporary region for one oversized object.
+
+    Yields ``(region, offsets)``; the space is given back on exit.
+    """
+
+    def __init__(self, staging: Staging, engine: TransferEngine, sizes: list[int], tmp_name: str) -> None:
+        self.staging = staging
+        self.engine = engine
+        self.sizes = sizes
+        self.tmp_name = tmp_name
+        self.offsets: list[int] = []
+        self.tmp = False
+
+    async def __aenter__(self) -> tuple[Region, list[int]]:
+        if self.staging.fits(self.sizes):
+            self.offsets = await self.staging.acquire(self.sizes)
+            return self.staging.region, self.offsets
+        if len(self.sizes) != 1:
+            raise ValueError("only a single object may exceed the staging buffer")
+        self.tmp = True  # local only: peers never address it, so it needs no publishing
+        return self.engine.register_region(self.tmp_name, self.sizes[0]), [0]
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.tmp:
+            self.engine.unregister_region(self.tmp_name)
+        elif self.offsets:
+            await self.staging.release(self.offsets)
