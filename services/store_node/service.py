@@ -96,7 +96,13 @@ class StoreNodeService(Service):
             registry, ServiceRecord(self.kind, s.instance_id, endpoints, meta), s.registry_ttl_s
         )
         await self._registration.start()
-        log.info("store node %s: segment %s of %d bytes", s.instance_id, s.segment_name, s.segment_size)
+        log.info(
+            "store node %s: segment %s of %d bytes, endpoints %s",
+            s.instance_id,
+            s.segment_name,
+            s.segment_size,
+            endpoints,
+        )
 
     async def _task_loop(self) -> None:
         assert self.master is not None and self.disk is not None

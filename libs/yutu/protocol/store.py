@@ -20,6 +20,13 @@ never fails as a whole for one bad key: ``BatchReply.results`` holds one outcome
     [None, value]            success; value as in the single reply (see each message)
     [[kind, message], None]  failure of that key; kind is a yutu.errors.ErrorKind value
 
+For Mooncake Store users: PutStart/PutEnd/PutRevoke, MountSegment/UnmountSegment and RemoveAll
+keep their names; GetReplicas is GetReplicaList, Exists is ExistKey, Heartbeat is Ping;
+``PutOptions(replicas, soft_pin)`` is ReplicateConfig(replica_num, with_soft_pin). Master flags:
+``--lease-ttl`` (default_kv_lease_ttl), ``--soft-pin-ttl`` (default_kv_soft_pin_ttl),
+``--eviction-high-watermark`` (eviction_high_watermark_ratio), ``--eviction-ratio``,
+``--node-ttl`` (client_live_ttl_sec), ``--put-timeout`` (put_start_discard_timeout_sec).
+
 Replicas travel as :meth:`yutu.store.types.ReplicaDescriptor.to_wire` lists. Fields are not trusted
 by the decoder: the master validates every value and refuses bad ones with INVALID_REQUEST.
 """
