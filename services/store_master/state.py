@@ -146,6 +146,8 @@ class MasterState:
 
     def unmount(self, node_id: str, name: str) -> int:
         """Unmount a segment of ``node_id``; returns how many replicas were dropped with it."""
+        if not isinstance(name, str):
+            raise _bad(f"segment must be a str, got {name!r}")
         segment = self.segments.get(name)
         if segment is None:
             return 0

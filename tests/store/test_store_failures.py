@@ -120,6 +120,7 @@ async def test_malformed_rpcs_are_refused_and_change_nothing(store_cluster: Clus
         p.MountSegment("n", "s", "r", -5, "h", 1),
         p.Heartbeat("n", "nope"),  # type: ignore[arg-type]
         p.UnmountSegment("intruder", "n0"),
+        p.UnmountSegment("n0", ["n0"]),  # type: ignore[arg-type]
     ]
     try:
         for msg in bad_calls:
@@ -127,6 +128,12 @@ async def test_malformed_rpcs_are_refused_and_change_nothing(store_cluster: Clus
                 await rpc.call(msg)
             assert err.value.kind in (ErrorKind.INVALID_REQUEST, ErrorKind.NOT_FOUND), (msg, err.value)
             assert str(err.value)
+        # a batch refuses the bad item alone, in its outcome
+        reply = await rpc.call(p.BatchUnmountSegment("n0", [["n0"]]))  # type: ignore[list-item]
+        assert reply.results[0][0][0] == "invalid_request_error"
+        reply = await rpc.call(p.BatchPutStart(["ok-key", ""], [10, 10]))
+        assert reply.results[0][0] is None and reply.results[1][0][0] == "invalid_request_error"
+        await rpc.call(p.BatchPutRevoke(["ok-key"], [reply.results[0][1][0]]))
         # frames that are not store messages at all
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.connect(endpoint)
