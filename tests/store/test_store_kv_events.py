@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 from yutu.protocol.kv_events import (
@@ -61,3 +63,46 @@ def test_key_to_hash() -> None:
     assert key_to_hash("abc") == b"abc"  # odd length: not hex bytes
     assert key_to_hash("k1") == b"k1"
     assert key_to_hash("ABCD") == b"ABCD"  # hex keys are lowercase
+
+
+def _vllm_types() -> Any:
+    """vLLM's KV event structs (as in vllm/distributed/kv_events.py), built with msgspec.defstruct."""
+    msgspec = pytest.importorskip("msgspec")  # not a Yutu dependency: the test runs where it exists
+    opts = {"array_like": True, "omit_defaults": True}
+    base = msgspec.defstruct("KVCacheEvent", [], tag=True, **opts)
+    hashes = list[bytes | int]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [("block_hashes", hashes), ("parent_block_hash", bytes | int | None), ("token_ids", list[int]),
+         ("block_size", int), ("lora_id", int | None), ("medium", str | None)],
+        bases=(base,), tag="BlockStored", **opts,
+    )  # fmt: skip
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [("block_hashes", hashes), ("medium", str | None)],
+        bases=(base,),
+        tag="BlockRemoved",
+        **opts,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], bases=(base,), tag="AllBlocksCleared", **opts)
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [
+            ("ts", float),
+            ("events", list[stored | removed | cleared]),
+            ("data_parallel_rank", int | None, None),
+        ],
+        **opts,
+    )
+    return msgspec, batch
+
+
+def test_vllm_msgspec_decoder_reads_our_batches() -> None:
+    msgspec, batch_type = _vllm_types()
+    h = bytes.fromhex("ab" * 16)
+    ours = KVEventBatch(3.0, [BlockStored([h], block_size=16), BlockRemoved([h]), AllBlocksCleared()], 0)
+    theirs = msgspec.msgpack.Decoder(batch_type).decode(encode_batch(ours))
+    assert theirs.data_parallel_rank == 0
+    assert [type(e).__name__ for e in theirs.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert theirs.events[0].block_hashes == [h] and theirs.events[0].block_size == 16
+    assert decode_batch(msgspec.msgpack.encode(theirs)) == ours
