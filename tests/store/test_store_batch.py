@@ -42,6 +42,11 @@ async def test_batches_and_zero_copy(store_cluster: Cluster) -> None:
     with pytest.raises(YutuError) as err:
         await client.get_into("z1", dst, offset=(1 << 20) - 100)  # does not fit: refused, nothing read
     assert err.value.kind is ErrorKind.INVALID_REQUEST
+    for offset, length in ((1 << 20, 1), (0, 0), (-1, 10)):  # refused before the master allocates anything
+        with pytest.raises(YutuError) as err:
+            await client.put_from("bad", src, offset, length)
+        assert err.value.kind is ErrorKind.INVALID_REQUEST
+    assert master.get("/stats").json()["pending_puts"] == 0 and not await client.exists("bad")
 
     assert await client.remove_batch([keys[0], "missing"]) == [True, False]
     assert await client.get_batch([keys[0]]) == [None]

@@ -177,6 +177,13 @@ class StoreClient:
         if not len(keys) == len(offsets) == len(lengths):
             raise ValueError("keys, offsets and lengths must have the same length")
         name = self._region_name(buffer)
+        size = self.engine.regions[name].size if self.engine is not None else 0
+        for offset, length in zip(offsets, lengths, strict=True):
+            if length <= 0 or offset < 0 or offset + length > size:
+                raise YutuError(
+                    f"[{offset}, {offset + length}) is not a non-empty range of buffer {name!r} ({size} bytes)",
+                    ErrorKind.INVALID_REQUEST,
+                )
         checked = [_key(k) for k in keys]
         sources = [(name, o, n) for o, n in zip(offsets, lengths, strict=True)]
         results = await self._put_many(checked, sources, PutOptions(replicas, soft_pin, upsert))
