@@ -85,6 +85,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
@@ -110,6 +112,8 @@ def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def test_up_help_lists_options_with_env_vars() -> None:
