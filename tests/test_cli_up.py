@@ -131,3 +131,17 @@ def test_every_service_has_help(command: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--redis-url" in out.stdout and "YUTU_REDIS_URL" in out.stdout
+
+
+def test_env_names_are_scoped_per_service() -> None:
+    def help_of(command: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "yutu.cli", command, "--help"], capture_output=True, text=True
+        )
+        return " ".join(out.stdout.split())  # argparse wraps lines
+
+    gateway, worker = help_of("gateway"), help_of("worker")
+    assert "YUTU_GATEWAY_PORT" in gateway and "YUTU_PORT;" not in gateway
+    assert "YUTU_WORKER_ADMIN_PORT" in worker and "YUTU_WORKER_MAX_MODEL_LEN" in worker
+    for text in (gateway, worker):  # shared by every service that takes them
+        assert "YUTU_MODEL;" in text and "YUTU_REDIS_URL;" in text

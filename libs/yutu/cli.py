@@ -33,7 +33,9 @@ commands:
 {services}
 
 Run `yutu <command> --help` for the options of one command. Every option can also be set
-from the environment: --some-option is YUTU_SOME_OPTION.
+from the environment: the options of `yutu up` and those all services share as YUTU_<OPTION>
+(--redis-url is YUTU_REDIS_URL), a service's own options as YUTU_<SERVICE>_<OPTION> (the
+gateway's --port is YUTU_GATEWAY_PORT); --help names the variable of each option.
 """
 
 log = logging.getLogger("yutu.up")

@@ -1,7 +1,10 @@
 """Command-line options that can also be set from the environment.
 
-Every option ``--some-name`` reads ``YUTU_SOME_NAME`` when the flag is not given: flag beats
-environment beats default. ``--help`` shows the variable and the default next to each option.
+Every option can be set from the environment when its flag is not given: flag beats environment
+beats default. Options every service shares (``--redis-url``, ``--model``, ...) and the options of
+``yutu up`` read ``YUTU_<OPTION>``; a service's own options read ``YUTU_<SERVICE>_<OPTION>``
+(``--port`` of the gateway is ``YUTU_GATEWAY_PORT``), so one variable never sets two services' ports
+at once. ``--help`` shows the variable and the default next to each option.
 Services turn the parsed namespace into one frozen settings dataclass in their ``main`` and pass that
 down; nothing below ``main`` reads the environment.
 """
@@ -19,8 +22,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def env_name(flag: str) -> str:
-    return "YUTU_" + flag.lstrip("-").replace("-", "_").upper()
+def env_name(flag: str, scope: str = "") -> str:
+    """``("--some-name", "store-master")`` -> ``YUTU_STORE_MASTER_SOME_NAME``."""
+    parts = [scope, flag.lstrip("-")] if scope else [flag.lstrip("-")]
+    return "YUTU_" + "_".join(parts).replace("-", "_").upper()
 
 
 def parse_bool(text: str) -> bool:
@@ -39,10 +44,11 @@ def option(
     default: Any,
     help: str,
     type: Callable[[str], Any] = str,
+    scope: str = "",
     **kwargs: Any,
 ) -> None:
-    """Add ``flag`` whose default comes from ``YUTU_<FLAG>`` when that variable is set."""
-    env = env_name(flag)
+    """Add ``flag`` whose default comes from ``env_name(flag, scope)`` when that variable is set."""
+    env = env_name(flag, scope)
     raw = os.environ.get(env)
     if raw is not None:
         try:
@@ -67,7 +73,9 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every service takes: where Redis is, where to bind, logging."""
     group = parser.add_argument_group("common")
     option(group, "--redis-url", default=DEFAULT_REDIS_URL, help="Redis registry URL")
-    option(group, "--registry-prefix", default="yutu", help="prefix of every Redis key this deployment writes")
+    option(
+        group, "--registry-prefix", default="yutu", help="prefix of every Redis key this deployment writes"
+    )
     option(group, "--host", default="127.0.0.1", help="address to bind the service's sockets on")
     option(
         group,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from yutu.config import add_common_options, option
@@ -36,6 +37,9 @@ class _AppendOverEnv(argparse.Action):
         items = list(current) if isinstance(current, list) else []
         items.append(values)
         setattr(namespace, self.dest, items)
+
+
+own = partial(option, scope="gateway")  # this service's own options: YUTU_GATEWAY_<OPTION>
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model name clients use (default: the model directory's name, as the worker does)",
     )
     api = parser.add_argument_group("api")
-    option(api, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
+    own(api, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
     option(
         api,
         "--api-key",
@@ -98,12 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=_AppendOverEnv,
         help="accepted API key (repeat the flag or separate with commas); none: no authentication",
     )
-    option(
+    own(
         api,
         "--registry-ttl",
         type=float,
         default=10.0,
         help="seconds the registry record lives without heartbeat",
     )
-    option(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
+    own(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
     add_common_options(parser)

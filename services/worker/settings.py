@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 
 from yutu.config import add_common_options, option
 from yutu.service import advertised, default_instance_id
+
+own = partial(option, scope="worker")  # this service's own options: YUTU_WORKER_<OPTION>
 
 
 @dataclass(frozen=True)
@@ -69,36 +72,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     option(model, "--served-model-name", default=None, help="model name clients use in requests")
     engine = parser.add_argument_group("engine")
-    option(engine, "--block-size", type=int, default=16, help="tokens per KV cache block")
-    option(
+    own(engine, "--block-size", type=int, default=16, help="tokens per KV cache block")
+    own(
         engine,
         "--num-kv-blocks",
         type=int,
         default=None,
         help="KV cache blocks (overrides --kv-cache-memory-mib)",
     )
-    option(engine, "--kv-cache-memory-mib", type=int, default=512, help="memory for the KV cache, in MiB")
-    option(engine, "--max-num-seqs", type=int, default=64, help="most sequences batched in one step")
-    option(
+    own(engine, "--kv-cache-memory-mib", type=int, default=512, help="memory for the KV cache, in MiB")
+    own(engine, "--max-num-seqs", type=int, default=64, help="most sequences batched in one step")
+    own(
         engine,
         "--max-num-batched-tokens",
         type=int,
         default=512,
         help="token budget of one step (chunked prefill)",
     )
-    option(
-        engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)"
-    )
-    option(
-        engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes"
-    )
-    option(
-        engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)"
-    )
+    own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
+    own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
+    own(engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)")
     net = parser.add_argument_group("network")
-    option(net, "--zmq-port", type=int, default=0, help="port of the generate channel (0: any free port)")
-    option(net, "--admin-port", type=int, default=0, help="port of the admin REST app (0: any free port)")
-    option(
+    own(net, "--zmq-port", type=int, default=0, help="port of the generate channel (0: any free port)")
+    own(net, "--admin-port", type=int, default=0, help="port of the admin REST app (0: any free port)")
+    own(
         net,
         "--registry-ttl",
         type=float,

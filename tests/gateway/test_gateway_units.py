@@ -83,7 +83,7 @@ def test_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     s = parse([])
     assert (s.port, s.host, s.api_keys, s.model, s.served_model_name) == (8000, "127.0.0.1", (), None, None)
     monkeypatch.setenv("YUTU_API_KEY", "env1,env2")
-    monkeypatch.setenv("YUTU_PORT", "9001")
+    monkeypatch.setenv("YUTU_GATEWAY_PORT", "9001")
     s = parse([])
     assert (s.port, s.api_keys) == (9001, ("env1", "env2"))
     s = parse(["--api-key", "f1", "--api-key", "f2,f3", "--port", "0"])  # flags replace the env keys
