@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -14,6 +15,7 @@ import openai
 import pytest
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.launcher import free_port, redis_reachable
+from yutu.store.client import StoreClient, StoreClientConfig
 
 
 def children_of(pid: int) -> list[int]:
@@ -49,6 +51,12 @@ def read_until(proc: subprocess.Popen[bytes], needle: str, timeout_s: float) -> 
     return seen.decode()
 
 
+async def store_roundtrip(redis_url: str, payload: bytes) -> bytes:
+    async with StoreClient(StoreClientConfig(redis_url)) as store:  # finds the master in the registry
+        await store.put("yutu-up-test", payload)
+        return await store.get("yutu-up-test")
+
+
 def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny-up", arch="llama", seed=5)
     port, redis_port = free_port(), free_port()
@@ -56,7 +64,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert not redis_reachable(redis_url)
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
-         "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64"],
+         "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64",
+         "--store-segment-size", "32MiB"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -64,7 +73,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert f"Yutu is up: http://127.0.0.1:{port}/v1" in banner
         assert "demo model" not in banner  # a real checkpoint was given
         children = children_of(proc.pid)
-        assert len(children) == 3  # redis-server, worker-0, gateway
+        assert len(children) == 5  # redis-server, store-master, store-node-0, worker-0, gateway
         assert redis_reachable(redis_url)
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
@@ -73,6 +82,9 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
             model="tiny-up", prompt="hello world", max_tokens=5, temperature=0
         )
         assert completion.usage is not None and completion.usage.completion_tokens == 5
+
+        payload = os.urandom(100_000)
+        assert asyncio.run(store_roundtrip(redis_url, payload)) == payload
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -95,13 +107,13 @@ def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--log-dir", str(tmp_path / "logs"),
-         "--kv-cache-memory-mib", "64"],
+         "--kv-cache-memory-mib", "64", "--store-nodes", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         read_until(proc, "Ctrl-C stops everything", timeout_s=240)
         children = children_of(proc.pid)
-        assert len(children) == 3
+        assert len(children) == 3  # redis-server, worker-0, gateway: no store
         proc.kill()  # no chance to clean up: the children must notice on their own
         proc.wait()
         deadline = time.monotonic() + 30

@@ -29,7 +29,7 @@ SERVICES: dict[str, tuple[str, str]] = {
 USAGE = """usage: yutu <command> [options]
 
 commands:
-  up              start the local stack: Redis (if none is running), workers and the gateway
+  up              start the local stack: Redis (if none is running), the KV store, workers, the gateway
 {services}
 
 Run `yutu <command> --help` for the options of one command. Every option can also be set
@@ -81,6 +81,16 @@ def up_parser() -> argparse.ArgumentParser:
         help="Redis registry; started locally if unreachable",
     )
     option(parser, "--workers", type=int, default=1, help="number of engine workers")
+    option(
+        parser,
+        "--store-nodes",
+        type=int,
+        default=1,
+        help="KV store memory nodes (0: run without the KV store)",
+    )
+    option(
+        parser, "--store-segment-size", default="256MiB", help="DRAM each store node contributes (e.g. 4GiB)"
+    )
     option(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     option(
         parser, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)"
@@ -118,6 +128,8 @@ def up(argv: list[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polls are not news
     if args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")
+    if args.store_nodes < 0:
+        raise SystemExit("error: --store-nodes must be 0 or more")
     group = ProcessGroup(Path(args.log_dir) if args.log_dir else None)
     stop_requested = False
 
@@ -135,6 +147,25 @@ def up(argv: list[str]) -> int:
         served = args.served_model_name or served_model_name(args.model, model_dir)
         env = child_env()
         common = ["--redis-url", args.redis_url]
+        if args.store_nodes:
+            admin_port = free_port()
+            master_args = ["--admin-port", str(admin_port), "--instance-id", "store-master", *common]
+            group.spawn(
+                "store-master",
+                python_module("yutu.cli", "store-master", *master_args),
+                f"http://127.0.0.1:{admin_port}/ready",
+                env,
+            )
+        for i in range(args.store_nodes):
+            admin_port = free_port()
+            node_args = ["--admin-port", str(admin_port), "--segment-size", args.store_segment_size,
+                         "--instance-id", f"store-node-{i}", *common]  # fmt: skip
+            group.spawn(
+                f"store-node-{i}",
+                python_module("yutu.cli", "store-node", *node_args),
+                f"http://127.0.0.1:{admin_port}/ready",
+                env,
+            )
         for i in range(args.workers):
             admin_port = free_port()
             worker_args = ["--model", str(model_dir), "--served-model-name", served, "--admin-port", str(admin_port),
