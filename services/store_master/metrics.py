@@ -93,7 +93,11 @@ class StoreMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
         )
         registry.register(_StateCollector(service))
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # label lookups, done once
 
     def observe(self, op: str, outcome: str, seconds: float) -> None:
-        self.ops.labels(op, outcome).inc()
-        self.latency.labels(op).observe(seconds)
+        children = self._children.get((op, outcome))
+        if children is None:
+            children = self._children[(op, outcome)] = (self.ops.labels(op, outcome), self.latency.labels(op))
+        children[0].inc()
+        children[1].observe(seconds)

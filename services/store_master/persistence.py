@@ -79,6 +79,8 @@ class Persister:
     The first caller of :meth:`commit` with nothing in flight writes at once (inline, no hop to
     another task); callers arriving meanwhile wait for it and, if their marks came after it took
     its snapshot, one of them writes the next batch. A failed write keeps the marks for the next.
+    :meth:`commit_soon` starts a commit that nobody waits for (a failure is logged and the marks
+    stay for the next commit).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Persister:
         self._marked = 0  # generation of the latest mark
         self._written = 0  # every mark up to this generation is in Redis
         self._inflight: asyncio.Future[None] | None = None
+        self._background: asyncio.Task[None] | None = None
         self.writes = 0  # pipelines written (for /stats)
 
     def mark(self, objects: set[str], segments: set[str]) -> None:
@@ -115,6 +118,18 @@ class Persister:
                 await asyncio.shield(self._inflight)
                 continue
             await self._write()
+
+    def commit_soon(self) -> None:
+        """Write what is marked now without waiting for it (at most one background commit runs)."""
+        if self._written < self._marked and (self._background is None or self._background.done()):
+            self._background = asyncio.ensure_future(self._commit_logged())
+
+    async def _commit_logged(self) -> None:
+        try:
+            while self._written < self._marked:  # marks made while this ran are written too
+                await self.commit()
+        except YutuError as exc:
+            log.warning("background metadata commit failed (kept for the next one): %s", exc)
 
     async def _write(self) -> None:
         self._inflight = asyncio.get_running_loop().create_future()
@@ -144,6 +159,8 @@ class Persister:
 
     async def close(self) -> None:
         """Write what is still marked."""
+        if self._background is not None:
+            await asyncio.gather(self._background, return_exceptions=True)
         if self.dirty:
             try:
                 await asyncio.wait_for(self.commit(), 5.0)

@@ -1,9 +1,21 @@
 """The store master process: RPC handlers around :class:`MasterState`, persistence, KV events,
 disk-tier task dispatch, housekeeping and registration.
 
-Each handler runs the synchronous state operation, then ``_settle``: the operation's effects are
-marked for Redis, committed (the reply waits for it), and its KV events published; disk-tier tasks
-go to their node's queue. Handlers never block the loop.
+Each handler runs the synchronous state operation, then settles its effects: they are marked for
+Redis, committed, and its KV events published; disk-tier tasks go to their node's queue. Handlers
+never block the loop.
+
+Fast paths: a handler returns its reply directly when nothing needs awaiting (reads, exists,
+heartbeats, and put_start), and an awaitable only when it must wait (a Redis commit, room to be
+made, a disk promotion); the RPC server answers direct replies without a task.
+
+What waits for Redis: every acknowledged change that must survive a master restart -- put_end,
+revoke, remove, mounts -- is committed before its reply. A put_start's allocation is committed in
+the background instead (its reply does not wait): the put is not acknowledged until put_end, whose
+commit writes the object's current record anyway. If the master dies before that background write,
+the restarted master does not know the put, the writer's put_end is refused with NOT_FOUND ("put
+the object again") and the space counts as free; a restored pending put whose write did land is
+reclaimed after ``put_timeout_s`` as before.
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgpack
@@ -56,7 +68,7 @@ class StoreMasterService(Service):
         self._sweeper: asyncio.Task[None] | None = None
         self._ready = False
         self.tasks = TaskDispatcher()
-        self._handlers: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
+        self._handlers: dict[type[Any], Callable[[Any], Any]] = {  # reply, or an awaitable of it
             p.MountSegment: self._mount,
             p.BatchMountSegment: self._batch_mount,
             p.UnmountSegment: self._unmount,
@@ -152,7 +164,8 @@ class StoreMasterService(Service):
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    async def _handle(self, msg: Any) -> Any:
+    def _handle(self, msg: Any) -> Any:
+        """The reply to ``msg``, or an awaitable of it (see the module docstring)."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise YutuError(
@@ -160,18 +173,83 @@ class StoreMasterService(Service):
             )
         op = type(msg).__name__
         started = time.perf_counter()
+        try:
+            reply = handler(msg)
+        except YutuError as exc:
+            self.store_metrics.observe(op, exc.kind.value, time.perf_counter() - started)
+            raise
+        if inspect.isawaitable(reply):
+            return self._observed(op, started, reply)
+        self.store_metrics.observe(op, "ok", time.perf_counter() - started)
+        return reply
+
+    async def _observed(self, op: str, started: float, pending: Awaitable[Any]) -> Any:
         outcome = "ok"
         try:
-            return await handler(msg)
+            return await pending
         except YutuError as exc:
             outcome = exc.kind.value
             raise
         finally:
             self.store_metrics.observe(op, outcome, time.perf_counter() - started)
 
+    def _settle_fast(self, durable: bool = True) -> Coroutine[Any, Any, Any] | None:
+        """Settle the effects so far; None when nothing is left to wait for, else a coroutine to await.
+
+        ``durable=False``: metadata-only effects are written to Redis in the background.
+        """
+        effects = self.state.take_effects()
+        if effects.events or effects.tasks or effects.failed_tasks:
+            return self._settle_effects(effects)
+        if self.settings.persist and (effects.dirty_objects or effects.dirty_segments):
+            assert self._persister is not None
+            self._persister.mark(effects.dirty_objects, effects.dirty_segments)
+            if durable:
+                return self._persister.commit()
+            self._persister.commit_soon()
+        return None
+
+    def _then(self, pending: Coroutine[Any, Any, Any] | None, reply: T) -> T | Coroutine[Any, Any, T]:
+        """``reply`` once ``pending`` (if any) is done."""
+        if pending is None:
+            return reply
+
+        async def later() -> T:
+            await pending
+            return reply
+
+        return later()
+
+    def _settled(self, run: Callable[[], Any], durable: bool = True) -> Any:
+        """Run a state operation (it returns a reply or an awaitable of it), then settle its effects;
+        the reply, or an awaitable of it when something must be waited for."""
+        try:
+            reply = run()
+        except YutuError as exc:
+            pending = self._settle_fast(durable)
+            if pending is None:
+                raise
+            return self._raise_after(pending, exc)
+        if inspect.isawaitable(reply):
+            return self._settle_after(reply)
+        return self._then(self._settle_fast(durable), reply)
+
+    @staticmethod
+    async def _raise_after(pending: Coroutine[Any, Any, Any], exc: YutuError) -> Any:
+        await pending
+        raise exc
+
+    async def _settle_after(self, reply: Awaitable[T]) -> T:
+        try:
+            return await reply
+        finally:
+            await self._settle()
+
     async def _settle(self) -> list[NodeTask]:
         """Apply the effects of the operations run so far; returns the disk-tier tasks they made."""
-        effects: Effects = self.state.take_effects()
+        return await self._settle_effects(self.state.take_effects())
+
+    async def _settle_effects(self, effects: Effects) -> list[NodeTask]:
         assert self._persister is not None
         if self.settings.persist and (effects.dirty_objects or effects.dirty_segments):
             self._persister.mark(effects.dirty_objects, effects.dirty_segments)
@@ -216,14 +294,31 @@ class StoreMasterService(Service):
             except Exception:  # noqa: BLE001 - housekeeping must keep running
                 log.exception("housekeeping failed")
 
-    async def _batch(self, items: list[Any], one: Callable[[Any], Any]) -> p.BatchReply:
-        """One outcome per item; ``one`` returns a value, or an awaitable of it for the slow path."""
+    def _batch(self, items: list[Any], one: Callable[[Any], Any]) -> Any:
+        """One outcome per item, in order; ``one`` returns a value, or an awaitable of it for the slow
+        path. Returns the ``BatchReply``, or an awaitable of it once an item needed awaiting."""
         if not isinstance(items, list):
             raise YutuError("a batch request needs a list", ErrorKind.INVALID_REQUEST)
         results: list[p.Outcome] = []
-        for item in items:
+        for index, item in enumerate(items):
             try:
                 value = one(item)
+            except YutuError as exc:
+                results.append(p.failed(exc.kind, str(exc)))
+                continue
+            if inspect.isawaitable(value):
+                return self._batch_rest(items, one, results, index, value)
+            results.append([None, value])
+        return p.BatchReply(results, self.settings.policy.lease_ttl_s)
+
+    async def _batch_rest(
+        self, items: list[Any], one: Callable[[Any], Any], results: list[p.Outcome], index: int, first: Any
+    ) -> p.BatchReply:
+        """``_batch`` from ``items[index]`` on, for which ``one`` returned the awaitable ``first``."""
+        for item in items[index:]:
+            try:
+                value = first if first is not None else one(item)
+                first = None
                 if inspect.isawaitable(value):
                     value = await value
                 results.append([None, value])
@@ -242,8 +337,8 @@ class StoreMasterService(Service):
             log.info("mounted segment %s (%d bytes) of %s", m.segment, m.size, m.node_id)
         return p.Ack(int(new))
 
-    async def _batch_mount(self, m: p.BatchMountSegment) -> p.BatchReply:
-        async def one(spec: Any) -> int:
+    def _batch_mount(self, m: p.BatchMountSegment) -> Any:
+        def one(spec: Any) -> int:
             if not isinstance(spec, list) or len(spec) != 6:
                 raise YutuError(
                     "a segment is [segment, region, size, host_id, incarnation, disk_capacity]",
@@ -251,24 +346,20 @@ class StoreMasterService(Service):
                 )
             return int(self.state.mount(m.node_id, *spec))
 
-        reply = await self._batch(m.segments, one)
-        await self._settle()
-        return reply
+        return self._settled(lambda: self._batch(m.segments, one))
 
     async def _unmount(self, m: p.UnmountSegment) -> p.Ack:
         dropped = self.state.unmount(m.node_id, m.segment)
         await self._settle()
         return p.Ack(dropped)
 
-    async def _batch_unmount(self, m: p.BatchUnmountSegment) -> p.BatchReply:
-        async def one(name: Any) -> int:
+    def _batch_unmount(self, m: p.BatchUnmountSegment) -> Any:
+        def one(name: Any) -> int:
             return self.state.unmount(m.node_id, name)
 
-        reply = await self._batch(m.segments, one)
-        await self._settle()
-        return reply
+        return self._settled(lambda: self._batch(m.segments, one))
 
-    async def _heartbeat(self, m: p.Heartbeat) -> p.HeartbeatReply:
+    def _heartbeat(self, m: p.Heartbeat) -> p.HeartbeatReply:
         if not isinstance(m.segments, list) or not all(
             isinstance(s, list) and len(s) == 2 for s in m.segments
         ):
@@ -327,46 +418,54 @@ class StoreMasterService(Service):
             self.state.evict()
         return [put_id, [self._describe(r) for r in replicas]]
 
-    async def _put_start(self, m: p.PutStart) -> p.PutStartReply:
-        try:
+    def _put_start(self, m: p.PutStart) -> Any:
+        def run() -> Any:
             value = self._start_one(m.key, m.size, m)
-            put_id, replicas = await value if inspect.isawaitable(value) else value
-        finally:
-            await self._settle()
-        return p.PutStartReply(m.key, put_id, replicas)
+            if inspect.isawaitable(value):
+                return self._start_reply_later(m.key, value)
+            return p.PutStartReply(m.key, *value)
 
-    async def _batch_put_start(self, m: p.BatchPutStart) -> p.BatchReply:
+        return self._settled(run, durable=False)  # see the module docstring
+
+    @staticmethod
+    async def _start_reply_later(key: str, value: Awaitable[list[Any]]) -> p.PutStartReply:
+        put_id, replicas = await value
+        return p.PutStartReply(key, put_id, replicas)
+
+    def _batch_put_start(self, m: p.BatchPutStart) -> Any:
         if not isinstance(m.keys, list) or not isinstance(m.sizes, list) or len(m.keys) != len(m.sizes):
             raise YutuError("keys and sizes must be lists of the same length", ErrorKind.INVALID_REQUEST)
-        try:
-            return await self._batch(
+        return self._settled(
+            lambda: self._batch(
                 list(range(len(m.keys))), lambda i: self._start_one(m.keys[i], m.sizes[i], m)
-            )
-        finally:
-            await self._settle()
+            ),
+            durable=False,
+        )
 
-    async def _put_end(self, m: p.PutEnd) -> p.Ack:
-        self.state.put_end(m.key, m.put_id)
-        await self._settle()
-        return p.Ack(1)
+    def _put_end(self, m: p.PutEnd) -> Any:
+        def run() -> p.Ack:
+            self.state.put_end(m.key, m.put_id)
+            return p.Ack(1)
 
-    async def _batch_put_end(self, m: p.BatchPutEnd) -> p.BatchReply:
-        return await self._pairs(m.keys, m.put_ids, self.state.put_end)
+        return self._settled(run)
 
-    async def _put_revoke(self, m: p.PutRevoke) -> p.Ack:
-        self.state.put_revoke(m.key, m.put_id)
-        await self._settle()
-        return p.Ack(1)
+    def _batch_put_end(self, m: p.BatchPutEnd) -> Any:
+        return self._pairs(m.keys, m.put_ids, self.state.put_end)
 
-    async def _batch_put_revoke(self, m: p.BatchPutRevoke) -> p.BatchReply:
-        return await self._pairs(m.keys, m.put_ids, self.state.put_revoke)
+    def _put_revoke(self, m: p.PutRevoke) -> Any:
+        def run() -> p.Ack:
+            self.state.put_revoke(m.key, m.put_id)
+            return p.Ack(1)
 
-    async def _pairs(self, keys: Any, put_ids: Any, op: Callable[[str, str], None]) -> p.BatchReply:
+        return self._settled(run)
+
+    def _batch_put_revoke(self, m: p.BatchPutRevoke) -> Any:
+        return self._pairs(m.keys, m.put_ids, self.state.put_revoke)
+
+    def _pairs(self, keys: Any, put_ids: Any, op: Callable[[str, str], None]) -> Any:
         if not isinstance(keys, list) or not isinstance(put_ids, list) or len(keys) != len(put_ids):
             raise YutuError("keys and put_ids must be lists of the same length", ErrorKind.INVALID_REQUEST)
-        reply = await self._batch(list(range(len(keys))), lambda i: op(keys[i], put_ids[i]))
-        await self._settle()
-        return reply
+        return self._settled(lambda: self._batch(list(range(len(keys))), lambda i: op(keys[i], put_ids[i])))
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -390,31 +489,33 @@ class StoreMasterService(Service):
         size, replicas = found
         return [size, [self._describe(r) for r in replicas]]
 
-    async def _get_replicas(self, m: p.GetReplicas) -> p.ReplicasReply:
+    def _get_replicas(self, m: p.GetReplicas) -> Any:
         value = self._replicas_of(m.key)
-        size, replicas = await value if inspect.isawaitable(value) else value
+        if inspect.isawaitable(value):
+            return self._replicas_reply_later(m.key, value)
+        size, replicas = value
         return p.ReplicasReply(m.key, size, replicas, self.settings.policy.lease_ttl_s)
 
-    async def _batch_get_replicas(self, m: p.BatchGetReplicas) -> p.BatchReply:
-        return await self._batch(m.keys, self._replicas_of)
+    async def _replicas_reply_later(self, key: str, value: Awaitable[list[Any]]) -> p.ReplicasReply:
+        size, replicas = await value
+        return p.ReplicasReply(key, size, replicas, self.settings.policy.lease_ttl_s)
 
-    async def _exists(self, m: p.Exists) -> p.ExistsReply:
+    def _batch_get_replicas(self, m: p.BatchGetReplicas) -> Any:
+        return self._batch(m.keys, self._replicas_of)
+
+    def _exists(self, m: p.Exists) -> p.ExistsReply:
         return p.ExistsReply(self.state.exists(m.key))
 
-    async def _batch_exists(self, m: p.BatchExists) -> p.BatchExistsReply:
+    def _batch_exists(self, m: p.BatchExists) -> p.BatchExistsReply:
         if not isinstance(m.keys, list):
             raise YutuError("keys must be a list", ErrorKind.INVALID_REQUEST)
         return p.BatchExistsReply([self.state.exists(k) for k in m.keys])
 
-    async def _remove(self, m: p.Remove) -> p.Ack:
-        removed = self.state.remove(m.key)
-        await self._settle()
-        return p.Ack(int(removed))
+    def _remove(self, m: p.Remove) -> Any:
+        return self._settled(lambda: p.Ack(int(self.state.remove(m.key))))
 
-    async def _batch_remove(self, m: p.BatchRemove) -> p.BatchReply:
-        reply = await self._batch(m.keys, self.state.remove)
-        await self._settle()
-        return reply
+    def _batch_remove(self, m: p.BatchRemove) -> Any:
+        return self._settled(lambda: self._batch(m.keys, self.state.remove))
 
     async def _remove_all(self, m: p.RemoveAll) -> p.Ack:
         count = self.state.remove_all()
@@ -440,7 +541,7 @@ class StoreMasterService(Service):
 
     # -- reporting -------------------------------------------------------------------------------
 
-    async def _get_stats(self, m: p.GetStats) -> p.StatsReply:
+    def _get_stats(self, m: p.GetStats) -> p.StatsReply:
         return p.StatsReply(self.stats())
 
     def stats(self) -> dict[str, Any]:
