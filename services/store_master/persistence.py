@@ -79,7 +79,7 @@ class Persister:
     The first caller of :meth:`commit` with nothing in flight writes at once (inline, no hop to
     another task); callers arriving meanwhile wait for it and, if their marks came after it took
     its snapshot, one of them writes the next batch. A failed write keeps the marks for the next.
-    :meth:`commit_soon` starts a commit that nobody waits for (a failure is logged and the marks
+    :meth:`commit_soon` schedules a commit that nobody waits for (a failure is logged and the marks
     stay for the next commit).
     """
 
@@ -98,6 +98,7 @@ class Persister:
         self._written = 0  # every mark up to this generation is in Redis
         self._inflight: asyncio.Future[None] | None = None
         self._background: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self.writes = 0  # pipelines written (for /stats)
 
     def mark(self, objects: set[str], segments: set[str]) -> None:
@@ -119,8 +120,16 @@ class Persister:
                 continue
             await self._write()
 
-    def commit_soon(self) -> None:
-        """Write what is marked now without waiting for it (at most one background commit runs)."""
+    def commit_soon(self, delay_s: float = 0.0) -> None:
+        """Write what is marked within ``delay_s`` without waiting for it; a commit made meanwhile
+        (which writes every marked record's current value) makes the background one a no-op, so
+        records that change again soon are written once. At most one background commit runs."""
+        if self._timer is not None or self._written >= self._marked:
+            return
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start_background)
+
+    def _start_background(self) -> None:
+        self._timer = None
         if self._written < self._marked and (self._background is None or self._background.done()):
             self._background = asyncio.ensure_future(self._commit_logged())
 
@@ -159,6 +168,9 @@ class Persister:
 
     async def close(self) -> None:
         """Write what is still marked."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._background is not None:
             await asyncio.gather(self._background, return_exceptions=True)
         if self.dirty:

@@ -11,8 +11,8 @@ made, a disk promotion); the RPC server answers direct replies without a task.
 
 What waits for Redis: every acknowledged change that must survive a master restart -- put_end,
 revoke, remove, mounts -- is committed before its reply. A put_start's allocation is committed in
-the background instead (its reply does not wait): the put is not acknowledged until put_end, whose
-commit writes the object's current record anyway. If the master dies before that background write,
+the background instead, within ``BACKGROUND_COMMIT_DELAY_S`` (its reply does not wait): the put is
+not acknowledged until put_end, whose commit writes the object's current record anyway. If the master dies before that background write,
 the restarted master does not know the put, the writer's put_end is refused with NOT_FOUND ("put
 the object again") and the space counts as free; a restored pending put whose write did land is
 reclaimed after ``put_timeout_s`` as before.
@@ -49,6 +49,10 @@ from services.store_master.tasks import TaskDispatcher
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A put_start's record is written this long after it unless its put_end (whose commit writes the
+# record's then-current value) comes first: one Redis write per put instead of two.
+BACKGROUND_COMMIT_DELAY_S = 0.05
 
 
 class StoreMasterService(Service):
@@ -206,7 +210,7 @@ class StoreMasterService(Service):
             self._persister.mark(effects.dirty_objects, effects.dirty_segments)
             if durable:
                 return self._persister.commit()
-            self._persister.commit_soon()
+            self._persister.commit_soon(BACKGROUND_COMMIT_DELAY_S)
         return None
 
     def _then(self, pending: Coroutine[Any, Any, Any] | None, reply: T) -> T | Coroutine[Any, Any, T]:

@@ -1,0 +1,72 @@
+"""Group commit of the master's metadata: background commits coalesce with acknowledged ones."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from yutu.errors import YutuError
+
+from services.store_master.persistence import Persister
+
+
+class FakeStore:
+    """Records every write as ``(objects, segments)``; fails while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.fail = False
+
+    async def write(self, objects: dict[str, Any], segments: dict[str, Any]) -> None:
+        await asyncio.sleep(0.001)
+        if self.fail:
+            raise RedisConnectionError("redis is down")
+        self.writes.append((objects, segments))
+
+
+def make(values: dict[str, bytes]) -> tuple[Persister, FakeStore]:
+    store = FakeStore()
+    return Persister(store, values.get, lambda name: None), store  # type: ignore[arg-type]
+
+
+async def test_background_commit_is_absorbed_by_a_commit_made_before_it_fires() -> None:
+    values = {"a": b"pending"}
+    persister, store = make(values)
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.05)  # put_start: not waited for
+    values["a"] = b"complete"
+    persister.mark({"a"}, set())
+    await persister.commit()  # put_end: waited for, writes the current value
+    assert store.writes == [({"a": b"complete"}, {})]
+    await asyncio.sleep(0.1)
+    assert store.writes == [({"a": b"complete"}, {})]  # the timer found nothing left to write
+
+
+async def test_background_commit_writes_after_its_delay() -> None:
+    persister, store = make({"a": b"pending", "b": b"other"})
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.02)
+    persister.mark({"b"}, set())
+    persister.commit_soon(0.02)  # one timer at a time; it writes every mark made by then
+    assert store.writes == []
+    await asyncio.sleep(0.1)
+    assert store.writes == [({"a": b"pending", "b": b"other"}, {})]
+    assert not persister.dirty
+
+
+async def test_failed_background_commit_keeps_the_marks_for_the_next_commit() -> None:
+    persister, store = make({"a": b"v"})
+    store.fail = True
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.0)
+    await asyncio.sleep(0.05)
+    assert store.writes == [] and persister.dirty
+    with pytest.raises(YutuError, match="could not be saved to Redis"):
+        await persister.commit()
+    store.fail = False
+    persister.mark(set(), set())
+    await persister.commit()
+    assert store.writes == [({"a": b"v"}, {})]
+    await persister.close()
