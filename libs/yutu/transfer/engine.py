@@ -43,6 +43,13 @@ from yutu.transfer.transport import DEFAULT_TRANSPORTS, Outcome, candidate_trans
 
 log = logging.getLogger(__name__)
 
+WAIT_GRACE_S = 1.0  # past a batch's deadline, unfinished requests are TIMED_OUT by the engine itself
+
+
+def _loop_time_of(monotonic_deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
+
 
 class TransferEngine:
     """Owns one segment (regions + data server + directory entry) and runs transfer batches."""
@@ -216,16 +223,7 @@ class TransferEngine:
     ) -> TransferBatch:
         """Start a batch; every request gets its own result. ``timeout_s`` (default
         ``default_timeout_s``) bounds the whole batch: requests unfinished by then are TIMED_OUT."""
-        self._check_open()
-        if not self._started:
-            raise TransferError("call await engine.start() before submitting transfers")
-        for req in requests:
-            if not isinstance(req, TransferRequest):
-                raise TypeError(f"expected TransferRequest, got {type(req).__name__}")
-        timeout = self.default_timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        batch = TransferBatch(requests, time.monotonic() + timeout)
+        batch = self._new_batch(requests, timeout_s)
         if requests:
             task = asyncio.create_task(self._run_batch(batch))
             self._batches.add(task)
@@ -235,9 +233,28 @@ class TransferEngine:
     async def transfer(
         self, requests: Sequence[TransferRequest], timeout_s: float | None = None
     ) -> list[TransferResult]:
-        """``submit`` then ``wait``."""
-        batch = await self.submit(requests, timeout_s)
+        """``submit`` then ``wait``, with the batch run in the caller's task (no task hop). Requests
+        still unfinished shortly after the deadline are TIMED_OUT, as with ``wait``."""
+        batch = self._new_batch(requests, timeout_s)
+        if requests:
+            try:
+                async with asyncio.timeout_at(_loop_time_of(batch.deadline + WAIT_GRACE_S)):
+                    await self._run_batch(batch)
+            except TimeoutError:
+                pass  # _run_batch marked what was unfinished TIMED_OUT
         return await batch.wait()
+
+    def _new_batch(self, requests: Sequence[TransferRequest], timeout_s: float | None) -> TransferBatch:
+        self._check_open()
+        if not self._started:
+            raise TransferError("call await engine.start() before submitting transfers")
+        for req in requests:
+            if not isinstance(req, TransferRequest):
+                raise TypeError(f"expected TransferRequest, got {type(req).__name__}")
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout}")
+        return TransferBatch(requests, time.monotonic() + timeout)
 
     async def _run_batch(self, batch: TransferBatch) -> None:
         by_segment: dict[str, list[int]] = defaultdict(list)
@@ -252,8 +269,12 @@ class TransferEngine:
                     *(self._run_segment(batch, s, idx, True) for s, idx in by_segment.items())
                 )
         except asyncio.CancelledError:
+            if time.monotonic() > batch.deadline:  # transfer()'s backstop timer
+                result = TransferResult(TransferStatus.TIMED_OUT, "deadline passed")
+            else:
+                result = TransferResult(TransferStatus.FAILED, "engine closed during the transfer")
             for i in range(len(batch.requests)):
-                batch._finish(i, TransferResult(TransferStatus.FAILED, "engine closed during the transfer"))
+                batch._finish(i, result)
             raise
         except Exception as exc:  # a bug, but never leave a waiter hanging
             log.exception("transfer batch crashed")
