@@ -166,3 +166,45 @@ async def test_many_small_interleaved_reads_and_writes(
     for i in range(1, n, 2):
         sink[i * block : (i + 1) * block] = local[n * block + i * block : n * block + (i + 1) * block]
     assert await peer.adigest("sink", 0, n * block) == digest(sink)
+
+
+async def test_shm_batch_past_the_inline_limit_is_copied_in_parallel_lanes(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    size = 16 * MiB  # reads + writes of 12 MiB in one batch: past INLINE_BYTES, split into lanes
+    peer = spawn_peer("l-peer", [f"source:{size}:71", f"sink:{size}:72"])
+    engine = make_engine("l-client", transports=("shm",))
+    local = engine.register_region("buf", 2 * size).view_numpy()
+    local[size:] = pattern(73, size)
+    await engine.start()
+    source, sink = pattern(71, size), pattern(72, size).copy()
+    chunk = 700_001
+    reqs = []
+    for k in range(9):
+        off = k * chunk + 5 * k
+        reqs.append(TransferRequest(READ, "buf", off, "l-peer", "source", off + 3, chunk))
+        reqs.append(TransferRequest(WRITE, "buf", size + off, "l-peer", "sink", off, chunk))
+    results = await engine.transfer(reqs)
+    assert [(r.status, r.transport) for r in results] == [(TransferStatus.COMPLETED, "shm")] * len(reqs)
+    for r in reqs:
+        if r.op is READ:
+            got = local[r.local_offset : r.local_offset + r.length]
+            assert np.array_equal(got, source[r.remote_offset : r.remote_offset + r.length])
+        else:
+            sink[r.remote_offset : r.remote_offset + r.length] = local[
+                r.local_offset : r.local_offset + r.length
+            ]
+    assert await peer.adigest("sink", 0, size) == digest(sink)
+
+
+def test_shm_lanes_split_consecutive_items_by_bytes() -> None:
+    from yutu.transfer.shm import ShmItem, _lanes
+
+    def item(n: int) -> ShmItem:
+        return ShmItem(READ, np.zeros(n, np.uint8), "r", None, 0)  # type: ignore[arg-type]
+
+    items = list(enumerate(item(n) for n in (4, 4, 4, 4, 1, 7)))
+    lanes = _lanes(items, 24, 2)
+    assert [[i for i, _ in lane] for lane in lanes] == [[0, 1, 2], [3, 4, 5]]
+    assert [[i for i, _ in lane] for lane in _lanes(items[:1], 4, 2)] == [[0]]
+    assert [[i for i, _ in lane] for lane in _lanes(items, 24, 1)] == [[0, 1, 2, 3, 4, 5]]
