@@ -13,6 +13,15 @@ best replica (same host first) and falls back to the next replica when a transfe
 
 Plain ``put``/``get`` copy through a registered staging buffer; ``put_from``/``get_into`` move
 bytes between the store and the caller's registered buffers with no copy in this process.
+
+Lease cache (``StoreClientConfig.lease_cache``, off by default): the replicas a get learns come
+with a read lease, and while it lasts the master frees or reuses none of those bytes (a remove,
+upsert or eviction only *retires* them until the lease ends). With the cache on, the client keeps
+the replica descriptors until ``lease_cache_margin_s`` before the lease ends and serves repeated
+gets of the same key without asking the master: such a get returns the object as it was when the
+lease was granted, so a remove or upsert by *another* client is seen only once the cached entry
+expires (within one lease TTL). This client's own puts and removes drop its entries at once.
+Content-addressed keys (KV blocks) never change, which makes the cache safe for them.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +68,8 @@ class StoreClientConfig:
     rpc_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
+    lease_cache: bool = False  # reuse replica descriptors while their read lease lasts (module doc)
+    lease_cache_margin_s: float = 1.0  # stop using a cached entry this long before its lease ends
 
 
 class StoreClient:
@@ -73,6 +85,9 @@ class StoreClient:
         self._staging: Staging | None = None
         self._segment: MountedSegment | None = None
         self._tmp_names = itertools.count()
+        self._leases: dict[
+            str, tuple[float, int, list[ReplicaDescriptor]]
+        ] = {}  # key -> (until, size, replicas)
 
     async def start(self) -> None:
         c = self.config
@@ -196,6 +211,7 @@ class StoreClient:
         assert self.master is not None and self.engine is not None
         if not keys:
             return []
+        self._forget(keys)
         msg = p.BatchPutStart(
             keys, [s[2] for s in sources], opts.replicas, opts.soft_pin, opts.upsert, self.client_id
         )
@@ -319,21 +335,51 @@ class StoreClient:
                 raise YutuError(f"get of {checked[i]!r} failed: {value}", value.kind)
         return out
 
-    async def _locate(self, keys: list[str]) -> list[tuple[int, list[ReplicaDescriptor]] | YutuError]:
-        """Replicas of every key (one RPC, under a lease), best first: same host, then the rest."""
+    async def _locate(
+        self, keys: list[str], cached: bool = True
+    ) -> list[tuple[int, list[ReplicaDescriptor]] | YutuError]:
+        """Replicas of every key (one RPC, under a lease), best first: same host, then the rest.
+
+        With the lease cache on (and ``cached``), keys whose lease is still good skip the RPC.
+        """
         assert self.master is not None
-        reply = await self.master.call(p.BatchGetReplicas(keys))
-        out: list[tuple[int, list[ReplicaDescriptor]] | YutuError] = []
-        for outcome in reply.results:
+        out: list[tuple[int, list[ReplicaDescriptor]] | YutuError] = [_UNKNOWN] * len(keys)
+        ask = list(range(len(keys)))
+        now = time.monotonic()
+        if self.config.lease_cache and cached:
+            ask = []
+            for i, key in enumerate(keys):
+                entry = self._leases.get(key)
+                if entry is not None and entry[0] > now:
+                    out[i] = (entry[1], entry[2])
+                else:
+                    ask.append(i)
+        if not ask:
+            return out
+        reply = await self.master.call(
+            p.BatchGetReplicas([keys[i] for i in ask] if len(ask) < len(keys) else keys)
+        )
+        until = now + reply.lease_ttl_s - self.config.lease_cache_margin_s  # `now`: before the lease began
+        for i, outcome in zip(ask, reply.results, strict=True):
             try:
                 size, raw = p.unwrap(outcome)
             except YutuError as exc:
-                out.append(exc)
+                out[i] = exc
                 continue
             replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
             replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
-            out.append((size, replicas))
+            out[i] = (size, replicas)
+            if self.config.lease_cache and until > now:
+                self._leases[keys[i]] = (until, size, replicas)
+        if len(self._leases) > 4 * len(keys) + 1024:
+            self._leases = {k: v for k, v in self._leases.items() if v[0] > now}
         return out
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        """Drop cached leases of ``keys`` (this client changed or removed them)."""
+        if self._leases:
+            for key in keys:
+                self._leases.pop(key, None)
 
     async def _read(
         self,
@@ -365,6 +411,7 @@ class StoreClient:
                 if result.ok:
                     continue
                 replicas = located[indices[j]][1]  # type: ignore[index]
+                self._leases.pop(keys[indices[j]], None)  # ask the master next time
                 reasons[j].append(f"{replicas[tried[j]].segment}: {result.error}")
                 tried[j] += 1
                 if tried[j] < len(replicas):
@@ -390,21 +437,26 @@ class StoreClient:
     async def remove(self, key: str) -> bool:
         """Remove ``key``; False if the store did not hold it."""
         assert self.master is not None
-        return bool((await self.master.call(p.Remove(_key(key)))).count)
+        checked = _key(key)
+        self._forget([checked])
+        return bool((await self.master.call(p.Remove(checked))).count)
 
     async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         assert self.master is not None
-        reply = await self.master.call(p.BatchRemove([_key(k) for k in keys]))
+        checked = [_key(k) for k in keys]
+        self._forget(checked)
+        reply = await self.master.call(p.BatchRemove(checked))
         return [bool(p.unwrap(o)) for o in reply.results]
 
     async def remove_all(self) -> int:
         """Remove every object of the store (publishes AllBlocksCleared); returns how many."""
         assert self.master is not None
+        self._leases.clear()
         return int((await self.master.call(p.RemoveAll())).count)
 
     async def replicas(self, key: str) -> list[ReplicaDescriptor]:
         """Where ``key`` lives now (takes a read lease, like a get)."""
-        located = (await self._locate([_key(key)]))[0]
+        located = (await self._locate([_key(key)], cached=False))[0]
         if isinstance(located, YutuError):
             raise located
         return located[1]
@@ -442,6 +494,9 @@ class StoreClient:
     def _space(self, sizes: list[int]) -> Space:
         assert self._staging is not None and self.engine is not None
         return Space(self._staging, self.engine, sizes, f"tmp-{next(self._tmp_names)}")
+
+
+_UNKNOWN = YutuError("internal: key not located", ErrorKind.INTERNAL)
 
 
 def _key(key: Any) -> str:
