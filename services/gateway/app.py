@@ -7,6 +7,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from yutu.service import admin_app
 
 from services.gateway import routes_chat, routes_completions, routes_models, routes_tokenize
+from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import install_error_handlers
 from services.gateway.service import GatewayService
 
@@ -62,5 +63,6 @@ def build_app(gateway: GatewayService) -> FastAPI:
     for module in (routes_models, routes_completions, routes_chat, routes_tokenize):
         app.include_router(module.router)
     install_error_handlers(app)
-    app.add_middleware(RequestCounter, gateway=gateway)
+    app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_request_bytes)
+    app.add_middleware(RequestCounter, gateway=gateway)  # added last: outermost, so it counts the 413s
     return app

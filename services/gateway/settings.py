@@ -50,6 +50,7 @@ class GatewaySettings:
     port: int  # HTTP port of the OpenAI API (0: any free port)
     advertise_host: str
     api_keys: tuple[str, ...]  # empty: no authentication
+    max_request_bytes: int  # larger request bodies get a 413 before they are parsed
     redis_url: str
     registry_prefix: str
     registry_ttl_s: float
@@ -61,6 +62,8 @@ class GatewaySettings:
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if args.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
         if args.registry_poll <= 0:
             raise ValueError(f"--registry-poll must be positive, got {args.registry_poll}")
         return cls(
@@ -70,6 +73,7 @@ class GatewaySettings:
             port=args.port,
             advertise_host=advertised(args.host, args.advertise_host),
             api_keys=split_api_keys(args.api_key),
+            max_request_bytes=args.max_request_bytes,
             redis_url=args.redis_url,
             registry_prefix=args.registry_prefix,
             registry_ttl_s=args.registry_ttl,
@@ -109,5 +113,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds the registry record lives without heartbeat",
     )
+    own(api, "--max-request-bytes", type=int, default=32 * 2**20, help="largest request body accepted")
     own(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
     add_common_options(parser)

@@ -114,6 +114,7 @@ def gateway_settings(model: Path, redis_url: str, prefix: str, **overrides: Any)
         port=0,
         advertise_host="127.0.0.1",
         api_keys=(),
+        max_request_bytes=32 * 2**20,
         redis_url=redis_url,
         registry_prefix=prefix,
         registry_ttl_s=10.0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -169,5 +170,29 @@ def test_api_keys(stack: Stack, tmp_path: Path) -> None:
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
         assert [m.id for m in good.models.list().data] == [MODEL_NAME]
+    finally:
+        stop_process(proc)
+
+
+def test_request_bodies_over_the_limit_are_413(stack: Stack, tmp_path: Path) -> None:
+    proc = start_gateway(
+        tmp_path, stack.model_dir, stack.redis_url, stack.prefix, "--max-request-bytes", "4096"
+    )
+    try:
+        url = gateway_url(stack.redis_url, stack.prefix, proc)
+        wait_ready(url, [proc])
+        big = {**CMPL, "prompt": "x" * 5000}
+        err = envelope(httpx.post(f"{url}/v1/completions", json=big, timeout=30), 413, "request_too_large")
+        assert "4096 bytes" in err["message"]
+
+        def chunks() -> Any:  # no Content-Length: the body is counted as it arrives
+            body = json.dumps(big).encode()
+            for i in range(0, len(body), 1000):
+                yield body[i : i + 1000]
+
+        resp = httpx.post(f"{url}/v1/completions", content=chunks(), timeout=30)
+        assert resp.request.headers.get("transfer-encoding") == "chunked"
+        envelope(resp, 413, "request_too_large")
+        assert httpx.post(f"{url}/v1/completions", json=CMPL, timeout=30).status_code == 200
     finally:
         stop_process(proc)
