@@ -197,14 +197,26 @@ async def test_shm_batch_past_the_inline_limit_is_copied_in_parallel_lanes(
     assert await peer.adigest("sink", 0, size) == digest(sink)
 
 
-def test_shm_lanes_split_consecutive_items_by_bytes() -> None:
+def test_shm_lanes_cut_requests_into_pieces_of_equal_bytes() -> None:
     from yutu.transfer.shm import ShmItem, _lanes
 
-    def item(n: int) -> ShmItem:
-        return ShmItem(READ, np.zeros(n, np.uint8), "r", None, 0)  # type: ignore[arg-type]
+    local = np.arange(24, dtype=np.uint8)
+    items = [ShmItem(READ, local[a:b], "r", None, 100 + a) for a, b in ((0, 4), (4, 15), (15, 24))]  # type: ignore[arg-type]
 
-    items = list(enumerate(item(n) for n in (4, 4, 4, 4, 1, 7)))
-    lanes = _lanes(items, 24, 2)
-    assert [[i for i, _ in lane] for lane in lanes] == [[0, 1, 2], [3, 4, 5]]
-    assert [[i for i, _ in lane] for lane in _lanes(items[:1], 4, 2)] == [[0]]
-    assert [[i for i, _ in lane] for lane in _lanes(items, 24, 1)] == [[0, 1, 2, 3, 4, 5]]
+    def spans(lane: list[tuple[int, ShmItem]]) -> list[tuple[int, int, int, int]]:
+        return [(i, int(p.local[0]), int(p.local[-1]) + 1, p.offset) for i, p in lane]
+
+    lanes, parts = _lanes(items, 24, 2)  # the cut at byte 12 falls inside request 1
+    assert [spans(lane) for lane in lanes] == [
+        [(0, 0, 4, 100), (1, 4, 12, 104)],
+        [(1, 12, 15, 112), (2, 15, 24, 115)],
+    ]
+    assert parts == [1, 2, 1]
+    lanes, parts = _lanes(items, 24, 3)
+    assert [spans(lane) for lane in lanes] == [
+        [(0, 0, 4, 100), (1, 4, 8, 104)],
+        [(1, 8, 15, 108), (2, 15, 16, 115)],
+        [(2, 16, 24, 116)],
+    ]
+    assert parts == [1, 2, 2]
+    assert all(p is items[0] for i, p in lanes[0] if i == 0)  # whole requests are not copied views

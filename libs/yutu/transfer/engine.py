@@ -39,7 +39,13 @@ from yutu.transfer.shm import ShmItem, ShmTransport
 from yutu.transfer.tcp_client import PeerAddress, TcpClient, TcpItem
 from yutu.transfer.tcp_server import DataServer
 from yutu.transfer.tcp_wire import WireOp
-from yutu.transfer.transport import DEFAULT_TRANSPORTS, Outcome, candidate_transports, validate_transports
+from yutu.transfer.transport import (
+    COMPLETED,
+    DEFAULT_TRANSPORTS,
+    Outcome,
+    candidate_transports,
+    validate_transports,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +303,11 @@ class TransferEngine:
         shm_items: list[ShmItem] = []
         tcp_idx: list[int] = []
         tcp_items: list[TcpItem] = []
+        candidates = candidate_transports(self.transports, peer, local_host_id())
         for i in indices:
             req = batch.requests[i]
             try:
-                transport, remote = self._route(req, peer)
+                transport, remote = self._route(req, peer, candidates)
                 local = self._regions[req.local_region]
                 if transport == "shm":
                     view = local.view_numpy(req.local_offset, req.length)
@@ -318,7 +325,12 @@ class TransferEngine:
         via: set[str] = set()  # transports that found the peer unreachable
 
         def done(transport: str, idx: list[int]) -> Callable[[int, Outcome], None]:
+            ok = TransferResult(TransferStatus.COMPLETED, None, transport)
+
             def on_done(k: int, outcome: Outcome) -> None:
+                if outcome is COMPLETED:
+                    batch._finish(idx[k], ok)
+                    return
                 if outcome.peer_failed:
                     self.directory.invalidate(segment)
                 if outcome.unreachable:
@@ -376,8 +388,11 @@ class TransferEngine:
             batch, indices, f"segment {segment!r} (pid {old.pid} on {old.hostname}) is unreachable: {reason}"
         )
 
-    def _route(self, req: TransferRequest, peer: SegmentDescriptor) -> tuple[str, RegionDescriptor]:
-        """Check both sides' bounds and choose the transport; raise ``TransferError`` to fail the request."""
+    def _route(
+        self, req: TransferRequest, peer: SegmentDescriptor, candidates: list[str]
+    ) -> tuple[str, RegionDescriptor]:
+        """Check both sides' bounds and choose the transport among ``candidates`` (those usable
+        towards ``peer``); raise ``TransferError`` to fail the request."""
         local = self._regions.get(req.local_region)
         if local is None:
             raise RegionError(f"unknown local region {req.local_region!r}; register it first")
@@ -386,7 +401,6 @@ class TransferEngine:
         if remote is None:
             raise RegionError(f"unknown region {req.remote_region!r} in segment {peer.name!r}")
         check_range(req.remote_region, remote.size, req.remote_offset, req.length)
-        candidates = candidate_transports(self.transports, peer, local_host_id())
         if "shm" in candidates and self._shm.usable(remote):
             return "shm", remote
         if "tcp" in candidates:
