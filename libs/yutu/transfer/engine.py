@@ -401,7 +401,7 @@ class TransferEngine:
         if remote is None:
             raise RegionError(f"unknown region {req.remote_region!r} in segment {peer.name!r}")
         check_range(req.remote_region, remote.size, req.remote_offset, req.length)
-        if "shm" in candidates and self._shm.usable(remote):
+        if "shm" in candidates and self._shm.usable(remote):  # a dict hit once mapped
             return "shm", remote
         if "tcp" in candidates:
             return "tcp", remote

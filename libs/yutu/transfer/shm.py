@@ -183,19 +183,23 @@ class ShmTransport:
             return
         finished: list[tuple[int, Outcome]] = []
         copied = 0
+        maps: dict[tuple[str, int], _Mapping] = {}  # this run's mappings, looked up once
         for index, it in indexed:
-            finished.append((index, self._copy(it, deadline)))
+            finished.append((index, self._copy(it, deadline, maps)))
             copied += len(it.local)
             if copied >= POST_BYTES:
                 progress.post(finished)
                 finished, copied = [], 0
         progress.post(finished)
 
-    def _copy(self, it: ShmItem, deadline: float) -> Outcome:
+    def _copy(self, it: ShmItem, deadline: float, maps: dict[tuple[str, int], _Mapping]) -> Outcome:
         if time.monotonic() > deadline:
             return Outcome(TransferStatus.TIMED_OUT, "deadline passed before the copy started")
         try:
-            remote = self._mapping(it.region).array
+            mapping = maps.get((it.region.path, it.region.inode))
+            if mapping is None:
+                mapping = maps[(it.region.path, it.region.inode)] = self._mapping(it.region)
+            remote = mapping.array
             n = len(it.local)
             check_range(it.region_name, min(it.region.size, len(remote)), it.offset, n)
         except (PeerUnreachableError, OutOfRangeError) as exc:
