@@ -53,6 +53,7 @@ T = TypeVar("T")
 # A put_start's record is written this long after it unless its put_end (whose commit writes the
 # record's then-current value) comes first: one Redis write per put instead of two.
 BACKGROUND_COMMIT_DELAY_S = 0.05
+_PLAIN = (list, int, str, bytes, type(None))  # batch item values that are surely not awaitable
 
 
 class StoreMasterService(Service):
@@ -277,14 +278,14 @@ class StoreMasterService(Service):
         """The replica as a ``ReplicaDescriptor.to_wire()`` list."""
         segment = self.state.segments.get(replica.segment)
         region, host_id = ("", "") if segment is None else (segment.region, segment.host_id)
-        return [
+        return [  # state and medium are StrEnums: msgpack writes them as their str values
             replica.segment,
             region,
             replica.offset,
             replica.length,
-            replica.state.value,
+            replica.state,
             host_id,
-            replica.medium.value,
+            replica.medium,
         ]
 
     async def _sweep_loop(self) -> None:
@@ -310,7 +311,7 @@ class StoreMasterService(Service):
             except YutuError as exc:
                 results.append(p.failed(exc.kind, str(exc)))
                 continue
-            if inspect.isawaitable(value):
+            if not isinstance(value, _PLAIN) and inspect.isawaitable(value):
                 return self._batch_rest(items, one, results, index, value)
             results.append([None, value])
         return p.BatchReply(results, self.settings.policy.lease_ttl_s)

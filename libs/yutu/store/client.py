@@ -367,7 +367,8 @@ class StoreClient:
                 out[i] = exc
                 continue
             replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
-            replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
+            if len(replicas) > 1:
+                replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
             out[i] = (size, replicas)
             if self.config.lease_cache and until > now:
                 self._leases[keys[i]] = (until, size, replicas)

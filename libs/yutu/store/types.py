@@ -32,6 +32,10 @@ class Medium(enum.StrEnum):
     DISK = "disk"  # a file in a store node's disk tier; promoted back to DRAM before a read
 
 
+_STATES: dict[str, ReplicaState] = {s.value: s for s in ReplicaState}  # cheaper than ReplicaState(s)
+_MEDIA: dict[str, Medium] = {m.value: m for m in Medium}
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaDescriptor:
     """Where one copy of an object lives. ``offset`` is None for a DISK replica."""
@@ -65,11 +69,11 @@ class ReplicaDescriptor:
                 str(region),
                 None if offset is None else int(offset),
                 int(length),
-                ReplicaState(state),
+                _STATES[state],
                 str(host_id),
-                Medium(medium),
+                _MEDIA[medium],
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             raise ValueError(f"malformed replica descriptor {raw!r}: {exc}") from exc
 
 
