@@ -53,7 +53,7 @@ class EngineLoop:
         engine: LLMEngine,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[RequestOutput]], None],
-        on_error: Callable[[str, Exception], None],
+        on_error: Callable[[str, BaseException], None],
     ) -> None:
         self.engine = engine
         self._loop = loop

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _META_REFRESH_S = 1.0
 
 
-def error_kind(exc: Exception) -> ErrorKind:
+def error_kind(exc: BaseException) -> ErrorKind:
     """The kind of an engine input error (PromptTooLongError is a ValueError too)."""
     return ErrorKind.TOO_LARGE if type(exc).__name__ == "PromptTooLongError" else ErrorKind.INVALID_REQUEST
 
@@ -231,7 +231,7 @@ class WorkerService(Service):
                 del self._routes[out.request_id]
             self._outbox.put_nowait((identity, delta))
 
-    def _on_error(self, request_id: str, exc: Exception) -> None:
+    def _on_error(self, request_id: str, exc: BaseException) -> None:
         if not request_id:  # the engine thread itself died: nothing will finish any more
             for rid, identity in list(self._routes.items()):
                 self._fail(identity, rid, ErrorKind.INTERNAL, f"worker engine failed: {exc}")
@@ -239,9 +239,9 @@ class WorkerService(Service):
             self._accepting = False
             self.stopping.set()
             return
-        identity = self._routes.pop(request_id, None)
-        if identity is not None:
-            self._fail(identity, request_id, error_kind(exc), str(exc))
+        front_end = self._routes.pop(request_id, None)
+        if front_end is not None:
+            self._fail(front_end, request_id, error_kind(exc), str(exc))
 
     async def _send(self) -> None:
         assert self._sock is not None
