@@ -152,8 +152,12 @@ def test_env_names_are_scoped_per_service() -> None:
         )
         return " ".join(out.stdout.split())  # argparse wraps lines
 
-    gateway, worker = help_of("gateway"), help_of("worker")
+    gateway, worker, master, node = (help_of(c) for c in ("gateway", "worker", "store-master", "store-node"))
     assert "YUTU_GATEWAY_PORT" in gateway and "YUTU_PORT;" not in gateway
     assert "YUTU_WORKER_ADMIN_PORT" in worker and "YUTU_WORKER_MAX_MODEL_LEN" in worker
+    assert "YUTU_STORE_MASTER_PORT" in master and "YUTU_PORT;" not in master
+    assert "YUTU_STORE_NODE_SEGMENT_SIZE" in node
     for text in (gateway, worker):  # shared by every service that takes them
-        assert "YUTU_MODEL;" in text and "YUTU_REDIS_URL;" in text
+        assert "YUTU_MODEL;" in text
+    for text in (gateway, worker, master, node):
+        assert "YUTU_REDIS_URL;" in text and "YUTU_REGISTRY_PREFIX;" in text

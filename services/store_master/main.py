@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from functools import partial
 
 from yutu.config import add_common_options, option
 from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
@@ -11,44 +12,44 @@ from yutu.service import HttpServer, admin_app, advertised, default_instance_id,
 from services.store_master.settings import MasterSettings
 from services.store_master.state import StatePolicy
 
+own = partial(option, scope="store-master")  # this service's own options: YUTU_STORE_MASTER_<OPTION>
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_options(parser)
     g = parser.add_argument_group("store master")
-    option(g, "--port", default=0, type=int, help="RPC port (ZeroMQ); 0 picks a free port")
-    option(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
-    option(g, "--kv-events", default=True, type=bool, help="publish BlockStored/BlockRemoved KV events")
-    option(g, "--kv-events-port", default=0, type=int, help="KV events PUB port; 0 picks a free port")
-    option(
+    own(g, "--port", default=0, type=int, help="RPC port (ZeroMQ); 0 picks a free port")
+    own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
+    own(g, "--kv-events", default=True, type=bool, help="publish BlockStored/BlockRemoved KV events")
+    own(g, "--kv-events-port", default=0, type=int, help="KV events PUB port; 0 picks a free port")
+    own(
         g,
         "--kv-events-replay-port",
         default=None,
         type=int,
         help="KV events replay ROUTER port (0: any; unset: off)",
     )
-    option(g, "--kv-events-topic", default="", help="topic frame of every KV event message")
-    option(g, "--data-parallel-rank", default=0, type=int, help="rank written into KV event batches")
-    option(g, "--lease-ttl", default=5.0, type=float, help="seconds a read lease protects replicas")
-    option(g, "--soft-pin-ttl", default=1800.0, type=float, help="seconds a soft pin protects an object")
-    option(g, "--put-timeout", default=30.0, type=float, help="seconds before an unfinished put is reclaimed")
-    option(
+    own(g, "--kv-events-topic", default="", help="topic frame of every KV event message")
+    own(g, "--data-parallel-rank", default=0, type=int, help="rank written into KV event batches")
+    own(g, "--lease-ttl", default=5.0, type=float, help="seconds a read lease protects replicas")
+    own(g, "--soft-pin-ttl", default=1800.0, type=float, help="seconds a soft pin protects an object")
+    own(g, "--put-timeout", default=30.0, type=float, help="seconds before an unfinished put is reclaimed")
+    own(
         g,
         "--node-ttl",
         default=10.0,
         type=float,
         help="seconds of node silence before its replicas are dropped",
     )
-    option(
+    own(
         g, "--eviction-high-watermark", default=0.90, type=float, help="usage fraction that triggers eviction"
     )
-    option(g, "--eviction-ratio", default=0.05, type=float, help="fraction of capacity evicted per round")
-    option(g, "--alignment", default=64, type=int, help="allocation granularity in bytes (power of two)")
-    option(
-        g, "--block-size", default=16, type=int, help="tokens per KV block, published in BlockStored events"
-    )
-    option(g, "--sweep-interval", default=0.5, type=float, help="seconds between housekeeping passes")
-    option(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
-    option(g, "--persist", default=True, type=bool, help="keep metadata in Redis and recover it on start")
+    own(g, "--eviction-ratio", default=0.05, type=float, help="fraction of capacity evicted per round")
+    own(g, "--alignment", default=64, type=int, help="allocation granularity in bytes (power of two)")
+    own(g, "--block-size", default=16, type=int, help="tokens per KV block, published in BlockStored events")
+    own(g, "--sweep-interval", default=0.5, type=float, help="seconds between housekeeping passes")
+    own(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
+    own(g, "--persist", default=True, type=bool, help="keep metadata in Redis and recover it on start")
 
 
 def settings_from_args(args: argparse.Namespace) -> MasterSettings:

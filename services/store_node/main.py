@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from functools import partial
 
 from yutu.config import add_common_options, option
 from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
@@ -12,23 +13,23 @@ from yutu.store.types import parse_size
 
 from services.store_node.settings import NodeSettings
 
+own = partial(option, scope="store-node")  # this service's own options: YUTU_STORE_NODE_<OPTION>
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_options(parser)
     g = parser.add_argument_group("store node")
-    option(g, "--segment-size", default="256MiB", help="DRAM contributed to the pool (e.g. 4GiB)")
-    option(g, "--segment-name", default=None, help="transfer segment name (default: the instance id)")
-    option(g, "--master", default=None, help="store master RPC endpoint (default: find it in the registry)")
-    option(g, "--transfer-port", default=0, type=int, help="TCP port of the transfer data server; 0: any")
-    option(g, "--transports", default="shm,tcp", help="comma-separated transports to serve: shm, tcp")
-    option(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
-    option(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
-    option(
-        g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master"
-    )
-    option(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
-    option(g, "--disk-dir", default=None, help="directory of a disk tier for evicted objects (default: none)")
-    option(g, "--disk-capacity", default="1GiB", help="bytes the disk tier may hold")
+    own(g, "--segment-size", default="256MiB", help="DRAM contributed to the pool (e.g. 4GiB)")
+    own(g, "--segment-name", default=None, help="transfer segment name (default: the instance id)")
+    own(g, "--master", default=None, help="store master RPC endpoint (default: find it in the registry)")
+    own(g, "--transfer-port", default=0, type=int, help="TCP port of the transfer data server; 0: any")
+    own(g, "--transports", default="shm,tcp", help="comma-separated transports to serve: shm, tcp")
+    own(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
+    own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
+    own(g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master")
+    own(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
+    own(g, "--disk-dir", default=None, help="directory of a disk tier for evicted objects (default: none)")
+    own(g, "--disk-capacity", default="1GiB", help="bytes the disk tier may hold")
 
 
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
