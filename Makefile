@@ -21,6 +21,8 @@ run: $(STAMP)
 
 test: $(STAMP)
 	@scripts/bootstrap.sh --need-redis-binary
+	$(VENV)/bin/ruff check libs services tests loadtests
+	$(VENV)/bin/mypy libs/yutu services
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -28,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check libs services tests loadtests
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy libs/yutu
+	$(VENV)/bin/mypy libs/yutu services
 
 bench: $(STAMP)
 	$(PY) loadtests/bench_engine.py
