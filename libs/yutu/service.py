@@ -9,6 +9,7 @@ with uvicorn on a socket we bind ourselves, so port 0 works and the bound port i
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -17,8 +18,8 @@ import signal
 import socket
 import socket as socketlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Response
@@ -145,6 +146,24 @@ class HttpServer:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self.sock.close()
+
+
+S = TypeVar("S")
+
+
+def run_main(
+    args: argparse.Namespace,
+    build: Callable[[argparse.Namespace], S],
+    main: Callable[[S], Coroutine[Any, Any, int]],
+) -> int:
+    """A service's ``run``: settings from the parsed flags (a ValueError is a usage error), logging,
+    then ``main(settings)`` inside ``asyncio.run``; returns the exit code."""
+    try:
+        settings = build(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    setup_logging(args.log_level)
+    return asyncio.run(main(settings))
 
 
 async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.0) -> None:

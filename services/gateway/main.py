@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import sys
 
-from yutu.service import HttpServer, serve, setup_logging
+from yutu.service import HttpServer, run_main, serve
 
 from services.gateway.settings import GatewaySettings
 from services.gateway.settings import add_arguments as add_arguments
@@ -15,12 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = GatewaySettings.from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    setup_logging(settings.log_level)
-    return asyncio.run(_main(settings))
+    return run_main(args, GatewaySettings.from_args, _main)
 
 
 async def _main(settings: GatewaySettings) -> int:
@@ -36,7 +31,7 @@ async def _main(settings: GatewaySettings) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="yutu gateway", description=__doc__)
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+if __name__ == "__main__":  # python -m services.gateway.main: the same as `yutu gateway`
+    from yutu.cli import main
+
+    raise SystemExit(main(["gateway", *sys.argv[1:]]))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import sys
 from functools import partial
 
 from yutu.config import add_common_options, option
-from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
+from yutu.service import HttpServer, admin_app, advertised, default_instance_id, run_main, serve
 
 from services.store_master.settings import MasterSettings
 from services.store_master.state import StatePolicy
@@ -84,26 +84,21 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
     )
 
 
-async def _main(settings: MasterSettings) -> None:
+async def _main(settings: MasterSettings) -> int:
     from services.store_master.service import StoreMasterService
 
     service = StoreMasterService(settings)
     http = HttpServer(admin_app(service), settings.host, settings.admin_port)
     service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
     await serve(service, http)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    setup_logging(settings.log_level)
-    asyncio.run(_main(settings))
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="yutu store-master", description=__doc__)
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+def run(args: argparse.Namespace) -> int:
+    return run_main(args, settings_from_args, _main)
+
+
+if __name__ == "__main__":  # python -m services.store_master.main: the same as `yutu store-master`
+    from yutu.cli import main
+
+    raise SystemExit(main(["store-master", *sys.argv[1:]]))

@@ -4,11 +4,11 @@ the distributed KV store."""
 from __future__ import annotations
 
 import argparse
-import asyncio
+import sys
 from functools import partial
 
 from yutu.config import add_common_options, option
-from yutu.service import HttpServer, admin_app, advertised, default_instance_id, serve, setup_logging
+from yutu.service import HttpServer, admin_app, advertised, default_instance_id, run_main, serve
 from yutu.store.types import parse_size
 
 from services.store_node.settings import NodeSettings
@@ -55,26 +55,21 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     )
 
 
-async def _main(settings: NodeSettings) -> None:
+async def _main(settings: NodeSettings) -> int:
     from services.store_node.service import StoreNodeService
 
     service = StoreNodeService(settings)
     http = HttpServer(admin_app(service), settings.host, settings.admin_port)
     service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
     await serve(service, http)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    setup_logging(settings.log_level)
-    asyncio.run(_main(settings))
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="yutu store-node", description=__doc__)
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+def run(args: argparse.Namespace) -> int:
+    return run_main(args, settings_from_args, _main)
+
+
+if __name__ == "__main__":  # python -m services.store_node.main: the same as `yutu store-node`
+    from yutu.cli import main
+
+    raise SystemExit(main(["store-node", *sys.argv[1:]]))

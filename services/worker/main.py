@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import sys
 
-from yutu.service import HttpServer, admin_app, serve, setup_logging
+from yutu.service import HttpServer, admin_app, run_main, serve
 
 from services.worker.service import WorkerService
 from services.worker.settings import WorkerSettings
@@ -16,12 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = WorkerSettings.from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    setup_logging(settings.log_level)
-    return asyncio.run(_main(settings))
+    return run_main(args, WorkerSettings.from_args, _main)
 
 
 async def _main(settings: WorkerSettings) -> int:
@@ -33,7 +28,7 @@ async def _main(settings: WorkerSettings) -> int:
     return 1 if failure is not None else 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="yutu worker", description=__doc__)
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+if __name__ == "__main__":  # python -m services.worker.main: the same as `yutu worker`
+    from yutu.cli import main
+
+    raise SystemExit(main(["worker", *sys.argv[1:]]))
