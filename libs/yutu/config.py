@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -86,4 +88,50 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     option(
         group, "--instance-id", default=None, help="unique id of this instance (default: kind-hostname-pid)"
     )
+    option(
+        group,
+        "--registry-ttl",
+        type=float,
+        default=10.0,
+        help="seconds this instance's registry record outlives its last heartbeat",
+    )
     option(group, "--log-level", default="info", help="debug, info, warning or error")
+
+
+def default_instance_id(kind: str) -> str:
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def advertised(host: str, advertise_host: str | None) -> str:
+    """The address peers should dial for a socket bound on ``host``."""
+    if advertise_host:
+        return advertise_host
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """The common options, resolved; every service's settings dataclass extends this one."""
+
+    host: str  # bind address of the service's sockets
+    advertise_host: str  # the address peers dial (resolved: never empty)
+    redis_url: str
+    registry_prefix: str
+    registry_ttl_s: float  # the registry record's TTL; heartbeats come every third of it
+    instance_id: str  # unique in the deployment (resolved: kind-hostname-pid by default)
+    log_level: str
+
+    @staticmethod
+    def common(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+        """The common fields from parsed flags, as keywords for a subclass's constructor."""
+        if args.registry_ttl <= 0:
+            raise ValueError(f"--registry-ttl must be positive, got {args.registry_ttl}")
+        return {
+            "host": args.host,
+            "advertise_host": advertised(args.host, args.advertise_host),
+            "redis_url": args.redis_url,
+            "registry_prefix": args.registry_prefix,
+            "registry_ttl_s": args.registry_ttl,
+            "instance_id": args.instance_id or default_instance_id(kind),
+            "log_level": args.log_level,
+        }

@@ -13,10 +13,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
-import socket as socketlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -34,17 +32,6 @@ def setup_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
-
-
-def default_instance_id(kind: str) -> str:
-    return f"{kind}-{socketlib.gethostname()}-{os.getpid()}"
-
-
-def advertised(host: str, advertise_host: str | None) -> str:
-    """The address peers should dial for a socket bound on ``host``."""
-    if advertise_host:
-        return advertise_host
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 class Service(ABC):

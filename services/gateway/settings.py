@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from yutu.config import add_common_options, option
-from yutu.service import advertised, default_instance_id
+from yutu.config import ServiceSettings, add_common_options, option
 
 
 def split_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
@@ -43,20 +42,13 @@ own = partial(option, scope="gateway")  # this service's own options: YUTU_GATEW
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(ServiceSettings):
     model: str | None  # checkpoint dir or hub id (for the tokenizer); None: the built-in demo model
     served_model_name: str | None  # name clients use; None: the model directory's name (as the worker)
-    host: str
     port: int  # HTTP port of the OpenAI API (0: any free port)
-    advertise_host: str
     api_keys: tuple[str, ...]  # empty: no authentication
     max_request_bytes: int  # larger request bodies get a 413 before they are parsed
-    redis_url: str
-    registry_prefix: str
-    registry_ttl_s: float
     registry_poll_s: float  # how often the worker pool re-reads the registry
-    instance_id: str
-    log_level: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -67,19 +59,13 @@ class GatewaySettings:
         if args.registry_poll <= 0:
             raise ValueError(f"--registry-poll must be positive, got {args.registry_poll}")
         return cls(
+            **ServiceSettings.common(args, "gateway"),
             model=args.model,
             served_model_name=args.served_model_name,
-            host=args.host,
             port=args.port,
-            advertise_host=advertised(args.host, args.advertise_host),
             api_keys=split_api_keys(args.api_key),
             max_request_bytes=args.max_request_bytes,
-            redis_url=args.redis_url,
-            registry_prefix=args.registry_prefix,
-            registry_ttl_s=args.registry_ttl,
             registry_poll_s=args.registry_poll,
-            instance_id=args.instance_id or default_instance_id("gateway"),
-            log_level=args.log_level,
         )
 
 
@@ -105,13 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         action=_AppendOverEnv,
         help="accepted API key (repeat the flag or separate with commas); none: no authentication",
-    )
-    own(
-        api,
-        "--registry-ttl",
-        type=float,
-        default=10.0,
-        help="seconds the registry record lives without heartbeat",
     )
     own(api, "--max-request-bytes", type=int, default=32 * 2**20, help="largest request body accepted")
     own(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")

@@ -6,8 +6,8 @@ import argparse
 import sys
 from functools import partial
 
-from yutu.config import add_common_options, option
-from yutu.service import HttpServer, admin_app, advertised, default_instance_id, run_main, serve
+from yutu.config import ServiceSettings, add_common_options, option
+from yutu.service import HttpServer, admin_app, run_main, serve
 
 from services.store_master.settings import MasterSettings
 from services.store_master.state import StatePolicy
@@ -48,7 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(g, "--alignment", default=64, type=int, help="allocation granularity in bytes (power of two)")
     own(g, "--block-size", default=16, type=int, help="tokens per KV block, published in BlockStored events")
     own(g, "--sweep-interval", default=0.5, type=float, help="seconds between housekeeping passes")
-    own(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
     own(g, "--persist", default=True, type=bool, help="keep metadata in Redis and recover it on start")
 
 
@@ -64,11 +63,7 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
         block_size=args.block_size,
     )
     return MasterSettings(
-        redis_url=args.redis_url,
-        registry_prefix=args.registry_prefix,
-        host=args.host,
-        advertise_host=args.advertise_host,
-        instance_id=args.instance_id or default_instance_id("store-master"),
+        **ServiceSettings.common(args, "store-master"),
         port=args.port,
         admin_port=args.admin_port,
         kv_events=args.kv_events,
@@ -78,9 +73,7 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
         data_parallel_rank=args.data_parallel_rank,
         policy=policy,
         sweep_interval_s=args.sweep_interval,
-        registry_ttl_s=args.registry_ttl,
         persist=args.persist,
-        log_level=args.log_level,
     )
 
 
@@ -89,7 +82,7 @@ async def _main(settings: MasterSettings) -> int:
 
     service = StoreMasterService(settings)
     http = HttpServer(admin_app(service), settings.host, settings.admin_port)
-    service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
+    service.admin_url = f"http://{settings.advertise_host}:{http.port}"
     await serve(service, http)
     return 0
 

@@ -35,7 +35,7 @@ from yutu.protocol import store as p
 from yutu.protocol.kv_events import AllBlocksCleared
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcServer
-from yutu.service import Service, advertised
+from yutu.service import Service
 
 from services.store_master.admin import build_router
 from services.store_master.events import KVEventPublisher
@@ -135,7 +135,7 @@ class StoreMasterService(Service):
         log.info("store master %s: %s", s.instance_id, endpoints)
 
     def _advertise(self, endpoint: str) -> str:
-        host = advertised(self.settings.host, self.settings.advertise_host)
+        host = self.settings.advertise_host
         return f"tcp://{host}:{endpoint.rsplit(':', 1)[1]}"
 
     async def drain(self) -> None:

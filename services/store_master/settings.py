@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from yutu.config import ServiceSettings
+
 from services.store_master.state import StatePolicy
 
 
 @dataclass(frozen=True)
-class MasterSettings:
-    redis_url: str
-    registry_prefix: str
-    host: str  # bind address of every socket
-    advertise_host: str | None
-    instance_id: str
+class MasterSettings(ServiceSettings):
     port: int  # RPC (ZeroMQ ROUTER); 0: any free port
     admin_port: int  # admin REST; 0: any free port
     kv_events: bool  # publish KV events at all
@@ -23,9 +20,7 @@ class MasterSettings:
     data_parallel_rank: int  # rank written into every event batch
     policy: StatePolicy
     sweep_interval_s: float  # how often liveness, put timeouts, retired space and watermark are checked
-    registry_ttl_s: float
     persist: bool  # keep metadata in Redis (and recover it at start)
-    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.sweep_interval_s <= 0:

@@ -7,8 +7,8 @@ import argparse
 import sys
 from functools import partial
 
-from yutu.config import add_common_options, option
-from yutu.service import HttpServer, admin_app, advertised, default_instance_id, run_main, serve
+from yutu.config import ServiceSettings, add_common_options, option
+from yutu.service import HttpServer, admin_app, run_main, serve
 from yutu.store.types import parse_size
 
 from services.store_node.settings import NodeSettings
@@ -27,20 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
     own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
     own(g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master")
-    own(g, "--registry-ttl", default=10.0, type=float, help="TTL of this instance's registry record")
     own(g, "--disk-dir", default=None, help="directory of a disk tier for evicted objects (default: none)")
     own(g, "--disk-capacity", default="1GiB", help="bytes the disk tier may hold")
 
 
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
-    instance_id = args.instance_id or default_instance_id("store-node")
+    common = ServiceSettings.common(args, "store-node")
     return NodeSettings(
-        redis_url=args.redis_url,
-        registry_prefix=args.registry_prefix,
-        host=args.host,
-        advertise_host=args.advertise_host,
-        instance_id=instance_id,
-        segment_name=args.segment_name or instance_id,
+        **common,
+        segment_name=args.segment_name or common["instance_id"],
         segment_size=parse_size(args.segment_size),
         master=args.master,
         transfer_port=args.transfer_port,
@@ -48,10 +43,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         tcp_connections=args.tcp_connections,
         admin_port=args.admin_port,
         heartbeat_interval_s=args.heartbeat_interval,
-        registry_ttl_s=args.registry_ttl,
         disk_dir=args.disk_dir,
         disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
-        log_level=args.log_level,
     )
 
 
@@ -60,7 +53,7 @@ async def _main(settings: NodeSettings) -> int:
 
     service = StoreNodeService(settings)
     http = HttpServer(admin_app(service), settings.host, settings.admin_port)
-    service.admin_url = f"http://{advertised(settings.host, settings.advertise_host)}:{http.port}"
+    service.admin_url = f"http://{settings.advertise_host}:{http.port}"
     await serve(service, http)
     return 0
 

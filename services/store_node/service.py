@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from yutu.errors import YutuError
 from yutu.protocol import store as p
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.service import Service, advertised
+from yutu.service import Service
 from yutu.store.master import MasterClient
 from yutu.store.mount import MountedSegment
 from yutu.transfer import Region, SegmentDirectory, TransferEngine
@@ -62,7 +62,7 @@ class StoreNodeService(Service):
         await self._redis.ping()
         registry = Registry(self._redis, s.registry_prefix)
         directory = SegmentDirectory(self._redis, s.registry_prefix)
-        host = advertised(s.host, s.advertise_host)
+        host = s.advertise_host
         self.engine = TransferEngine(
             s.segment_name,
             directory,

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from yutu.config import ServiceSettings
+
 REGION_NAME = "dram"  # the registered region a node contributes
 
 
 @dataclass(frozen=True)
-class NodeSettings:
-    redis_url: str
-    registry_prefix: str
-    host: str
-    advertise_host: str | None
-    instance_id: str  # also the node id the master knows
+class NodeSettings(ServiceSettings):
     segment_name: str  # transfer-engine segment name (unique in the deployment)
     segment_size: int  # bytes of DRAM contributed
     master: str | None  # explicit master RPC endpoint; None: find it in the registry
@@ -22,10 +19,8 @@ class NodeSettings:
     tcp_connections: int
     admin_port: int
     heartbeat_interval_s: float
-    registry_ttl_s: float
     disk_dir: str | None = None  # disk tier directory; None: no disk tier
     disk_capacity: int = 0
-    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.segment_size <= 0:

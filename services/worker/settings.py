@@ -6,14 +6,13 @@ import argparse
 from dataclasses import dataclass
 from functools import partial
 
-from yutu.config import add_common_options, option
-from yutu.service import advertised, default_instance_id
+from yutu.config import ServiceSettings, add_common_options, option
 
 own = partial(option, scope="worker")  # this service's own options: YUTU_WORKER_<OPTION>
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(ServiceSettings):
     model: str | None  # checkpoint dir or hub id; None: the built-in demo model
     served_model_name: str | None  # name clients use; None: derived from the model
     block_size: int  # tokens per KV block (paging, hashing and store objects)
@@ -24,15 +23,8 @@ class WorkerSettings:
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
-    host: str
-    advertise_host: str
     zmq_port: int  # 0: any free port
     admin_port: int  # 0: any free port
-    redis_url: str
-    registry_prefix: str
-    registry_ttl_s: float
-    instance_id: str
-    log_level: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerSettings:
@@ -40,6 +32,7 @@ class WorkerSettings:
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         return cls(
+            **ServiceSettings.common(args, "worker"),
             model=args.model,
             served_model_name=args.served_model_name,
             block_size=args.block_size,
@@ -50,15 +43,8 @@ class WorkerSettings:
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
-            host=args.host,
-            advertise_host=advertised(args.host, args.advertise_host),
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
-            redis_url=args.redis_url,
-            registry_prefix=args.registry_prefix,
-            registry_ttl_s=args.registry_ttl,
-            instance_id=args.instance_id or default_instance_id("worker"),
-            log_level=args.log_level,
         )
 
 
@@ -95,11 +81,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     own(net, "--zmq-port", type=int, default=0, help="port of the generate channel (0: any free port)")
     own(net, "--admin-port", type=int, default=0, help="port of the admin REST app (0: any free port)")
-    own(
-        net,
-        "--registry-ttl",
-        type=float,
-        default=10.0,
-        help="seconds the registry record lives without heartbeat",
-    )
     add_common_options(parser)
