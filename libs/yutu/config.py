@@ -98,6 +98,23 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     option(group, "--log-level", default="info", help="debug, info, warning or error")
 
 
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model and --served-model-name, shared by every service that loads the model or its tokenizer."""
+    group = parser.add_argument_group("model")
+    option(
+        group,
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint dir (or hub id); none: the built-in demo model",
+    )
+    option(
+        group,
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: derived from --model)",
+    )
+
+
 def default_instance_id(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{os.getpid()}"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from yutu.config import ServiceSettings, add_common_options, option
+from yutu.config import ServiceSettings, add_common_options, add_model_options, option
 
 
 def split_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
@@ -70,19 +70,7 @@ class GatewaySettings(ServiceSettings):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    option(
-        model,
-        "--model",
-        default=None,
-        help="Hugging Face checkpoint directory (or hub id) whose tokenizer to use; none: built-in demo model",
-    )
-    option(
-        model,
-        "--served-model-name",
-        default=None,
-        help="model name clients use (default: the model directory's name, as the worker does)",
-    )
+    add_model_options(parser)
     api = parser.add_argument_group("api")
     own(api, "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
     option(

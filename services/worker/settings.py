@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from functools import partial
 
-from yutu.config import ServiceSettings, add_common_options, option
+from yutu.config import ServiceSettings, add_common_options, add_model_options, option
 
 own = partial(option, scope="worker")  # this service's own options: YUTU_WORKER_<OPTION>
 
@@ -49,14 +49,7 @@ class WorkerSettings(ServiceSettings):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    option(
-        model,
-        "--model",
-        default=None,
-        help="Hugging Face checkpoint directory (or hub id); none: built-in demo model",
-    )
-    option(model, "--served-model-name", default=None, help="model name clients use in requests")
+    add_model_options(parser)
     engine = parser.add_argument_group("engine")
     own(engine, "--block-size", type=int, default=16, help="tokens per KV cache block")
     own(
