@@ -65,7 +65,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64",
-         "--store-segment-size", "32MiB"],
+         "--store-segment-size", "32MiB", "--api-key", "sekrit-key"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -76,7 +76,13 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert len(children) == 5  # redis-server, store-master, store-node-0, worker-0, gateway
         assert redis_reachable(redis_url)
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        for pid in children:  # the key reaches the gateway through its environment, not its argv
+            assert b"sekrit-key" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0
+            ).models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sekrit-key")
         assert [m.id for m in client.models.list().data] == ["tiny-up"]
         completion = client.completions.create(
             model="tiny-up", prompt="hello world", max_tokens=5, temperature=0

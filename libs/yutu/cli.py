@@ -190,14 +190,15 @@ def up(argv: list[str]) -> int:
             str(args.port),
             *common,
         ]
-        if args.api_key:
-            gateway_args += ["--api-key", args.api_key]
+        gateway_env = dict(env)
+        if args.api_key:  # through the environment, not argv: other users can read a command line in ps
+            gateway_env["YUTU_API_KEY"] = args.api_key
         ready_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         group.spawn(
             "gateway",
             python_module("yutu.cli", "gateway", *gateway_args),
             f"http://{ready_host}:{args.port}/ready",
-            env,
+            gateway_env,
         )
         group.wait_ready(args.ready_timeout)
         _banner(f"http://{ready_host}:{args.port}/v1", served, model_dir, args.model is None)
