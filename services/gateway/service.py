@@ -62,7 +62,7 @@ class GatewayService(Service):
         self.model_name = served_name(s, model_dir)
         self._metrics = GatewayMetrics(self.metrics, self.model_name)
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
-        self._pool = WorkerPool(self._registry, self.model_name, s.registry_poll_s)
+        self._pool = WorkerPool(self._registry, self.model_name, s.registry_poll_s, grace_s=s.registry_ttl_s)
         await self._pool.start()
         assert self.http is not None, "main() sets the HTTP server before startup"
         record = ServiceRecord(

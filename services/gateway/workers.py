@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -114,6 +115,7 @@ class WorkerClient:
         self.info = info
         self.connected = False  # TCP connection up (from the socket monitor)
         self.lost = False  # the connection dropped and has not come back
+        self.unlisted_since: float | None = None  # monotonic time the registry stopped listing it
         self._requests: dict[str, GenerationHandle] = {}
         self._outbox: asyncio.Queue[Any] = asyncio.Queue()
         self._sock = context().socket(zmq.DEALER)
@@ -213,12 +215,19 @@ class WorkerClient:
 
 
 class WorkerPool:
-    """Workers of one model, kept in sync with the registry."""
+    """Workers of one model, kept in sync with the registry.
 
-    def __init__(self, registry: Registry, model: str, poll_s: float = 1.0) -> None:
+    The registry says who to send *new* requests to; the connection says who is alive. A worker
+    whose record disappears (it is draining, or Redis lost its data) keeps its in-flight requests
+    and is picked only when no listed worker can serve; it leaves the pool when its connection
+    drops, or once it is idle and has stayed unlisted for ``grace_s`` (a registry TTL).
+    """
+
+    def __init__(self, registry: Registry, model: str, poll_s: float = 1.0, grace_s: float = 10.0) -> None:
         self.registry = registry
         self.model = model
         self.poll_s = poll_s
+        self.grace_s = grace_s
         self.workers: dict[str, WorkerClient] = {}
         self._task: asyncio.Task[None] | None = None
         self._turn = itertools.count()
@@ -237,7 +246,7 @@ class WorkerPool:
                 log.warning("cannot read the worker registry (keeping the last known workers): %s", exc)
 
     async def refresh(self) -> None:
-        """Re-read the registry: connect new workers, drop gone ones, update the others' info."""
+        """Re-read the registry: connect new workers, retire unlisted ones, update the others' info."""
         records = await self.registry.list(WORKER_KIND)
         seen: dict[str, WorkerInfo] = {}
         for record in records:
@@ -247,9 +256,19 @@ class WorkerPool:
                 seen[record.instance_id] = WorkerInfo.from_record(record)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring malformed worker record %s: %s", record.instance_id, exc)
-        for instance_id in [i for i in self.workers if i not in seen]:
-            log.info("worker %s left", instance_id)
-            await self.workers.pop(instance_id).close()
+        now = time.monotonic()
+        for instance_id, worker in list(self.workers.items()):
+            if instance_id in seen:
+                continue
+            if worker.unlisted_since is None:
+                worker.unlisted_since = now
+                log.info(
+                    "worker %s is no longer listed: no new requests unless no other worker can serve",
+                    instance_id,
+                )
+            if worker.lost or (worker.in_flight == 0 and now - worker.unlisted_since > self.grace_s):
+                log.info("worker %s left", instance_id)
+                await self.workers.pop(instance_id).close()
         for instance_id, info in seen.items():
             current = self.workers.get(instance_id)
             if current is not None and current.info.generate_endpoint != info.generate_endpoint:
@@ -260,6 +279,7 @@ class WorkerPool:
                 self.workers[instance_id] = WorkerClient(info)
             else:
                 current.info = info
+                current.unlisted_since = None
 
     def usable(self) -> list[WorkerClient]:
         return [w for w in self.workers.values() if w.usable]
@@ -267,7 +287,7 @@ class WorkerPool:
     def pick(self) -> WorkerClient:
         """The usable worker with the fewest in-flight requests (ties: the least recently picked).
 
-        Workers whose connection is up come before ones still connecting (a registered worker whose
+        Listed workers come before unlisted ones, and workers whose connection is up before ones still connecting (a registered worker whose
         process is gone never connects; its record expires within the registry TTL).
         """
         candidates = self.usable()
@@ -280,6 +300,7 @@ class WorkerPool:
         best = min(
             candidates,
             key=lambda w: (
+                w.unlisted_since is not None,
                 not w.connected,
                 w.in_flight,
                 self._last_pick.get(w.info.instance_id, -1),

@@ -134,10 +134,11 @@ async def test_worker_death_mid_request_is_an_error_not_a_hang(
         await w2.close()
 
 
-async def test_worker_failures_map_to_statuses_and_leaving_workers_fail_requests(
+async def test_worker_failures_map_to_statuses_and_draining_workers_finish_requests(
     tiny_model: Path, redis_url: str, registry_prefix: str, fake_worker: FakeWorker
 ) -> None:
-    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, gw):
+    settings = gateway_settings(tiny_model, redis_url, registry_prefix, registry_ttl_s=0.6)
+    async with running_gateway(settings) as (url, gw):
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5}
             for kind, status in [
@@ -156,12 +157,20 @@ async def test_worker_failures_map_to_statuses_and_leaving_workers_fail_requests
                     "param": None,
                     "code": None,
                 }
-            # The worker deregisters (drained) while a request is in flight: the request fails fast.
+            # The worker deregisters (it drains) while a request is in flight: that request still
+            # completes; the worker stays in the pool, unlisted, until it is idle past the grace time.
             task = asyncio.create_task(client.post("/v1/completions", json=body))
-            await fake_worker.next_request()
+            ident, req = await fake_worker.next_request()
             await fake_worker.registration.close()
+            await asyncio.sleep(0.5)  # a few registry polls (every 0.2 s) see it gone
+            worker = gw.pool.workers[fake_worker.instance_id]
+            assert worker.unlisted_since is not None
+            await fake_worker.send(
+                ident, TokenDelta(req.request_id, [376], finish_reason="length", num_prompt_tokens=1)
+            )
             resp = await asyncio.wait_for(task, 5)
-            assert resp.status_code == 503 and "left the pool" in resp.json()["error"]["message"]
+            assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+            await asyncio.sleep(1.2)  # idle and unlisted for longer than the grace (the registry TTL)
             assert gw.pool.workers == {}
 
 
