@@ -304,16 +304,23 @@ class TransferEngine:
         tcp_idx: list[int] = []
         tcp_items: list[TcpItem] = []
         candidates = candidate_transports(self.transports, peer, local_host_id())
+        # (local region, remote region) -> (transport, remote descriptor, local region): routed once
+        routes: dict[tuple[str, str], tuple[str, RegionDescriptor, Region]] = {}
         for i in indices:
             req = batch.requests[i]
             try:
-                transport, remote = self._route(req, peer, candidates)
-                local = self._regions[req.local_region]
+                route = routes.get((req.local_region, req.remote_region))
+                if route is None:
+                    route = self._route(req.local_region, req.remote_region, peer, candidates)
+                    routes[(req.local_region, req.remote_region)] = route
+                transport, remote, local = route
+                check_range(req.remote_region, remote.size, req.remote_offset, req.length)
                 if transport == "shm":
-                    view = local.view_numpy(req.local_offset, req.length)
+                    view = local.view_numpy(req.local_offset, req.length)  # checks the local range
                     shm_items.append(ShmItem(req.op, view, req.remote_region, remote, req.remote_offset))
                     shm_idx.append(i)
                 else:
+                    check_range(req.local_region, local.size, req.local_offset, req.length)
                     mv = local.buffer[req.local_offset : req.local_offset + req.length]
                     op = WireOp.READ if req.op is TransferOp.READ else WireOp.WRITE
                     tcp_items.append(TcpItem(op, mv, req.remote_region.encode("utf-8"), req.remote_offset))
@@ -389,22 +396,21 @@ class TransferEngine:
         )
 
     def _route(
-        self, req: TransferRequest, peer: SegmentDescriptor, candidates: list[str]
-    ) -> tuple[str, RegionDescriptor]:
-        """Check both sides' bounds and choose the transport among ``candidates`` (those usable
-        towards ``peer``); raise ``TransferError`` to fail the request."""
-        local = self._regions.get(req.local_region)
+        self, local_name: str, remote_name: str, peer: SegmentDescriptor, candidates: list[str]
+    ) -> tuple[str, RegionDescriptor, Region]:
+        """Resolve both regions and choose the transport among ``candidates`` (those usable towards
+        ``peer``); raise ``TransferError`` to fail the request. Ranges are checked per request by
+        the caller."""
+        local = self._regions.get(local_name)
         if local is None:
-            raise RegionError(f"unknown local region {req.local_region!r}; register it first")
-        check_range(req.local_region, local.size, req.local_offset, req.length)
-        remote = peer.regions.get(req.remote_region)
+            raise RegionError(f"unknown local region {local_name!r}; register it first")
+        remote = peer.regions.get(remote_name)
         if remote is None:
-            raise RegionError(f"unknown region {req.remote_region!r} in segment {peer.name!r}")
-        check_range(req.remote_region, remote.size, req.remote_offset, req.length)
+            raise RegionError(f"unknown region {remote_name!r} in segment {peer.name!r}")
         if "shm" in candidates and self._shm.usable(remote):  # a dict hit once mapped
-            return "shm", remote
+            return "shm", remote, local
         if "tcp" in candidates:
-            return "tcp", remote
+            return "tcp", remote, local
         raise TransferError(
             f"no common transport with segment {peer.name!r}: we use {list(self.transports)}, "
             f"it offers {list(peer.transports)}"

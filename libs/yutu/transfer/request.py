@@ -41,10 +41,11 @@ class TransferRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.op, TransferOp):
             raise ValueError(f"op must be TransferOp.READ or TransferOp.WRITE, got {self.op!r}")
-        for field_name in ("local_offset", "remote_offset", "length"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{field_name} must be an int, got {value!r}")
+        if not (type(self.local_offset) is type(self.remote_offset) is type(self.length) is int):
+            for field_name in ("local_offset", "remote_offset", "length"):  # the slow path: say which
+                value = getattr(self, field_name)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{field_name} must be an int, got {value!r}")
         if self.length <= 0:
             raise ValueError(f"length must be positive, got {self.length}")
         if self.local_offset < 0 or self.remote_offset < 0:
