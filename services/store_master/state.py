@@ -314,18 +314,20 @@ class MasterState:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def get_replicas(self, key: str) -> tuple[int, list[Replica]] | None:
+    def get_replicas(self, key: str, now: float | None = None) -> tuple[int, list[Replica]] | None:
         """``(size, DRAM replicas)`` under a fresh lease; None if only a disk copy exists (promote it).
 
-        Raises NOT_FOUND when the key has no complete replica.
+        Raises NOT_FOUND when the key has no complete replica. ``now``: the clock, read once by a
+        caller leasing many keys (default: read here).
         """
         entry = self.objects.get(key) if isinstance(key, str) else None
-        if entry is None or not entry.readable:
+        if entry is None or not entry.replicas:
             raise YutuError(f"object {key!r} not found in the store", ErrorKind.NOT_FOUND)
         dram = entry.dram_replicas()
         if not dram:
             return None
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         entry.lease_until = max(entry.lease_until, now + self.policy.lease_ttl_s)
         if entry.soft_pin:
             entry.pin_until = now + self.policy.soft_pin_ttl_s
