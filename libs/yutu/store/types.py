@@ -64,6 +64,14 @@ class ReplicaDescriptor:
         """Decode a replica sent by :meth:`to_wire`; raises ``ValueError`` on malformed input."""
         try:
             segment, region, offset, length, state, host_id, medium = raw
+            if (
+                type(segment) is str
+                and type(region) is str
+                and type(length) is int
+                and (offset is None or type(offset) is int)
+                and type(host_id) is str
+            ):  # the common case, as msgpack decodes it: no conversions, and no frozen __init__
+                return _fast_replica(segment, region, offset, length, _STATES[state], host_id, _MEDIA[medium])
             return cls(
                 str(segment),
                 str(region),
@@ -75,6 +83,35 @@ class ReplicaDescriptor:
             )
         except (TypeError, ValueError, KeyError) as exc:
             raise ValueError(f"malformed replica descriptor {raw!r}: {exc}") from exc
+
+
+# ReplicaDescriptor(...) with exact-type fields, in a third of the time: a frozen dataclass's
+# __init__ goes through object.__setattr__ per field; this sets the slots directly (same object).
+_REPLICA_SLOTS = tuple(
+    getattr(ReplicaDescriptor, name).__set__
+    for name in ("segment", "region", "offset", "length", "state", "host_id", "medium")
+)
+
+
+def _fast_replica(
+    segment: str,
+    region: str,
+    offset: int | None,
+    length: int,
+    state: ReplicaState,
+    host_id: str,
+    medium: Medium,
+) -> ReplicaDescriptor:
+    r = object.__new__(ReplicaDescriptor)
+    set_segment, set_region, set_offset, set_length, set_state, set_host_id, set_medium = _REPLICA_SLOTS
+    set_segment(r, segment)
+    set_region(r, region)
+    set_offset(r, offset)
+    set_length(r, length)
+    set_state(r, state)
+    set_host_id(r, host_id)
+    set_medium(r, medium)
+    return r
 
 
 @dataclass(frozen=True, slots=True)
