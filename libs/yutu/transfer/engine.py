@@ -30,6 +30,8 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from yutu.transfer.directory import SegmentDirectory
 from yutu.transfer.errors import RegionError, SegmentNotFoundError, TransferError
 from yutu.transfer.region import Region, check_range, validate_region_name
@@ -304,23 +306,29 @@ class TransferEngine:
         tcp_idx: list[int] = []
         tcp_items: list[TcpItem] = []
         candidates = candidate_transports(self.transports, peer, local_host_id())
-        # (local region, remote region) -> (transport, remote descriptor, local region): routed once
-        routes: dict[tuple[str, str], tuple[str, RegionDescriptor, Region]] = {}
+        # (local region, remote region) -> (transport, remote descriptor, local region, its whole
+        # uint8 array): routed once
+        routes: dict[tuple[str, str], tuple[str, RegionDescriptor, Region, np.ndarray]] = {}
+        requests = batch.requests
         for i in indices:
-            req = batch.requests[i]
+            req = requests[i]
             try:
                 route = routes.get((req.local_region, req.remote_region))
                 if route is None:
-                    route = self._route(req.local_region, req.remote_region, peer, candidates)
-                    routes[(req.local_region, req.remote_region)] = route
-                transport, remote, local = route
+                    transport, remote, local = self._route(
+                        req.local_region, req.remote_region, peer, candidates
+                    )
+                    route = routes[(req.local_region, req.remote_region)] = (
+                        transport, remote, local, local.view_numpy(),
+                    )  # fmt: skip
+                transport, remote, local, whole = route
                 check_range(req.remote_region, remote.size, req.remote_offset, req.length)
+                check_range(req.local_region, local.size, req.local_offset, req.length)
                 if transport == "shm":
-                    view = local.view_numpy(req.local_offset, req.length)  # checks the local range
+                    view = whole[req.local_offset : req.local_offset + req.length]  # (length,)
                     shm_items.append(ShmItem(req.op, view, req.remote_region, remote, req.remote_offset))
                     shm_idx.append(i)
                 else:
-                    check_range(req.local_region, local.size, req.local_offset, req.length)
                     mv = local.buffer[req.local_offset : req.local_offset + req.length]
                     op = WireOp.READ if req.op is TransferOp.READ else WireOp.WRITE
                     tcp_items.append(TcpItem(op, mv, req.remote_region.encode("utf-8"), req.remote_offset))

@@ -183,7 +183,7 @@ class ShmTransport:
             return
         finished: list[tuple[int, Outcome]] = []
         copied = 0
-        maps: dict[tuple[str, int], _Mapping] = {}  # this run's mappings, looked up once
+        maps: dict[str, np.ndarray] = {}  # region name -> its mapped bytes: looked up once per run
         for index, it in indexed:
             finished.append((index, self._copy(it, deadline, maps)))
             copied += len(it.local)
@@ -192,14 +192,15 @@ class ShmTransport:
                 finished, copied = [], 0
         progress.post(finished)
 
-    def _copy(self, it: ShmItem, deadline: float, maps: dict[tuple[str, int], _Mapping]) -> Outcome:
+    def _copy(self, it: ShmItem, deadline: float, maps: dict[str, np.ndarray]) -> Outcome:
+        """Copy one item; ``maps`` caches the mapped array of each region name within one run (one
+        peer, so a name is one region)."""
         if time.monotonic() > deadline:
             return Outcome(TransferStatus.TIMED_OUT, "deadline passed before the copy started")
         try:
-            mapping = maps.get((it.region.path, it.region.inode))
-            if mapping is None:
-                mapping = maps[(it.region.path, it.region.inode)] = self._mapping(it.region)
-            remote = mapping.array
+            remote = maps.get(it.region_name)
+            if remote is None:
+                remote = maps[it.region_name] = self._mapping(it.region).array
             n = len(it.local)
             check_range(it.region_name, min(it.region.size, len(remote)), it.offset, n)
         except (PeerUnreachableError, OutOfRangeError) as exc:
