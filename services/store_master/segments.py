@@ -21,6 +21,8 @@ class SegmentTable:
         self.alignment = alignment
         self.segments: dict[str, Segment] = {}
         self.allocators: dict[str, RangeAllocator] = {}
+        self._capacity = 0  # sum of the segments' sizes, kept by add/remove (read per put)
+        self._largest = 0  # the largest segment's size, likewise
 
     def __contains__(self, name: str) -> bool:
         return name in self.segments
@@ -35,16 +37,23 @@ class SegmentTable:
         assert segment.name not in self.segments
         self.segments[segment.name] = segment
         self.allocators[segment.name] = RangeAllocator(segment.size, self.alignment)
+        self._sizes_changed()
 
     def remove(self, name: str) -> Segment:
         del self.allocators[name]
-        return self.segments.pop(name)
+        segment = self.segments.pop(name)
+        self._sizes_changed()
+        return segment
+
+    def _sizes_changed(self) -> None:
+        sizes = [s.size for s in self.segments.values()]
+        self._capacity, self._largest = sum(sizes), max(sizes, default=0)
 
     # -- space -----------------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        return self._capacity
 
     @property
     def used_bytes(self) -> int:
@@ -57,10 +66,23 @@ class SegmentTable:
 
     @property
     def largest_segment(self) -> int:
-        return max((s.size for s in self.segments.values()), default=0)
+        return self._largest
 
     def place(self, size: int, count: int, exclude: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
         """Allocate ``size`` bytes on up to ``count`` distinct segments: ``[(segment, offset)]``."""
+        if count == 1:  # the common case: one pass for the segment ranked first, no sort
+            best: str | None = None
+            most = -1
+            for name, allocator in self.allocators.items():
+                free = allocator.free_bytes
+                if (
+                    free > most or (free == most and best is not None and name < best)
+                ) and name not in exclude:
+                    best, most = name, free
+            if best is not None:
+                offset = self.allocators[best].allocate(size)
+                if offset is not None:
+                    return [(best, offset)]
         ranked = sorted(
             (n for n in self.segments if n not in exclude), key=lambda n: (-self.allocators[n].free_bytes, n)
         )
