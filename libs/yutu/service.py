@@ -24,6 +24,8 @@ from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from yutu.config import advertised
+
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +44,7 @@ class Service(ABC):
     def __init__(self) -> None:
         self.metrics = CollectorRegistry()
         self.stopping = asyncio.Event()
+        self.http_url = ""  # where peers reach this service's HTTP app; set by serve() before startup
 
     @abstractmethod
     async def startup(self) -> None:
@@ -102,7 +105,14 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """Serves an ASGI app on ``host:port`` (0: any free port) inside the running loop."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        advertise_host: str | None = None,
+        log_level: str = "warning",
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -115,6 +125,7 @@ class HttpServer:
         self.sock.setblocking(False)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
+        self.url = f"http://{advertised(host, advertise_host)}:{self.port}"  # what peers dial
         config = uvicorn.Config(
             app, log_level=log_level, lifespan="off", access_log=False, timeout_graceful_shutdown=5
         )
@@ -158,6 +169,7 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.stopping.set)
+    service.http_url = http.url
     try:
         await service.startup()
         await http.start()

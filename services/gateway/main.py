@@ -24,8 +24,7 @@ async def _main(settings: GatewaySettings) -> int:
     from services.gateway.service import GatewayService
 
     service = GatewayService(settings)
-    http = HttpServer(build_app(service), settings.host, settings.port)
-    service.http = http
+    http = HttpServer(build_app(service), settings.host, settings.port, settings.advertise_host)
     log.info("gateway HTTP API bound on %s:%d", settings.host, http.port)
     await serve(service, http)
     return 0

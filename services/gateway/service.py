@@ -17,7 +17,7 @@ from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.service import HttpServer, Service
+from yutu.service import Service
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
@@ -40,7 +40,6 @@ class GatewayService(Service):
     def __init__(self, settings: GatewaySettings) -> None:
         super().__init__()
         self.settings = settings
-        self.http: HttpServer | None = None  # set by main before serve(); its port goes in the record
         self.model_dir: Path | None = None
         self.model_name = settings.served_model_name or ""
         self.created = int(time.time())
@@ -64,21 +63,20 @@ class GatewayService(Service):
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
         self._pool = WorkerPool(self._registry, self.model_name, s.registry_poll_s, grace_s=s.registry_ttl_s)
         await self._pool.start()
-        assert self.http is not None, "main() sets the HTTP server before startup"
         record = ServiceRecord(
             kind=self.kind,
             instance_id=s.instance_id,
-            endpoints={"http": f"http://{s.advertise_host}:{self.http.port}"},
+            endpoints={"http": self.http_url},
             meta={"model": self.model_name, "auth": bool(s.api_keys)},
         )
         self._registration = Registration(self._registry, record, s.registry_ttl_s)
         await self._registration.start()
         log.info(
-            "gateway %s serving %r (tokenizer from %s) on port %d; %d worker(s) so far",
+            "gateway %s serving %r (tokenizer from %s) on %s; %d worker(s) so far",
             s.instance_id,
             self.model_name,
             self.model_dir,
-            self.http.port,
+            self.http_url,
             len(self._pool.workers),
         )
 

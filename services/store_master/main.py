@@ -81,9 +81,9 @@ async def _main(settings: MasterSettings) -> int:
     from services.store_master.service import StoreMasterService
 
     service = StoreMasterService(settings)
-    http = HttpServer(admin_app(service), settings.host, settings.admin_port)
-    service.admin_url = f"http://{settings.advertise_host}:{http.port}"
-    await serve(service, http)
+    await serve(
+        service, HttpServer(admin_app(service), settings.host, settings.admin_port, settings.advertise_host)
+    )
     return 0
 
 

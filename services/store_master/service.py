@@ -64,7 +64,6 @@ class StoreMasterService(Service):
         self.settings = settings
         self.state = MasterState(settings.policy, clock)
         self.store_metrics = StoreMetrics(self.metrics, self)
-        self.admin_url = ""
         self._redis: aioredis.Redis | None = None
         self._persister: Persister | None = None
         self._rpc: RpcServer | None = None
@@ -124,8 +123,8 @@ class StoreMasterService(Service):
             endpoints["kv_events"] = self._advertise(self._events.endpoint)
             if self._events.replay_endpoint is not None:
                 endpoints["kv_events_replay"] = self._advertise(self._events.replay_endpoint)
-        if self.admin_url:
-            endpoints["admin"] = self.admin_url
+        if self.http_url:
+            endpoints["admin"] = self.http_url
         record = ServiceRecord(
             self.kind, s.instance_id, endpoints, {"capacity": self.state.segments.capacity}
         )

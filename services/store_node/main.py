@@ -52,9 +52,9 @@ async def _main(settings: NodeSettings) -> int:
     from services.store_node.service import StoreNodeService
 
     service = StoreNodeService(settings)
-    http = HttpServer(admin_app(service), settings.host, settings.admin_port)
-    service.admin_url = f"http://{settings.advertise_host}:{http.port}"
-    await serve(service, http)
+    await serve(
+        service, HttpServer(admin_app(service), settings.host, settings.admin_port, settings.advertise_host)
+    )
     return 0
 
 

@@ -38,7 +38,6 @@ class StoreNodeService(Service):
     def __init__(self, settings: NodeSettings) -> None:
         super().__init__()
         self.settings = settings
-        self.admin_url = ""
         self.mount: MountedSegment | None = None
         self.region: Region | None = None
         self.engine: TransferEngine | None = None
@@ -88,7 +87,7 @@ class StoreNodeService(Service):
         self.mount.start()  # mounts (retrying until the master answers), then heartbeats
         if self.disk is not None:
             self._loops.append(asyncio.create_task(self._task_loop(), name="store-node-tasks"))
-        endpoints = {"admin": self.admin_url} if self.admin_url else {}
+        endpoints = {"admin": self.http_url} if self.http_url else {}
         if self.engine.endpoint is not None:
             endpoints["transfer"] = "tcp://{}:{}".format(*self.engine.endpoint)
         meta = {"segment": s.segment_name, "size": s.segment_size, "disk_capacity": s.disk_capacity}

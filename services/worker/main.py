@@ -21,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
 
 async def _main(settings: WorkerSettings) -> int:
     service = WorkerService(settings)
-    http = HttpServer(admin_app(service), settings.host, settings.admin_port)
-    service.http = http
-    await serve(service, http)
+    await serve(
+        service, HttpServer(admin_app(service), settings.host, settings.admin_port, settings.advertise_host)
+    )
     failure = service._loop_engine.failure if service._loop_engine is not None else None
     return 1 if failure is not None else 0
 

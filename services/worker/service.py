@@ -26,7 +26,7 @@ from yutu.protocol.codec import ProtocolError
 from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import bind, context
-from yutu.service import HttpServer, Service
+from yutu.service import Service
 
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import EngineCollector
@@ -48,7 +48,6 @@ class WorkerService(Service):
     def __init__(self, settings: WorkerSettings) -> None:
         super().__init__()
         self.settings = settings
-        self.http: HttpServer | None = None  # set by main before serve(); its port goes in the record
         self.engine: LLMEngine | None = None
         self.model_dir: Path | None = None
         self.served_model_name = ""
@@ -107,11 +106,10 @@ class WorkerService(Service):
         ]
 
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
-        assert self.http is not None, "main() sets the admin server before startup"
         record = ServiceRecord(
             kind=self.kind,
             instance_id=s.instance_id,
-            endpoints={"generate": endpoint, "admin": f"http://{s.advertise_host}:{self.http.port}"},
+            endpoints={"generate": endpoint, "admin": self.http_url},
             meta=self._meta(),
         )
         self._registration = Registration(self._registry, record, s.registry_ttl_s)

@@ -132,8 +132,8 @@ async def running_gateway(
 ) -> AsyncIterator[tuple[str, GatewayService]]:
     """A gateway in this event loop, once ``connected_workers`` workers are connected: (base URL, service)."""
     service = GatewayService(settings)
-    http = HttpServer(build_app(service), settings.host, settings.port)
-    service.http = http
+    http = HttpServer(build_app(service), settings.host, settings.port, settings.advertise_host)
+    service.http_url = http.url  # as serve() does
     try:
         await service.startup()
         await http.start()
