@@ -14,14 +14,9 @@ best replica (same host first) and falls back to the next replica when a transfe
 Plain ``put``/``get`` copy through a registered staging buffer; ``put_from``/``get_into`` move
 bytes between the store and the caller's registered buffers with no copy in this process.
 
-Lease cache (``StoreClientConfig.lease_cache``, off by default): the replicas a get learns come
-with a read lease, and while it lasts the master frees or reuses none of those bytes (a remove,
-upsert or eviction only *retires* them until the lease ends). With the cache on, the client keeps
-the replica descriptors until ``lease_cache_margin_s`` before the lease ends and serves repeated
-gets of the same key without asking the master: such a get returns the object as it was when the
-lease was granted, so a remove or upsert by *another* client is seen only once the cached entry
-expires (within one lease TTL). This client's own puts and removes drop its entries at once.
-Content-addressed keys (KV blocks) never change, which makes the cache safe for them.
+With ``StoreClientConfig.lease_cache`` on, repeated gets of a key reuse its replica descriptors
+while their read lease lasts, without asking the master (see :mod:`yutu.store.leases` for what
+that means for removes and upserts by other clients).
 """
 
 from __future__ import annotations
@@ -41,6 +36,7 @@ import redis.asyncio as aioredis
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
 from yutu.registry import Registry
+from yutu.store.leases import LeaseCache
 from yutu.store.master import MasterClient
 from yutu.store.mount import MountedSegment
 from yutu.store.staging import Space, Staging
@@ -85,9 +81,7 @@ class StoreClient:
         self._staging: Staging | None = None
         self._segment: MountedSegment | None = None
         self._tmp_names = itertools.count()
-        self._leases: dict[
-            str, tuple[float, int, list[ReplicaDescriptor]]
-        ] = {}  # key -> (until, size, replicas)
+        self._leases = LeaseCache(config.lease_cache_margin_s)  # used only with config.lease_cache
 
     async def start(self) -> None:
         c = self.config
@@ -165,7 +159,7 @@ class StoreClient:
         keys = [_key(k) for k, _ in pairs]
         opts = PutOptions(replicas, soft_pin, upsert)
         results: list[bool | YutuError] = [False] * len(keys)
-        for chunk in self._chunks([len(v) for v in views]):
+        for chunk in self._staging_chunks([len(v) for v in views]):
             sizes = [len(views[i]) for i in chunk]
             async with self._space(sizes) as (region, offsets):
                 for i, offset in zip(chunk, offsets, strict=True):
@@ -211,7 +205,7 @@ class StoreClient:
         assert self.master is not None and self.engine is not None
         if not keys:
             return []
-        self._forget(keys)
+        self._leases.forget(keys)
         msg = p.BatchPutStart(
             keys, [s[2] for s in sources], opts.replicas, opts.soft_pin, opts.upsert, self.client_id
         )
@@ -287,7 +281,7 @@ class StoreClient:
         values: list[bytes | YutuError] = [v if isinstance(v, YutuError) else b"" for v in located]
         found = [i for i, v in enumerate(located) if not isinstance(v, YutuError)]
         sizes = [located[i][0] for i in found]  # type: ignore[index]
-        for chunk in self._chunks(sizes):
+        for chunk in self._staging_chunks(sizes):
             idx = [found[j] for j in chunk]
             async with self._space([sizes[j] for j in chunk]) as (region, offsets):
                 dests = [(region.name, o) for o in offsets]
@@ -349,9 +343,9 @@ class StoreClient:
         if self.config.lease_cache and cached:
             ask = []
             for i, key in enumerate(keys):
-                entry = self._leases.get(key)
-                if entry is not None and entry[0] > now:
-                    out[i] = (entry[1], entry[2])
+                hit = self._leases.get(key, now)
+                if hit is not None:
+                    out[i] = hit
                 else:
                     ask.append(i)
         if not ask:
@@ -359,7 +353,6 @@ class StoreClient:
         reply = await self.master.call(
             p.BatchGetReplicas([keys[i] for i in ask] if len(ask) < len(keys) else keys)
         )
-        until = now + reply.lease_ttl_s - self.config.lease_cache_margin_s  # `now`: before the lease began
         for i, outcome in zip(ask, reply.results, strict=True):
             try:
                 size, raw = p.unwrap(outcome)
@@ -369,18 +362,11 @@ class StoreClient:
             replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
             if len(replicas) > 1:
                 replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
-            out[i] = (size, replicas)
-            if self.config.lease_cache and until > now:
-                self._leases[keys[i]] = (until, size, replicas)
-        if len(self._leases) > 4 * len(keys) + 1024:
-            self._leases = {k: v for k, v in self._leases.items() if v[0] > now}
+            out[i] = located = (size, replicas)
+            if self.config.lease_cache:
+                self._leases.remember(keys[i], located, now, reply.lease_ttl_s)
+        self._leases.prune(now, keep=4 * len(keys) + 1024)
         return out
-
-    def _forget(self, keys: Sequence[str]) -> None:
-        """Drop cached leases of ``keys`` (this client changed or removed them)."""
-        if self._leases:
-            for key in keys:
-                self._leases.pop(key, None)
 
     async def _read(
         self,
@@ -412,7 +398,7 @@ class StoreClient:
                 if result.ok:
                     continue
                 replicas = located[indices[j]][1]  # type: ignore[index]
-                self._leases.pop(keys[indices[j]], None)  # ask the master next time
+                self._leases.forget([keys[indices[j]]])  # ask the master next time
                 reasons[j].append(f"{replicas[tried[j]].segment}: {result.error}")
                 tried[j] += 1
                 if tried[j] < len(replicas):
@@ -439,13 +425,13 @@ class StoreClient:
         """Remove ``key``; False if the store did not hold it."""
         assert self.master is not None
         checked = _key(key)
-        self._forget([checked])
+        self._leases.forget([checked])
         return bool((await self.master.call(p.Remove(checked))).count)
 
     async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         assert self.master is not None
         checked = [_key(k) for k in keys]
-        self._forget(checked)
+        self._leases.forget(checked)
         reply = await self.master.call(p.BatchRemove(checked))
         return [bool(p.unwrap(o)) for o in reply.results]
 
@@ -475,22 +461,9 @@ class StoreClient:
             raise ValueError(f"buffer {name!r} is not registered: create it with register_buffer()")
         return name
 
-    def _chunks(self, sizes: list[int]) -> list[list[int]]:
-        """Split indices of ``sizes`` into runs that fit the staging buffer; an oversized one alone."""
+    def _staging_chunks(self, sizes: list[int]) -> list[list[int]]:
         assert self._staging is not None
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        for i, size in enumerate(sizes):
-            if not self._staging.fits([size]):
-                chunks.append([i])
-                continue
-            if not self._staging.fits([sizes[j] for j in current] + [size]):
-                chunks.append(current)
-                current = []
-            current.append(i)
-        if current:
-            chunks.append(current)
-        return chunks
+        return self._staging.chunks(sizes)
 
     def _space(self, sizes: list[int]) -> Space:
         assert self._staging is not None and self.engine is not None

@@ -29,6 +29,23 @@ class Staging:
         align = self.allocator.alignment
         return sum(-(-s // align) * align for s in sizes) <= self.capacity
 
+    def chunks(self, sizes: list[int]) -> list[list[int]]:
+        """Split the indices of ``sizes`` into runs that fit the buffer at once, in order; an object
+        bigger than the whole buffer is a run of its own (it gets a temporary region, see Space)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        for i, size in enumerate(sizes):
+            if not self.fits([size]):
+                chunks.append([i])
+                continue
+            if not self.fits([sizes[j] for j in current] + [size]):
+                chunks.append(current)
+                current = []
+            current.append(i)
+        if current:
+            chunks.append(current)
+        return chunks
+
     async def acquire(self, sizes: list[int]) -> list[int]:
         """Offsets for every size, taken together; waits until they fit. Requires ``fits(sizes)``."""
         if not self.fits(sizes):
