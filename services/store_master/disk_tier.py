@@ -26,7 +26,7 @@ from yutu.store.types import Medium, ReplicaState
 from services.store_master.objects import NodeTask, ObjectEntry, Replica
 
 if TYPE_CHECKING:
-    from services.store_master.state import MasterState
+    from services.store_master.state_core import StateCore
 
 
 @dataclass
@@ -36,7 +36,7 @@ class _Running:
 
 
 class DiskTier:
-    def __init__(self, state: MasterState) -> None:
+    def __init__(self, state: StateCore) -> None:
         self.state = state
         self.running: dict[str, _Running] = {}
 
@@ -119,7 +119,7 @@ class DiskTier:
         replica = entry.disk_replicas()[0]
         offset = self.state.segments.allocate_on(replica.segment, replica.length)
         if offset is None:
-            from services.store_master.state import NoSpaceError
+            from services.store_master.state_core import NoSpaceError
 
             raise NoSpaceError(
                 f"no DRAM free on {replica.segment} to bring {key!r} back from disk; retry shortly"
