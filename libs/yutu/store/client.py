@@ -9,7 +9,9 @@
 Every call is batched: one RPC to the master for all keys (``BatchPutStart``/``BatchGetReplicas``),
 one transfer submission for all blocks, one RPC to finish (``BatchPutEnd``). A put writes every
 replica the master allocated and revokes the put if any write fails. A get reads each key from its
-best replica (same host first) and falls back to the next replica when a transfer fails.
+best replica (same host first) and falls back to the next replica when a transfer fails. Those
+protocols live in :mod:`yutu.store.datapath`; this module is the API around them: argument checks,
+staging, return values and errors.
 
 Plain ``put``/``get`` copy through a registered staging buffer; ``put_from``/``get_into`` move
 bytes between the store and the caller's registered buffers with no copy in this process.
@@ -26,7 +28,6 @@ import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +37,13 @@ import redis.asyncio as aioredis
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
 from yutu.registry import Registry
+from yutu.store.datapath import DataPath
 from yutu.store.leases import LeaseCache
 from yutu.store.master import MasterClient
 from yutu.store.mount import MountedSegment
 from yutu.store.staging import Space, Staging
 from yutu.store.types import PutOptions, ReplicaDescriptor, validate_key
-from yutu.transfer import Region, SegmentDirectory, TransferEngine, TransferOp, TransferRequest
+from yutu.transfer import Region, SegmentDirectory, TransferEngine
 from yutu.transfer.segment import local_host_id
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class StoreClient:
         self._segment: MountedSegment | None = None
         self._tmp_names = itertools.count()
         self._leases = LeaseCache(config.lease_cache_margin_s)  # used only with config.lease_cache
+        self._datapath: DataPath | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -104,6 +107,10 @@ class StoreClient:
             c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s
         )
         await self.master.connect()
+        self._datapath = DataPath(
+            self.master, engine, self._leases, client_id=self.client_id, host_id=self.host_id,
+            lease_cache=c.lease_cache,
+        )  # fmt: skip
         if c.segment_bytes > 0:
             incarnation = engine.descriptor().incarnation
             self._segment = MountedSegment(
@@ -134,6 +141,14 @@ class StoreClient:
         """A registered buffer for ``put_from``/``get_into`` (shared memory; numpy/torch views)."""
         assert self.engine is not None, "call start() first"
         return self.engine.register_region(name, size)
+
+    @property
+    def _io(self) -> DataPath:
+        if self._datapath is None:
+            raise RuntimeError(
+                "the store client is not started: use `async with StoreClient(...)` or start()"
+            )
+        return self._datapath
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -166,7 +181,7 @@ class StoreClient:
                     region.buffer[offset : offset + len(views[i])] = views[i]
                 sources = [(region.name, o, s) for o, s in zip(offsets, sizes, strict=True)]
                 for i, r in zip(
-                    chunk, await self._put_many([keys[i] for i in chunk], sources, opts), strict=True
+                    chunk, await self._io.put([keys[i] for i in chunk], sources, opts), strict=True
                 ):
                     results[i] = r
         return _raise_any(keys, results)
@@ -195,63 +210,8 @@ class StoreClient:
                 )
         checked = [_key(k) for k in keys]
         sources = [(name, o, n) for o, n in zip(offsets, lengths, strict=True)]
-        results = await self._put_many(checked, sources, PutOptions(replicas, soft_pin, upsert))
+        results = await self._io.put(checked, sources, PutOptions(replicas, soft_pin, upsert))
         return _raise_any(checked, results)
-
-    async def _put_many(
-        self, keys: list[str], sources: list[tuple[str, int, int]], opts: PutOptions
-    ) -> list[bool | YutuError]:
-        """put_start, write every replica in one transfer batch, put_end (or revoke the failed)."""
-        assert self.master is not None and self.engine is not None
-        if not keys:
-            return []
-        self._leases.forget(keys)
-        msg = p.BatchPutStart(
-            keys, [s[2] for s in sources], opts.replicas, opts.soft_pin, opts.upsert, self.client_id
-        )
-        reply = await self.master.call(msg)
-        results: list[bool | YutuError] = [False] * len(keys)
-        put_ids: dict[int, str] = {}
-        requests: list[TransferRequest] = []
-        owners: list[tuple[int, str]] = []  # (key index, segment) per request
-        for i, outcome in enumerate(reply.results):
-            try:
-                put_id, replicas = p.unwrap(outcome)
-            except YutuError as exc:
-                results[i] = exc
-                continue
-            if put_id is None:
-                continue  # already stored: nothing to write
-            put_ids[i] = put_id
-            region, offset, length = sources[i]
-            for raw in replicas:
-                r = ReplicaDescriptor.from_wire(raw)
-                assert r.offset is not None
-                requests.append(
-                    TransferRequest(TransferOp.WRITE, region, offset, r.segment, r.region, r.offset, length)
-                )
-                owners.append((i, r.segment))
-        failed: dict[int, str] = {}
-        for (i, segment), result in zip(owners, await self.engine.transfer(requests), strict=True):
-            if not result.ok and i not in failed:
-                failed[i] = f"writing {keys[i]!r} to segment {segment!r} failed: {result.error}"
-        done = [i for i in put_ids if i not in failed]
-        if done:
-            ends = await self.master.call(p.BatchPutEnd([keys[i] for i in done], [put_ids[i] for i in done]))
-            for i, outcome in zip(done, ends.results, strict=True):
-                try:
-                    p.unwrap(outcome)
-                    results[i] = True
-                except YutuError as exc:
-                    results[i] = exc
-        if failed:
-            bad = list(failed)
-            await self.master.call(p.BatchPutRevoke([keys[i] for i in bad], [put_ids[i] for i in bad]))
-            for i in bad:
-                results[i] = YutuError(
-                    f"{failed[i]}; the put was revoked: put it again", ErrorKind.UNAVAILABLE
-                )
-        return results
 
     # -- gets ------------------------------------------------------------------------------------
 
@@ -277,7 +237,7 @@ class StoreClient:
         return out
 
     async def _get_batch(self, keys: list[str]) -> list[bytes | YutuError]:
-        located = await self._locate(keys)
+        located = await self._io.locate(keys)
         values: list[bytes | YutuError] = [v if isinstance(v, YutuError) else b"" for v in located]
         found = [i for i, v in enumerate(located) if not isinstance(v, YutuError)]
         sizes = [located[i][0] for i in found]  # type: ignore[index]
@@ -285,7 +245,7 @@ class StoreClient:
             idx = [found[j] for j in chunk]
             async with self._space([sizes[j] for j in chunk]) as (region, offsets):
                 dests = [(region.name, o) for o in offsets]
-                errors = await self._read(keys, located, idx, dests)
+                errors = await self._io.read(keys, located, idx, dests)
                 for i, (_, offset), error in zip(idx, dests, errors, strict=True):
                     size = located[i][0]  # type: ignore[index]
                     values[i] = error if error is not None else bytes(region.buffer[offset : offset + size])
@@ -308,7 +268,7 @@ class StoreClient:
         name = self._region_name(buffer)
         region = self.engine.regions[name] if self.engine is not None else None
         assert region is not None
-        located = await self._locate(checked)
+        located = await self._io.locate(checked)
         found = [i for i, v in enumerate(located) if not isinstance(v, YutuError)]
         for i in found:
             size = located[i][0]  # type: ignore[index]
@@ -318,7 +278,7 @@ class StoreClient:
                     f"offset {offsets[i]}",
                     ErrorKind.INVALID_REQUEST,
                 )
-        errors = await self._read(checked, located, found, [(name, offsets[i]) for i in found])
+        errors = await self._io.read(checked, located, found, [(name, offsets[i]) for i in found])
         out: list[int | None] = [None] * len(checked)
         for i, error in zip(found, errors, strict=True):
             if error is not None:
@@ -328,88 +288,6 @@ class StoreClient:
             if isinstance(value, YutuError) and value.kind is not ErrorKind.NOT_FOUND:
                 raise YutuError(f"get of {checked[i]!r} failed: {value}", value.kind)
         return out
-
-    async def _locate(
-        self, keys: list[str], cached: bool = True
-    ) -> list[tuple[int, list[ReplicaDescriptor]] | YutuError]:
-        """Replicas of every key (one RPC, under a lease), best first: same host, then the rest.
-
-        With the lease cache on (and ``cached``), keys whose lease is still good skip the RPC.
-        """
-        assert self.master is not None
-        out: list[tuple[int, list[ReplicaDescriptor]] | YutuError] = [_UNKNOWN] * len(keys)
-        ask = list(range(len(keys)))
-        now = time.monotonic()
-        if self.config.lease_cache and cached:
-            ask = []
-            for i, key in enumerate(keys):
-                hit = self._leases.get(key, now)
-                if hit is not None:
-                    out[i] = hit
-                else:
-                    ask.append(i)
-        if not ask:
-            return out
-        reply = await self.master.call(
-            p.BatchGetReplicas([keys[i] for i in ask] if len(ask) < len(keys) else keys)
-        )
-        for i, outcome in zip(ask, reply.results, strict=True):
-            try:
-                size, raw = p.unwrap(outcome)
-            except YutuError as exc:
-                out[i] = exc
-                continue
-            replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
-            if len(replicas) > 1:
-                replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
-            out[i] = located = (size, replicas)
-            if self.config.lease_cache:
-                self._leases.remember(keys[i], located, now, reply.lease_ttl_s)
-        self._leases.prune(now, keep=4 * len(keys) + 1024)
-        return out
-
-    async def _read(
-        self,
-        keys: list[str],
-        located: list[tuple[int, list[ReplicaDescriptor]] | YutuError],
-        indices: list[int],
-        dests: list[tuple[str, int]],
-    ) -> list[YutuError | None]:
-        """READ each ``keys[indices[j]]`` into ``dests[j]``; on failure retry from the next replica."""
-        assert self.engine is not None
-        errors: list[YutuError | None] = [None] * len(indices)
-        tried = [0] * len(indices)
-        reasons: list[list[str]] = [[] for _ in indices]
-        todo = list(range(len(indices)))
-        while todo:
-            requests = []
-            for j in todo:
-                size, replicas = located[indices[j]]  # type: ignore[misc]
-                r = replicas[tried[j]]
-                assert r.offset is not None
-                requests.append(
-                    TransferRequest(
-                        TransferOp.READ, dests[j][0], dests[j][1], r.segment, r.region, r.offset, size
-                    )
-                )
-            results = await self.engine.transfer(requests)
-            retry = []
-            for j, result in zip(todo, results, strict=True):
-                if result.ok:
-                    continue
-                replicas = located[indices[j]][1]  # type: ignore[index]
-                self._leases.forget([keys[indices[j]]])  # ask the master next time
-                reasons[j].append(f"{replicas[tried[j]].segment}: {result.error}")
-                tried[j] += 1
-                if tried[j] < len(replicas):
-                    retry.append(j)
-                else:
-                    errors[j] = YutuError(
-                        f"every replica of {keys[indices[j]]!r} failed ({'; '.join(reasons[j])}); retry the get",
-                        ErrorKind.UNAVAILABLE,
-                    )
-            todo = retry
-        return errors
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -443,7 +321,7 @@ class StoreClient:
 
     async def replicas(self, key: str) -> list[ReplicaDescriptor]:
         """Where ``key`` lives now (takes a read lease, like a get)."""
-        located = (await self._locate([_key(key)], cached=False))[0]
+        located = (await self._io.locate([_key(key)], cached=False))[0]
         if isinstance(located, YutuError):
             raise located
         return located[1]
@@ -468,9 +346,6 @@ class StoreClient:
     def _space(self, sizes: list[int]) -> Space:
         assert self._staging is not None and self.engine is not None
         return Space(self._staging, self.engine, sizes, f"tmp-{next(self._tmp_names)}")
-
-
-_UNKNOWN = YutuError("internal: key not located", ErrorKind.INTERNAL)
 
 
 def _key(key: Any) -> str:
