@@ -1,0 +1,186 @@
+"""Baselines for loadtests/bench_store.py, each measured in the same run as the store.
+
+memcpy and a raw loopback TCP stream of blocks of the object size, Redis SET/GET of the same values
+(redis-py's sync client, single and 32 per pipeline), and the protocol's fixed costs ("design
+floors"): a bare ZeroMQ round trip and a Redis write of one metadata record. Every measurement
+cycles over a working set past the CPU caches.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import redis
+
+KiB, MiB = 1 << 10, 1 << 20
+BATCH = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summary(lat: list[float], nbytes: int, elapsed: float) -> dict[str, float]:
+    arr = np.array(lat)
+    return {
+        "gbps": nbytes / elapsed / 1e9,
+        "p50_us": float(np.percentile(arr, 50) * 1e6),
+        "p99_us": float(np.percentile(arr, 99) * 1e6),
+        "calls": len(lat),
+    }
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def bench_memcpy(size: int, working_set: int, seconds: float) -> dict[str, float]:
+    src = np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB)  # (working_set,)
+    dst = np.zeros_like(src)
+    blocks = working_set // size
+    lat: list[float] = []
+    moved, i = 0, 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        o = (i % blocks) * size
+        t = time.perf_counter()
+        np.copyto(dst[o : o + size], src[o : o + size])
+        lat.append(time.perf_counter() - t)
+        moved += size
+        i += 1
+    return summary(lat, moved, sum(lat))
+
+
+def _stream_sender(port: int, size: int, working_set: int, total: int) -> None:
+    buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
+    blocks = working_set // size
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for i in range(total // size):
+            o = (i % blocks) * size
+            s.sendall(buf[o : o + size])
+
+
+def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float]:
+    """One loopback TCP stream between two processes, ``size`` bytes per send/receive."""
+    total = int(3.0e9 * seconds) // size * size  # about `seconds` at 3 GB/s
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = mp.get_context("spawn").Process(
+            target=_stream_sender, args=(listener.getsockname()[1], size, working_set, total)
+        )
+        sender.start()
+        conn, _ = listener.accept()
+    buf = memoryview(bytearray(working_set))
+    blocks = working_set // size
+    lat: list[float] = []
+    with conn:
+        start = time.perf_counter()
+        for i in range(total // size):
+            o = (i % blocks) * size
+            view, got = buf[o : o + size], 0
+            t = time.perf_counter()
+            while got < size:
+                n = conn.recv_into(view[got:])
+                if not n:
+                    raise RuntimeError("sender closed early")
+                got += n
+            lat.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - start
+    sender.join(10)
+    return summary(lat, total, elapsed)
+
+
+def bench_redis(r: redis.Redis, size: int, working_set: int, seconds: float) -> dict[str, dict[str, float]]:
+    value = os.urandom(size)
+    keys = [f"bench:{size}:{i}" for i in range(working_set // size)]
+    out: dict[str, dict[str, float]] = {}
+
+    def run(op: Callable[[int], None], per_call: int) -> dict[str, float]:
+        lat: list[float] = []
+        i = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            op(i)
+            lat.append(time.perf_counter() - t)
+            i += 1
+        return summary(lat, i * per_call * size, time.perf_counter() - start)
+
+    def batch_keys(i: int) -> list[str]:
+        first = (i * BATCH) % len(keys)
+        return keys[first : first + BATCH]
+
+    def pipe_set(i: int) -> None:
+        pipe = r.pipeline(transaction=False)
+        for k in batch_keys(i):
+            pipe.set(k, value)
+        pipe.execute()
+
+    out["put/single"] = run(lambda i: r.set(keys[i % len(keys)], value), 1)
+    out["get/single"] = run(lambda i: r.get(keys[i % len(keys)]), 1)
+    out["put/batch"] = run(pipe_set, BATCH)
+    out["get/batch"] = run(lambda i: r.mget(batch_keys(i)), BATCH)
+    r.flushdb()
+    return out
+
+
+def _zmq_echo(endpoint: str) -> None:
+    """A bare ZeroMQ ROUTER that echoes every message: the other end of ``bench_floors``."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        sock.send_multipart(sock.recv_multipart())
+
+
+def bench_floors(r: redis.Redis, seconds: float) -> dict[str, dict[str, float]]:
+    """The fixed costs the store protocol cannot avoid (see the module docstring), as p50s: a
+    ZeroMQ round trip between two processes (8-byte id and a 64-byte message, like a small RPC) and
+    a Redis HSET of one 120-byte record."""
+    import zmq
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    echo = mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint,), daemon=True)
+    echo.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        sock.send_multipart([b"x" * 8, b"y" * 64])  # waits for the echo process to come up
+        if not sock.poll(30_000):
+            raise SystemExit("the ZeroMQ echo process did not answer")
+        sock.recv_multipart()
+
+        def rtt(_: int) -> None:
+            sock.send_multipart([b"x" * 8, b"y" * 64])
+            sock.recv_multipart()
+
+        out["zmq_rtt"] = _timed_sync(rtt, seconds)
+    finally:
+        sock.close()
+        echo.kill()
+        echo.join(5)
+    record = os.urandom(120)
+    out["redis_write"] = _timed_sync(lambda i: r.hset("bench:floors", str(i % 1024), record), seconds)
+    r.delete("bench:floors")
+    return out
+
+
+def _timed_sync(op: Callable[[int], Any], seconds: float) -> dict[str, float]:
+    lat: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        op(len(lat))
+        lat.append(time.perf_counter() - t)
+    return summary(lat, 0, sum(lat))
