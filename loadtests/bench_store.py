@@ -44,8 +44,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,9 +69,9 @@ from store_baselines import (  # noqa: E402  (this script's folder is on sys.pat
     bench_memcpy,
     bench_redis,
     bench_socket,
-    free_port,
     summary,
 )
+from yutu.launcher import ProcessGroup, free_port, python_module, start_redis  # noqa: E402
 from yutu.store.client import StoreClient, StoreClientConfig  # noqa: E402
 
 SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
@@ -83,73 +81,35 @@ SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
 
 
 class Store:
-    """redis-server, a store master and a store node as subprocesses; stopped by ``close``."""
+    """redis-server, a store master and a store node, children of this process (they die with it,
+    see :class:`yutu.launcher.ProcessGroup`; logs in ``workdir``); stopped by ``close``."""
 
     def __init__(self, workdir: Path, node_bytes: int) -> None:
         self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.redis_port = free_port()
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.group = ProcessGroup(log_dir=workdir)
+        self.redis_url = f"redis://127.0.0.1:{free_port()}/0"
         self.prefix = "bench"
         self.node_bytes = node_bytes
         self.master_admin = ""
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "OMP_NUM_THREADS": "1"}
-        with open(self.workdir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        self.procs.append(proc)
-        return proc
-
-    def _wait_ready(self, url: str, proc: subprocess.Popen[bytes], name: str) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {(self.workdir / f'{name}.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{name} did not become ready")
-
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server not found: apt-get install redis-server")
-        self._spawn([binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(self.workdir)], "redis")  # fmt: skip
-        client = redis.Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        start_redis(self.group, self.redis_url, self.workdir / "redis")
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "OMP_NUM_THREADS": "1"}
         common = ["--redis-url", self.redis_url, "--registry-prefix", self.prefix, "--log-level", "warning"]
         master_admin, node_admin = free_port(), free_port()
-        master = self._spawn([sys.executable, "-m", "services.store_master.main", *common,
-                              "--admin-port", str(master_admin), "--instance-id", "bench-master"], "master")  # fmt: skip
         self.master_admin = f"http://127.0.0.1:{master_admin}"
-        self._wait_ready(self.master_admin, master, "master")
-        node = self._spawn([sys.executable, "-m", "services.store_node.main", *common, "--admin-port",
-                            str(node_admin), "--instance-id", "bench-node", "--segment-size",
-                            str(self.node_bytes)], "node")  # fmt: skip
-        self._wait_ready(f"http://127.0.0.1:{node_admin}", node, "node")
+        self.group.spawn("master", python_module("services.store_master.main", *common, "--admin-port",
+                                                 str(master_admin), "--instance-id", "bench-master"),
+                         ready_url=self.master_admin + "/ready", env=env)  # fmt: skip
+        self.group.wait_ready(30)  # the node mounts its segment at the master
+        self.group.spawn("node", python_module("services.store_node.main", *common, "--admin-port",
+                                               str(node_admin), "--instance-id", "bench-node", "--segment-size",
+                                               str(self.node_bytes)),
+                         ready_url=f"http://127.0.0.1:{node_admin}/ready", env=env)  # fmt: skip
+        self.group.wait_ready(30)
 
     def close(self) -> None:
-        for proc in reversed(self.procs):  # node, master, redis
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+        self.group.stop(grace_s=10)
 
 
 async def timed(op: Callable[[int], Awaitable[Any]], per_call_bytes: int, seconds: float,

@@ -17,15 +17,10 @@ from typing import Any
 
 import numpy as np
 import redis
+from yutu.launcher import free_port
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summary(lat: list[float], nbytes: int, elapsed: float) -> dict[str, float]:

@@ -291,15 +291,10 @@ class TransferEngine:
 
     async def _run_segment(self, batch: TransferBatch, segment: str, indices: list[int], retry: bool) -> None:
         """Run ``batch.requests[indices]``, all addressed to ``segment``."""
-        try:
-            peer = await self.directory.lookup(segment)
-            if any(batch.requests[i].remote_region not in peer.regions for i in indices):
-                peer = await self.directory.lookup(segment, fresh=True)  # maybe registered since cached
-        except SegmentNotFoundError as exc:
-            self._fail(batch, indices, str(exc))
-            return
-        except Exception as exc:
-            self._fail(batch, indices, f"segment directory lookup of {segment!r} failed: {exc}")
+        peer = await self._lookup(batch, segment, indices, fresh=False)
+        if peer is not None and any(batch.requests[i].remote_region not in peer.regions for i in indices):
+            peer = await self._lookup(batch, segment, indices, fresh=True)  # maybe registered since cached
+        if peer is None:
             return
         shm_idx: list[int] = []
         shm_items: list[ShmItem] = []
@@ -386,13 +381,8 @@ class TransferEngine:
         self.directory.invalidate(segment)
         self._tcp.forget(PeerAddress(old.tcp_host, old.tcp_port, old.name, old.incarnation))
         self._shm.forget(old)
-        try:
-            fresh = await self.directory.lookup(segment, fresh=True)
-        except SegmentNotFoundError as exc:
-            self._fail(batch, indices, str(exc))
-            return
-        except Exception as exc:
-            self._fail(batch, indices, f"segment directory lookup of {segment!r} failed: {exc}")
+        fresh = await self._lookup(batch, segment, indices, fresh=True)
+        if fresh is None:
             return
         tcp_possible = "tcp" in candidate_transports(self.transports, fresh, local_host_id())
         if retry and (fresh.incarnation != old.incarnation or (via == {"shm"} and tcp_possible)):
@@ -402,6 +392,18 @@ class TransferEngine:
         self._fail(
             batch, indices, f"segment {segment!r} (pid {old.pid} on {old.hostname}) is unreachable: {reason}"
         )
+
+    async def _lookup(
+        self, batch: TransferBatch, segment: str, indices: list[int], fresh: bool
+    ) -> SegmentDescriptor | None:
+        """The directory entry of ``segment``; None once ``indices`` are failed with the reason."""
+        try:
+            return await self.directory.lookup(segment, fresh=fresh)
+        except SegmentNotFoundError as exc:
+            self._fail(batch, indices, str(exc))
+        except Exception as exc:
+            self._fail(batch, indices, f"segment directory lookup of {segment!r} failed: {exc}")
+        return None
 
     def _route(
         self, local_name: str, remote_name: str, peer: SegmentDescriptor, candidates: list[str]
