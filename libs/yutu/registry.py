@@ -39,7 +39,36 @@ class ServiceRecord:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ServiceRecord:
-        return cls(**json.loads(raw))
+        """Parse a record; raises :class:`MalformedRecord` for anything that is not one."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedRecord(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise MalformedRecord(f"a JSON {type(data).__name__}, not an object")
+        try:
+            record = cls(**data)
+        except TypeError as exc:
+            raise MalformedRecord(str(exc)) from None
+        checks = (
+            ("kind", str),
+            ("instance_id", str),
+            ("endpoints", dict),
+            ("meta", dict),
+            ("hostname", str),
+            ("pid", int),
+            ("started_at", int | float),
+        )
+        for name, kind in checks:
+            if not isinstance(getattr(record, name), kind):
+                raise MalformedRecord(f"field {name!r} is {getattr(record, name)!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in record.endpoints.items()):
+            raise MalformedRecord(f"endpoints must map names to URLs, got {record.endpoints!r}")
+        return record
+
+
+class MalformedRecord(ValueError):
+    """A registry value that is not a valid :class:`ServiceRecord` (written by a bug or by hand)."""
 
 
 class Registry:
@@ -48,6 +77,7 @@ class Registry:
     def __init__(self, redis: aioredis.Redis, prefix: str = "yutu") -> None:
         self.redis = redis
         self.prefix = prefix
+        self.skipped: dict[str, str] = {}  # key -> why it was skipped on the last listing (malformed)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "yutu") -> Registry:
@@ -68,15 +98,45 @@ class Registry:
         await self.redis.delete(self.key(kind, instance_id))
 
     async def list(self, kind: str) -> list[ServiceRecord]:
-        """Live instances of ``kind``, sorted by instance id."""
+        """Live instances of ``kind``, sorted by instance id.
+
+        A malformed record (not JSON, wrong fields, filed under another kind) is skipped and
+        logged once per key while it stays: one bad value never hides the good ones.
+        """
         keys = [k async for k in self.redis.scan_iter(match=self.key(kind, "*"), count=200)]
         if not keys:
+            self._forget_skipped(kind, set())
             return []
         values = await self.redis.mget(keys)
-        records = [ServiceRecord.from_json(v) for v in values if v is not None]
+        records: list[ServiceRecord] = []
+        bad: set[str] = set()
+        for raw_key, value in zip(keys, values, strict=True):
+            if value is None:
+                continue  # expired between SCAN and MGET
+            key = raw_key.decode(errors="replace") if isinstance(raw_key, bytes) else str(raw_key)
+            try:
+                record = ServiceRecord.from_json(value)
+                if self.key(record.kind, record.instance_id) != key:
+                    raise MalformedRecord(
+                        f"its kind/instance_id ({record.kind}/{record.instance_id}) do not match"
+                    )
+            except MalformedRecord as exc:
+                bad.add(key)
+                if key not in self.skipped:
+                    log.warning("registry: skipping malformed record %s: %s", key, exc)
+                self.skipped[key] = str(exc)
+                continue
+            records.append(record)
+        self._forget_skipped(kind, bad)
         return sorted(records, key=lambda r: r.instance_id)
 
+    def _forget_skipped(self, kind: str, still_bad: set[str]) -> None:
+        prefix = self.key(kind, "")
+        for key in [k for k in self.skipped if k.startswith(prefix) and k not in still_bad]:
+            del self.skipped[key]
+
     async def get(self, kind: str, instance_id: str) -> ServiceRecord | None:
+        """The record of one instance; None if absent. Raises MalformedRecord for a bad value."""
         raw = await self.redis.get(self.key(kind, instance_id))
         return None if raw is None else ServiceRecord.from_json(raw)
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from yutu.config import advertised
+from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Service(ABC):
         self.metrics = CollectorRegistry()
         self.stopping = asyncio.Event()
         self.http_url = ""  # where peers reach this service's HTTP app; set by serve() before startup
+        self.loops = Supervisor(self.kind)  # every background task; a dead one makes us not ready
 
     @abstractmethod
     async def startup(self) -> None:
@@ -59,7 +61,24 @@ class Service(ABC):
         """Release everything ``startup`` took. Must be safe after a partial startup."""
 
     def is_ready(self) -> bool:
+        """Whether the service's dependencies are reachable and it can take work."""
         return True
+
+    def problems(self) -> list[str]:
+        """Why the service cannot serve even though it runs (a dead loop, a broken engine).
+
+        Subclasses add their own reasons to the supervisor's; any problem makes ``/ready`` 503.
+        """
+        return sorted(self.loops.problems.values())
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """(ready, reasons when not): what ``/ready`` answers."""
+        reasons = self.problems()
+        if self.stopping.is_set():
+            reasons.append("stopping")
+        if not self.is_ready():
+            reasons.append("not ready yet (dependencies not reachable or still starting)")
+        return not reasons, reasons
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind}
@@ -78,8 +97,11 @@ def admin_app(service: Service) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = service.is_ready() and not service.stopping.is_set()
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        ok, reasons = service.readiness()
+        body: dict[str, Any] = {"ready": ok}
+        if reasons:
+            body["problems"] = reasons
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -87,7 +109,7 @@ def admin_app(service: Service) -> FastAPI:
 
     @app.get("/info")
     async def info() -> dict[str, Any]:
-        return service.info()
+        return {**service.info(), "problems": service.problems()}
 
     router = service.admin_router()
     if router is not None:
@@ -184,5 +206,6 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
     finally:
         await http.stop()
         await service.shutdown()
+        await service.loops.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
