@@ -249,3 +249,64 @@ def test_bad_construction() -> None:
         BlockManager(num_blocks=0, block_size=4)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(num_blocks=4, block_size=0)
+
+
+def test_pinned_blocks_outlive_their_sequence_and_are_not_handed_out(bm: BlockManager) -> None:
+    seq = FakeSeq("a", list(range(8)))  # 2 full blocks: ids 0, 1
+    run_prefill(bm, seq)
+    bm.pin([0, 1])
+    assert [bm.ref_count(b) for b in (0, 1)] == [2, 2]
+    bm.free(seq)  # the sequence ends while a reader still copies its blocks
+    bm.check_integrity()
+    assert [bm.ref_count(b) for b in (0, 1)] == [1, 1]
+    assert 0 not in bm.free_queue() and 1 not in bm.free_queue()
+    other = FakeSeq("b", list(range(100, 124)))  # 6 blocks: every free block, none of the pinned
+    assert bm.can_allocate(other)
+    bm.allocate(other)
+    assert sorted(bm.block_table("b")) == [2, 3, 4, 5, 6, 7]
+    assert not bm.can_append(FakeSeq("b", list(range(100, 125))))
+    bm.free(other)
+    bm.unpin([0])
+    bm.check_integrity()
+    assert bm.ref_count(0) == 0 and bm.num_pins(0) == 0 and bm.num_pins(1) == 1
+    assert bm.free_queue()[-1] == 0  # a cached block, freed last: at the tail
+    bm.unpin([1])
+    assert bm.num_free_blocks == 8
+
+
+def test_pin_refuses_free_blocks_and_unpin_refuses_unpinned(bm: BlockManager) -> None:
+    seq = FakeSeq("a", list(range(4)))
+    run_prefill(bm, seq)
+    with pytest.raises(ValueError, match=r"cannot pin free blocks \[1\]"):
+        bm.pin([0, 1])
+    assert bm.ref_count(0) == 1  # nothing was pinned
+    with pytest.raises(AssertionError, match="not pinned"):
+        bm.unpin([0])
+    bm.free(seq)
+
+
+def test_cache_events_record_stores_and_evictions_in_order() -> None:
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    bm.record_events = True
+    a = FakeSeq("a", list(range(8)))
+    run_prefill(bm, a)
+    keys_a = a.block_keys
+    events = bm.drain_events()
+    assert [(e.key, e.stored, e.block_id) for e in events] == [(keys_a[0], True, 0), (keys_a[1], True, 1)]
+    assert bm.drain_events() == []
+    assert sorted(bm.cached_keys()) == sorted(keys_a)
+    bm.free(a)
+    b = FakeSeq("b", list(range(50, 54)))  # one new block: evicts the least recently freed key
+    run_prefill(bm, b)
+    events = bm.drain_events()
+    # freed last-first, so block 1 joined the free queue first and is evicted first
+    assert [(e.key, e.stored) for e in events] == [(keys_a[1], False), (b.block_keys[0], True)]
+    bm.free(b)
+    bm.check_integrity()
+
+
+def test_events_are_not_recorded_unless_asked(bm: BlockManager) -> None:
+    seq = FakeSeq("a", list(range(8)))
+    run_prefill(bm, seq)
+    assert bm.drain_events() == []
+    bm.free(seq)

@@ -14,18 +14,35 @@ Only this class mutates ref counts, block tables, the prefix cache and the free 
 asks ``can_allocate`` / ``can_append`` first and preempts when they say no; ``allocate`` and
 ``append_slots`` raise :class:`OutOfBlocksError` when called without room (a scheduler bug).
 
+Besides block tables, a block can be *pinned*: an extra reference held by someone who reads the
+block outside a step (the write-behind to the KV store copies a block while its sequence may
+finish). A pinned block is used, never handed out, until every pin is released with ``unpin``.
+
+Every change to the prefix cache is logged as a :class:`CacheEvent` (a key stored, a key removed)
+until ``drain_events`` takes them: that is what a worker publishes as KV events.
+
 Not thread-safe: one engine thread owns it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation is attempted without enough free blocks; check ``can_*`` first."""
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A prefix-cache change: ``key`` was registered (``stored``) or evicted (not ``stored``)."""
+
+    key: bytes
+    stored: bool
+    block_id: int
 
 
 class KVSequence(Protocol):
@@ -71,6 +88,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._tables: dict[str, list[int]] = {}  # seq_id -> block ids, in token order
         self._num_registered: dict[str, int] = {}  # seq_id -> leading blocks already in the cache
+        self._pins: Counter[int] = Counter()  # block id -> pins held (each one is also a ref)
+        self._events: list[CacheEvent] = []  # prefix-cache changes not yet drained
+        self.record_events = False  # log CacheEvents (a worker that publishes KV events turns it on)
         self.prefix_cache_queries_tokens = 0  # tokens looked up at allocation
         self.prefix_cache_hit_tokens = 0  # of those, served from the prefix cache
 
@@ -100,6 +120,13 @@ class BlockManager:
     def block_key(self, block_id: int) -> bytes | None:
         """The key whose KV block ``block_id`` holds, or None if it is not in the prefix cache."""
         return self._block_key[block_id]
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key in the prefix cache (a snapshot; order unspecified)."""
+        return list(self._prefix_cache)
+
+    def num_pins(self, block_id: int) -> int:
+        return self._pins[block_id]
 
     def free_queue(self) -> list[int]:
         """Free block ids, next to be handed out first (a copy, for tests and metrics)."""
@@ -199,7 +226,37 @@ class BlockManager:
             if key not in self._prefix_cache and self._block_key[block_id] is None:
                 self._prefix_cache[key] = block_id
                 self._block_key[block_id] = key
+                if self.record_events:
+                    self._events.append(CacheEvent(key, True, block_id))
         self._num_registered[seq.seq_id] = max(done, full)
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Take an extra reference on blocks that are in use (a reader outside the step holds them).
+
+        Raises ValueError, pinning nothing, if any block is free: its KV may already be overwritten.
+        """
+        ids = list(block_ids)
+        free = [b for b in ids if self._ref_counts[b] == 0]
+        if free:
+            raise ValueError(f"cannot pin free blocks {free[:5]}: only blocks in use hold stable KV")
+        for block_id in ids:
+            self._ref_counts[block_id] += 1
+            self._pins[block_id] += 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Release pins taken with :meth:`pin`; a block whose last reference goes becomes free."""
+        for block_id in block_ids:
+            if self._pins[block_id] <= 0:
+                raise AssertionError(f"block {block_id} is not pinned")
+            self._pins[block_id] -= 1
+            if self._pins[block_id] == 0:
+                del self._pins[block_id]
+            self._release(block_id)
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the last call, in order."""
+        events, self._events = self._events, []
+        return events
 
     def free(self, seq: KVSequence) -> None:
         """Release ``seq``'s blocks; those whose ref count reaches 0 join the free queue.
@@ -213,11 +270,14 @@ class BlockManager:
         if table is None:
             return
         for block_id in reversed(table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None  # tail: most recently freed
-                if self._block_key[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None  # tail: most recently freed
+            if self._block_key[block_id] is None:
+                self._free.move_to_end(block_id, last=False)
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -225,6 +285,8 @@ class BlockManager:
         if key is not None:  # evict: its KV is about to be overwritten
             del self._prefix_cache[key]
             self._block_key[block_id] = None
+            if self.record_events:
+                self._events.append(CacheEvent(key, False, block_id))
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -236,7 +298,7 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Raise AssertionError listing every broken invariant of the pool, if any.
 
-        Checks: free + used == total; ref counts equal table occurrences; ref 0 iff in the free queue
+        Checks: free + used == total; ref counts equal table occurrences plus pins; ref 0 iff in the free queue
         (an ordered dict, so no block can sit in it twice); no block twice in one table; every cache
         entry points at a block holding that key and every keyed block is its key's entry.
         """
@@ -252,10 +314,16 @@ class BlockManager:
                 expected[block_id] += 1
             if self._num_registered[seq_id] > len(table):
                 errors.append(f"sequence {seq_id!r} registered more blocks than it holds")
+        for block_id, pins in self._pins.items():
+            if pins <= 0:
+                errors.append(f"block {block_id}: {pins} pins recorded")
         for block_id in range(self.num_blocks):
             ref = self._ref_counts[block_id]
-            if ref != expected[block_id]:
-                errors.append(f"block {block_id}: ref count {ref} but in {expected[block_id]} tables")
+            pins = self._pins.get(block_id, 0)
+            if ref != expected[block_id] + pins:
+                errors.append(
+                    f"block {block_id}: ref count {ref} but in {expected[block_id]} tables and {pins} pins"
+                )
             if ref < 0:
                 errors.append(f"block {block_id}: negative ref count {ref}")
             if (ref == 0) != (block_id in self._free):
