@@ -11,6 +11,7 @@ Not thread-safe: one engine thread owns it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -39,8 +40,17 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return config.kv_block_numel(block_size) * torch.empty((), dtype=dtype).element_size()
 
 
+KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Builds the KV cache tensor of a shape and dtype (e.g. a view over registered shared memory)."""
+
+
 class ModelRunner:
-    """Allocates ``kv_cache`` (num_blocks, num_layers, 2, block_size, kvh, hd) and runs the model."""
+    """Owns ``kv_cache`` (num_blocks, num_layers, 2, block_size, kvh, hd) and runs the model.
+
+    The cache is zero-filled device memory, or whatever ``kv_cache_factory`` returns: a worker
+    that lends its blocks to peers passes a view over a transfer-engine region, so block ``b`` is
+    the byte range ``[b * block_bytes, (b + 1) * block_bytes)`` of that region.
+    """
 
     def __init__(
         self,
@@ -50,12 +60,27 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_cache_factory: KVCacheFactory | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
-        self.kv_cache = torch.zeros(config.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+        shape = config.kv_cache_shape(num_blocks, block_size)
+        if kv_cache_factory is None:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            cache = kv_cache_factory(shape, dtype)
+            if tuple(cache.shape) != shape or cache.dtype != dtype or cache.device != device:
+                raise ValueError(
+                    f"kv_cache_factory returned {tuple(cache.shape)} {cache.dtype} on {cache.device};"
+                    f" the engine needs {shape} {dtype} on {device}"
+                )
+            if not cache.is_contiguous():
+                raise ValueError(
+                    "kv_cache_factory must return a contiguous tensor (block b at b * block_bytes)"
+                )
+            self.kv_cache = cache
 
     def prepare(
         self, batch: ScheduledBatch
