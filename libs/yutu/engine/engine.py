@@ -5,6 +5,13 @@ Thread-safety: LLMEngine is NOT thread-safe. A worker owns it from a single engi
 
 Length contract (vLLM's): a request is accepted only if ``len(prompt) + max_tokens <= max_model_len``;
 otherwise ``add_request`` raises PromptTooLongError, and the caller lowers ``max_tokens``.
+
+Failure contract: one request never takes the engine down. ``step()`` contains whatever raises inside
+it (scheduler, model, sampler, postprocessing): the requests of that step are aborted, their blocks
+freed, and each gets a *failed* output (``RequestOutput.error``); the engine then serves the others
+and new requests. A request whose logits row is not finite fails alone. ``consecutive_failed_steps``
+lets the caller decide when the engine is broken; ``step()`` raises :class:`EngineBrokenError` only
+when it cannot go on (the block pool is inconsistent after aborting a failed step's requests).
 """
 
 from __future__ import annotations
@@ -15,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from yutu.engine.errors import InvalidRequestError, PromptTooLongError
+from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import default_device_and_dtype, load_model
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import ModelRunner, kv_block_bytes
 from yutu.engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.scheduler import Scheduler
+from yutu.engine.scheduler import ScheduledBatch, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
 from yutu.kv.block_manager import BlockManager
 from yutu.kv.hashing import root_key
@@ -38,6 +45,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+NONFINITE_LOGITS = (
+    "the model produced non-finite logits (NaN or inf) for this request; it was aborted. This is an"
+    " engine or model failure, not a problem with the request: retry it, and report it if it persists"
+)
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,10 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._failed_steps_total = 0
+        self._failed_requests_total = 0
+        self.consecutive_failed_steps = 0  # steps in a row that raised, or where every sampled request failed
+        self.last_failure: str | None = None  # what the last failed step or request died of
 
     def _resolve_max_model_len(self, mc: ModelConfig, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -180,7 +196,14 @@ class LLMEngine:
         """Drop a request now and free its blocks; no further output is produced for it. Unknown: no-op."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.abort(seq)
+
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request and free its blocks; return their ids."""
+        ids = list(self._seqs)
+        for request_id in ids:
+            self.abort_request(request_id)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -188,18 +211,82 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return an output for every request that got a token this step."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
+        """Run one forward pass; return an output for every request that got a token or failed.
+
+        If anything raises inside the step, the outputs produced before the failure are returned,
+        followed by a failed output for every request of the step that had not finished (see the
+        module docstring). Raises EngineBrokenError if the block pool is inconsistent afterwards.
+        """
+        outputs: list[RequestOutput] = []
+        batch: ScheduledBatch | None = None
+        try:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            self._run(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            outputs += self._fail_step(batch, exc)
+            return outputs
+        if outputs and all(out.failed for out in outputs):
+            self.consecutive_failed_steps += 1  # the model answered, but with nothing usable
+        else:
+            self.consecutive_failed_steps = 0
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """Compute ``batch``, sample, and append to ``outputs`` (as it goes: kept if a later part raises)."""
         logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
         result = self.sampler.sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        self.scheduler.update_after_step(batch)
-        outputs = []
+        # Fail non-finite rows before the prefix cache learns their blocks: their KV is suspect.
+        failed = {sampled[r].seq_id for r in result.nonfinite_rows}
+        if failed:
+            self.last_failure = f"non-finite logits from the model for {len(failed)} request(s)"
+            log.error("the model produced non-finite logits; failing %s", sorted(failed))
+        for seq_id in failed:
+            outputs.append(self._fail(self._seqs[seq_id], NONFINITE_LOGITS))
+        self.scheduler.update_after_step(batch.without(failed))
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            outputs.append(self._append(seq, token, logprobs))
-        return outputs
+            if token is not None:
+                outputs.append(self._append(seq, token, logprobs))
+
+    def _fail_step(self, batch: ScheduledBatch | None, exc: Exception) -> list[RequestOutput]:
+        """Fail the unfinished requests of a step that raised; ``batch`` is None if scheduling raised."""
+        self._failed_steps_total += 1
+        self.consecutive_failed_steps += 1
+        self.last_failure = f"{type(exc).__name__}: {exc}"
+        if batch is None:  # whatever schedule() may have touched: all but the waiting queue
+            waiting = set(map(id, self.scheduler.waiting))
+            victims = [s for s in self._seqs.values() if id(s) not in waiting]
+        else:
+            victims = [self._seqs[c.seq_id] for c in batch.chunks if c.seq_id in self._seqs]
+        log.exception("engine step failed; aborting its %d unfinished request(s)", len(victims))
+        message = (
+            f"engine step failed: {self.last_failure}; the request was aborted. This is an engine failure,"
+            " not a problem with the request: retry it"
+        )
+        failures = [self._fail(seq, message) for seq in victims]
+        try:
+            self.block_manager.check_integrity()
+        except AssertionError as err:
+            raise EngineBrokenError(f"the KV block pool is inconsistent after a failed step: {err}") from exc
+        return failures
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Abort ``seq``, free its blocks, and return its failed output."""
+        self.scheduler.abort(seq)
+        del self._seqs[seq.seq_id]
+        self._failed_requests_total += 1
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[],
+            new_logprobs=None if seq.params.logprobs is None else [],
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            error=message,
+        )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.append_token(token)
@@ -240,4 +327,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            failed_steps_total=self._failed_steps_total,
+            failed_requests_total=self._failed_requests_total,
         )

@@ -29,7 +29,12 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: the tokens appended this step (usually one)."""
+    """What one step produced for one request: the tokens appended this step (usually one).
+
+    A *failed* output has ``error`` set (a message for the user): the engine gave up on the request
+    in this step (see ``LLMEngine.step``). It is aborted and its blocks are freed: ``finished`` is
+    True, ``finish_reason`` is ``ABORT``, and it carries no tokens. No further output follows.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -38,6 +43,11 @@ class RequestOutput:
     finish_reason: FinishReason | None  # set iff finished
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
+    error: str | None = None  # set iff the engine failed the request (then finished, no tokens)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass(frozen=True)
@@ -54,3 +64,5 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    failed_steps_total: int  # steps that raised (their requests were failed)
+    failed_requests_total: int  # requests the engine failed: in a failed step, or non-finite logits

@@ -4,6 +4,19 @@ All maths runs in float32 on the logits' device. Reproducibility: a request with
 a ``torch.Generator`` and its row is sampled alone from it, one draw per generated token, so its
 tokens do not depend on what else is in the batch. Requests without a seed share torch's default RNG.
 Logprobs are ``log_softmax`` of the raw logits (before temperature/top-k/top-p), like OpenAI and vLLM.
+
+Numerical contract: for valid :class:`SamplingParams` the sampler never meets NaN.
+
+- A logits row with any non-finite value (NaN, +-inf: a model failure) gets no token: its entry in
+  ``SamplerOutput.token_ids`` is None and the caller fails that request. The row is replaced by zeros
+  before any maths, so it cannot disturb the others (``torch.multinomial`` would raise on it, or on
+  CUDA trip a device-side assert that poisons the whole context).
+- ``logits / temperature`` (temperature >= GREEDY_TEMPERATURE) can overflow for huge finite logits; a
+  row whose largest scaled value is not finite is scaled as ``(logits - max) / temperature``
+  instead, so its most likely token scores exactly 0. Other rows are computed as before, bit for bit.
+- The most likely token is never masked by top-k or top-p, so every row keeps a finite maximum and a
+  softmax with a positive mass.
+- Logprobs are finite: a ``-inf`` (only from an extreme logit range) is reported as float32's lowest.
 """
 
 from __future__ import annotations
@@ -16,18 +29,26 @@ import torch
 from yutu.engine.outputs import TokenLogprobs
 from yutu.engine.sampling import SamplingParams
 
+_FLOAT32_LOWEST = torch.finfo(torch.float32).min
+
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]  # (R,) one sampled token per logits row
-    logprobs: list[TokenLogprobs | None]  # (R,) None where params.logprobs is None
+    token_ids: list[int | None]  # (R,) one sampled token per logits row; None: the row was not finite
+    logprobs: list[TokenLogprobs | None]  # (R,) None where params.logprobs is None or no token
+
+    @property
+    def nonfinite_rows(self) -> list[int]:
+        """Rows whose logits held NaN or inf: no token was sampled for them."""
+        return [r for r, token in enumerate(self.token_ids) if token is None]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and top-p sets; returns a new tensor.
 
-    logits: (R, V) float32; top_k: (R,) int64 in [1, V] (V disables); top_p: (R,) float32 in (0, 1]
-    where 1 disables. The most likely token is never masked.
+    logits: (R, V) float32 with a finite maximum per row; top_k: (R,) int64 in [1, V] (V disables);
+    top_p: (R,) float32 in (0, 1] where 1 disables. The most likely token is never masked (rank 0 is
+    kept explicitly, whatever rounding or a flushed subnormal top_p would say).
     """
     num_rows, vocab = logits.shape
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # (R, V) each
@@ -35,9 +56,24 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)  # (R, V)
     mass_before = probs.cumsum(dim=-1) - probs  # (R, V) probability of strictly more likely tokens
-    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """``logits / temps`` per row, guarded against overflow; returns a new tensor.
+
+    logits: (R, V) finite float32; temps: (R,) float32 > 0. A row whose scaled maximum is not finite
+    (a huge logit over a small temperature) is computed as ``(logits - max) / temp``: its maximum is
+    then exactly 0 and the rest are finite or -inf, so its softmax is defined. Other rows are exactly
+    ``logits / temp``.
+    """
+    temps = temps.unsqueeze(1)  # (R, 1)
+    scaled = logits / temps  # (R, V)
+    overflow = ~scaled.amax(dim=-1, keepdim=True).isfinite()  # (R, 1)
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temps  # (R, V)
+    return torch.where(overflow, shifted, scaled)
 
 
 class Sampler:
@@ -49,10 +85,16 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (R, V) with ``params[r]`` and ``generators[r]``."""
+        """Sample one token per row of ``logits`` (R, V) with ``params[r]`` and ``generators[r]``.
+
+        A row that is not all finite gets ``None`` (see the module docstring); the others are
+        sampled as if it were not there, except that unseeded rows share torch's default RNG.
+        """
         num_rows, vocab = logits.shape
         assert len(params) == num_rows == len(generators)
         logits = logits.float()
+        finite = logits.isfinite().all(dim=-1)  # (R,)
+        logits = torch.where(finite.unsqueeze(1), logits, 0.0)  # (R, V) bad rows: a harmless uniform row
         chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # (R,)
 
         greedy = [r for r, p in enumerate(params) if p.is_greedy]
@@ -62,34 +104,53 @@ class Sampler:
 
         random = [r for r, p in enumerate(params) if not p.is_greedy]
         if random:
-            rows = torch.tensor(random, device=logits.device)
-            temps = torch.tensor([params[r].temperature for r in random], device=logits.device)
-            top_k = torch.tensor([params[r].top_k or vocab for r in random], device=logits.device)
-            top_p = torch.tensor([params[r].top_p for r in random], device=logits.device)
-            scaled = logits[rows] / temps.unsqueeze(1)  # (Rr, V)
-            probs = apply_top_k_top_p(scaled, top_k.clamp(max=vocab), top_p).softmax(dim=-1)  # (Rr, V)
-            unseeded = [i for i, r in enumerate(random) if generators[r] is None]
-            if unseeded:
-                idx = torch.tensor(unseeded, device=logits.device)
-                chosen[rows[idx]] = torch.multinomial(probs[idx], 1).squeeze(1)
-            for i, r in enumerate(random):
-                gen = generators[r]
-                if gen is not None:  # one draw from this request's own stream
-                    chosen[r] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            self._sample_random(logits, params, generators, random, chosen)
 
-        token_ids: list[int] = chosen.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, chosen, params))
+        token_ids: list[int | None] = list(chosen.tolist())
+        for r, ok in enumerate(finite.tolist()):
+            if not ok:
+                token_ids[r] = None
+        return SamplerOutput(token_ids, self._logprobs(logits, chosen, params, token_ids))
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        random: list[int],
+        chosen: torch.Tensor,
+    ) -> None:
+        """Write into ``chosen`` a draw for each row of ``random`` (the non-greedy rows)."""
+        vocab = logits.shape[1]
+        rows = torch.tensor(random, device=logits.device)
+        temps = torch.tensor([params[r].temperature for r in random], device=logits.device)
+        # top_k is clamped in Python: a top_k beyond int64 would not even fit the tensor.
+        top_k = torch.tensor([min(params[r].top_k or vocab, vocab) for r in random], device=logits.device)
+        top_p = torch.tensor([params[r].top_p for r in random], device=logits.device)
+        scaled = scale_by_temperature(logits[rows], temps)  # (Rr, V)
+        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)  # (Rr, V)
+        unseeded = [i for i, r in enumerate(random) if generators[r] is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=logits.device)
+            chosen[rows[idx]] = torch.multinomial(probs[idx], 1).squeeze(1)
+        for i, r in enumerate(random):
+            gen = generators[r]
+            if gen is not None:  # one draw from this request's own stream
+                chosen[r] = torch.multinomial(probs[i], 1, generator=gen)[0]
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]
+        logits: torch.Tensor,
+        chosen: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_ids: list[int | None],
     ) -> list[TokenLogprobs | None]:
-        wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+        wanted = [r for r, p in enumerate(params) if p.logprobs is not None and token_ids[r] is not None]
         out: list[TokenLogprobs | None] = [None] * len(params)
         if not wanted:
             return out
         rows = torch.tensor(wanted, device=logits.device)
-        logp = torch.log_softmax(logits[rows], dim=-1)  # (W, V) float32, raw distribution
+        logp = torch.log_softmax(logits[rows], dim=-1).clamp(min=_FLOAT32_LOWEST)  # (W, V) raw, finite
         sampled = logp.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()  # (W,)
         max_k = min(max(params[r].logprobs or 0 for r in wanted), logp.shape[1])
         top_vals_l: list[list[float]] = [[] for _ in wanted]
@@ -97,9 +158,10 @@ class Sampler:
         if max_k:
             top_vals, top_ids = logp.topk(max_k, dim=-1)  # (W, max_k) each, descending
             top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        chosen_l = chosen.tolist()
         for i, r in enumerate(wanted):
             k = params[r].logprobs or 0
             top = list(zip(top_ids_l[i][:k], top_vals_l[i][:k], strict=True))
-            out[r] = TokenLogprobs(token_id=chosen_l[r], logprob=sampled[i], top=top)
+            token = token_ids[r]
+            assert token is not None
+            out[r] = TokenLogprobs(token_id=token, logprob=sampled[i], top=top)
         return out

@@ -65,6 +65,12 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    def without(self, seq_ids: set[str]) -> ScheduledBatch:
+        """This batch minus the chunks of ``seq_ids`` (requests failed during the step)."""
+        if not seq_ids:
+            return self
+        return ScheduledBatch([c for c in self.chunks if c.seq_id not in seq_ids], self.preempted_seq_ids)
+
 
 class Scheduler:
     """Owns the waiting queue and the running list; asks the block manager for room."""
@@ -159,6 +165,19 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+
+    def abort(self, seq: Sequence) -> None:
+        """Retire ``seq`` as FINISHED_ABORTED wherever it is and free its blocks.
+
+        Unlike ``finish`` it trusts no status: it also retires a sequence that a ``schedule()`` which
+        raised left half-admitted (out of the waiting queue, not yet running). Idempotent.
+        """
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = RequestStatus.FINISHED_ABORTED
 
     def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         # token_ids[start : start + num_tokens] are computed this step; start = num_computed_tokens.
