@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from yutu.engine.sampler import Sampler, apply_top_k_top_p
-from yutu.engine.sampling import SamplingParams
+from yutu.engine.sampler import Sampler, apply_top_k_top_p, scale_by_temperature
+from yutu.engine.sampling import TOP_P_MIN, SamplingParams
 
 NEG = float("-inf")
 
@@ -125,7 +125,22 @@ def test_same_seed_repeats_different_seed_differs() -> None:
         ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\]"),
         ({"seed": 2**64}, r"seed must be an integer in"),
         ({"stop_token_ids": (1, -2)}, r"stop_token_ids must be a sequence of integers >= 0"),
+        ({"stop_token_ids": (2**63,)}, r"stop_token_ids must be a sequence of integers >= 0 \(at most"),
         ({"ignore_eos": 1}, r"ignore_eos must be a bool"),
+        # What the sampler computes in float32 / int64:
+        (
+            {"top_p": 1e-50},
+            r"top_p must be >= 1\.401298464324817e-45 \(2\*\*-149, the smallest positive float32",
+        ),
+        ({"top_p": 1e-45}, r"top_p must be >= 1\.401298464324817e-45"),
+        ({"top_p": 5e-324}, r"top_p must be >= 1\.401298464324817e-45"),
+        ({"temperature": 1e39}, r"temperature=1e\+39 overflows float32"),
+        ({"temperature": 10**400}, r"temperature must be a number >= 0, got an integer too large"),
+        ({"top_p": 10**400}, r"top_p must be a number in \(0, 1\], got an integer too large"),
+        (
+            {"top_k": 2**63},
+            r"top_k must be an integer >= 1, or None to disable it \(at most 9223372036854775807",
+        ),
     ],
 )
 def test_params_validation(kwargs: dict[str, object], message: str) -> None:
@@ -138,3 +153,74 @@ def test_params_defaults_and_normalisation() -> None:
     assert p.stop_token_ids == (3, 4)
     assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
     assert SamplingParams(logprobs=20).logprobs == 20
+
+
+def test_smallest_top_p_and_huge_top_k_are_accepted() -> None:
+    assert SamplingParams(top_p=TOP_P_MIN).top_p == 2.0**-149
+    assert SamplingParams(top_p=1e-40).top_p == 1e-40  # a float32 subnormal
+    assert SamplingParams(top_k=2**63 - 1).top_k == 2**63 - 1
+
+
+def test_tiny_top_p_keeps_the_top_token_even_when_it_rounds_to_zero() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]] * 3))
+    # 2**-149 is float32's smallest subnormal; 0.0 stands for a top_p flushed to zero by the device.
+    top_p = torch.tensor([2.0**-149, 1e-40, 0.0])
+    kept = (apply_top_k_top_p(logits, torch.tensor([4, 4, 4]), top_p) > NEG).tolist()
+    assert kept == [[False, True, False, False]] * 3
+
+
+def test_subnormal_top_p_and_huge_top_k_sample_the_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(top_p=TOP_P_MIN), SamplingParams(top_p=1e-40, top_k=2**63 - 1)] * 2
+    out = Sampler().sample(logits, params, [None, None, gen(1), gen(2)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_temperature_division_cannot_overflow() -> None:
+    logits = torch.full((3, 6), -3e38)
+    logits[0, 4] = 3e38  # 3e38 / 1e-5 overflows to inf
+    logits[1, 2] = -1e38  # every scaled value overflows to -inf
+    logits[2] = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])  # an ordinary row
+    temps = torch.tensor([1e-5, 1e-5, 0.5])
+    scaled = scale_by_temperature(logits, temps)
+    assert scaled[0, 4] == 0 and scaled[1, 2] == 0  # shifted rows: the maximum scores exactly 0
+    assert torch.equal(scaled[2], logits[2] / 0.5)  # untouched rows are exactly logits / temperature
+    params = [SamplingParams(temperature=1e-5, logprobs=1)] * 2 + [SamplingParams(temperature=0.5)]
+    out = Sampler().sample(logits, params, [gen(0), None, None])
+    assert out.token_ids[:2] == [4, 2]
+    lp = out.logprobs[0]
+    assert lp is not None and lp.logprob == 0.0
+    assert lp.top == [(4, 0.0)] and math.isfinite(lp.logprob)
+
+
+def test_logprobs_are_always_finite() -> None:
+    logits = torch.tensor([[3e38, -3e38, 0.0]])  # log_softmax of the middle token is -inf in float32
+    out = Sampler().sample(logits, [SamplingParams(temperature=0, logprobs=3)], [None])
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 0
+    assert [t for t, _ in lp.top] == [0, 2, 1]
+    assert all(math.isfinite(v) for _, v in lp.top) and lp.top[2][1] == torch.finfo(torch.float32).min
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_rows_get_no_token_and_spare_the_others(bad: float) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 32)
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(seed=5, logprobs=1),
+        SamplingParams(temperature=0.7),
+        SamplingParams(seed=9),
+    ]
+    clean = Sampler().sample(logits, params, [None, gen(5), None, gen(9)])
+    poisoned = logits.clone()
+    poisoned[1, 3] = bad
+    poisoned[2, 0] = bad
+    torch.manual_seed(0)
+    out = Sampler().sample(poisoned, params, [None, gen(5), None, gen(9)])
+    assert out.nonfinite_rows == [1, 2]
+    assert out.token_ids[1] is None and out.token_ids[2] is None and out.logprobs[1] is None
+    assert out.token_ids[0] == clean.token_ids[0] and out.logprobs[0] == clean.logprobs[0]
+    assert out.token_ids[3] == clean.token_ids[3]  # a seeded row draws from its own stream only
+    assert clean.nonfinite_rows == []
