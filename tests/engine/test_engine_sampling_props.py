@@ -1,8 +1,7 @@
 """Property: any sampling parameters the API accepts run to the end on a real engine.
 
-Parameters are built the way the gateway builds them (the request schema, then
-``services.gateway.prompts.choice_specs``, which calls ``sampling_for`` and so ``SamplingParams``'
-own validation): either that raises a ValueError or an ApiError with a message, or a real
+Parameters are built the way the gateway builds them (the request schema, ``max_tokens_for``, then
+``services.gateway.prompts.sampling_for``, and so ``SamplingParams``' own validation): either that raises a ValueError or an ApiError with a message, or a real
 :class:`LLMEngine` over the tiny model runs the request to its end with valid tokens and finite
 logprobs. The strategies lean on the edges of float32 and int64 (subnormal and tiny top_p, tiny and
 huge temperatures, huge top_k, seeds and stop ids), where the sampler used to meet NaN and kill the
@@ -25,7 +24,7 @@ from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
 
 from services.gateway.errors import ApiError
-from services.gateway.prompts import COMPLETIONS_DEFAULT_MAX_TOKENS, choice_specs
+from services.gateway.prompts import COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_for, sampling_for
 from services.gateway.schemas import CompletionRequest
 
 VOCAB = 512
@@ -123,15 +122,16 @@ def test_accepted_sampling_params_always_run_to_the_end(engine: LLMEngine) -> No
     def accepted_requests_run(fields: dict[str, Any], prompt: list[int]) -> None:
         try:
             req = CompletionRequest(model="tiny", prompt=prompt, **fields)
-            (spec,) = choice_specs(
-                req, [prompt], MAX_MODEL_LEN, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs
+            max_tokens = max_tokens_for(
+                len(prompt), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_MODEL_LEN
             )
+            params = sampling_for(req, max_tokens, req.logprobs, 0)
         except (ValueError, ApiError) as exc:  # pydantic's ValidationError is a ValueError
             assert str(exc).strip(), f"{type(exc).__name__} without a message"
             outcomes["rejected"] += 1
             return
-        outputs = run(engine, f"r{next(ids)}", spec.prompt_ids, spec.sampling)
-        check_ran_to_the_end(engine, outputs, spec.sampling)
+        outputs = run(engine, f"r{next(ids)}", prompt, params)
+        check_ran_to_the_end(engine, outputs, params)
         outcomes["ran"] += 1
 
     accepted_requests_run()
