@@ -5,7 +5,12 @@
     [disk tier] long-poll the master for offload / promote / drop tasks and run them in a thread
 
 Ready once the segment is mounted. On SIGTERM the segment is unmounted (its objects leave the
-pool) and the engine closes. A node killed outright is dropped by the master after its TTL.
+pool) and the engine closes. A node killed outright is dropped by the master after its TTL, and
+its shared-memory file is reclaimed by the next node (or ``yutu up``) that starts on the host.
+
+Shutdown never raises because the master or Redis went first (a terminal's Ctrl-C stops them all
+at once): each step logs what it could not do and the next goes on; the region is unlinked on
+every path out of the process except SIGKILL.
 """
 
 from __future__ import annotations
@@ -16,13 +21,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import APIRouter
-from yutu.errors import YutuError
 from yutu.protocol import store as p
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 from yutu.store.master import MasterClient
-from yutu.store.mount import MountedSegment
+from yutu.store.mount import UNREACHABLE, MountedSegment
 from yutu.transfer import Region, SegmentDirectory, TransferEngine
+from yutu.transfer.region import reclaim_stale_regions
 
 from services.store_node.disk import DiskTierFiles
 from services.store_node.settings import REGION_NAME, NodeSettings
@@ -48,7 +53,7 @@ class StoreNodeService(Service):
         self.tasks_done = {"offload": 0, "promote": 0, "drop": 0, "failed": 0}
         self._redis: aioredis.Redis | None = None
         self._registration: Registration | None = None
-        self._loops: list[asyncio.Task[None]] = []
+        self._loop_tasks: list[asyncio.Task[Any]] = []  # supervised by self.loops; cancelled first
 
     @property
     def incarnation(self) -> int:
@@ -71,6 +76,7 @@ class StoreNodeService(Service):
             transports=s.transports,
             advertise_host=host,
         )
+        await asyncio.to_thread(reclaim_stale_regions)  # files of nodes killed outright
         self.region = self.engine.register_region(REGION_NAME, s.segment_size)
         await self.engine.start()
         if self.disk is not None:
@@ -84,9 +90,11 @@ class StoreNodeService(Service):
             self.master, s.instance_id, s.segment_name, REGION_NAME, s.segment_size, self.incarnation,
             s.disk_capacity, s.heartbeat_interval_s,
         )  # fmt: skip
-        self.mount.start()  # mounts (retrying until the master answers), then heartbeats
+        heartbeat = self.mount.start()  # mounts (retrying until the master answers), then heartbeats
+        self.loops.watch("store-heartbeat", heartbeat)
+        self._loop_tasks.append(heartbeat)
         if self.disk is not None:
-            self._loops.append(asyncio.create_task(self._task_loop(), name="store-node-tasks"))
+            self._loop_tasks.append(self.loops.spawn("store-node-tasks", self._task_loop()))
         endpoints = {"admin": self.http_url} if self.http_url else {}
         if self.engine.endpoint is not None:
             endpoints["transfer"] = "tcp://{}:{}".format(*self.engine.endpoint)
@@ -110,7 +118,7 @@ class StoreNodeService(Service):
                 reply = await self.master.call(
                     p.FetchTasks(self.settings.instance_id, TASK_POLL_S), TASK_POLL_S + 5
                 )
-            except YutuError:
+            except UNREACHABLE:
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
                 continue
             results: list[list[Any]] = []
@@ -119,7 +127,7 @@ class StoreNodeService(Service):
             if results:
                 try:
                     await self.master.call(p.TasksDone(self.settings.instance_id, results))
-                except YutuError as exc:
+                except UNREACHABLE as exc:
                     log.warning("could not report %d disk-tier results: %s", len(results), exc)
 
     async def _run_task(self, task: list[Any]) -> str | None:
@@ -150,19 +158,23 @@ class StoreNodeService(Service):
         return self.mount is not None and self.mount.mounted
 
     async def shutdown(self) -> None:
-        for task in self._loops:
-            task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
-        if self._registration is not None:
-            await self._registration.close()
-        if self.mount is not None:
-            await self.mount.close(unmount=True)  # its objects leave the pool with it
-        if self.master is not None:
-            await self.master.close()
-        if self.engine is not None:
-            await self.engine.close()
-        if self._redis is not None:
-            await self._redis.aclose()
+        try:
+            for task in self._loop_tasks:
+                task.cancel()
+            await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+            if self._registration is not None:
+                await self._registration.close()  # logs a Redis that is gone
+            if self.mount is not None:
+                await self.mount.close(unmount=True)  # its objects leave the pool; logs a gone master
+            if self.master is not None:
+                await self.master.close()
+        finally:
+            try:
+                if self.engine is not None:
+                    await self.engine.close()  # unlinks the region, whatever happened above
+            finally:
+                if self._redis is not None:
+                    await self._redis.aclose()
 
     def is_ready(self) -> bool:
         return self.mounted

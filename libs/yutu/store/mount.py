@@ -4,6 +4,8 @@ Used by store nodes and by clients that contribute their own memory. The heartbe
 segment with its incarnation; when the master answers that it does not know it (it lost it, or a
 restarted master never had it), the segment is mounted again. A master that cannot be reached is
 retried every interval; it drops the segment's replicas once the node TTL passes without a beat.
+Finding the master goes through the registry, so a Redis outage is one more reason a beat or the
+final unmount fails: logged, retried (the beat) or given up (the unmount), never raised.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from redis.exceptions import RedisError
+
 from yutu.errors import YutuError
 from yutu.protocol import store as p
 from yutu.store.master import MasterClient
 from yutu.transfer.segment import local_host_id
 
 log = logging.getLogger(__name__)
+
+UNREACHABLE = (YutuError, RedisError, OSError)  # the master, or the registry that names it, is not there
 
 
 class MountedSegment:
@@ -48,9 +54,11 @@ class MountedSegment:
             log.info("segment %s mounted on the store master at %s", self.segment, self.master.endpoint)
         self.mounted = True
 
-    def start(self) -> None:
-        """Mount (retrying until the master answers) and heartbeat in the background."""
+    def start(self) -> asyncio.Task[None]:
+        """Mount (retrying until the master answers) and heartbeat in the background; returns the
+        task so that the owner can supervise it (it only ends when cancelled by :meth:`close`)."""
         self._task = asyncio.create_task(self._run(), name=f"store-heartbeat-{self.segment}")
+        return self._task
 
     async def _run(self) -> None:
         beat = p.Heartbeat(self.node_id, [[self.segment, self.incarnation]])
@@ -63,12 +71,15 @@ class MountedSegment:
                     log.warning("the store master does not know segment %s: mounting it again", self.segment)
                     self.mounted = False
                     await self.mount()
-            except YutuError as exc:
+            except UNREACHABLE as exc:
                 log.warning("store master heartbeat for %s failed (%s); retrying", self.segment, exc)
             await asyncio.sleep(self.interval_s)
 
     async def close(self, unmount: bool = True) -> None:
-        """Stop heartbeating; ``unmount`` tells the master (its objects on this segment are dropped)."""
+        """Stop heartbeating; ``unmount`` tells the master (its objects on this segment are dropped).
+
+        Never raises because the master or Redis is gone: the master then drops the segment
+        after its node TTL, as for a node that died."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -76,6 +87,8 @@ class MountedSegment:
         if unmount and self.mounted:
             try:
                 await self.master.call(p.UnmountSegment(self.node_id, self.segment), 2.0)
-            except YutuError as exc:
-                log.warning("could not unmount %s: %s", self.segment, exc)
+            except UNREACHABLE as exc:
+                log.warning(
+                    "could not unmount %s (the master drops it after its node TTL): %s", self.segment, exc
+                )
         self.mounted = False

@@ -126,10 +126,19 @@ class TransferEngine:
         self._keepalive = asyncio.create_task(self._keep_alive(), name=f"yutu-segment-{self.segment_name}")
 
     async def close(self) -> None:
-        """Withdraw the segment, stop serving, fail in-flight batches, unlink all regions."""
+        """Withdraw the segment, stop serving, fail in-flight batches, unlink all regions (always,
+        even when a step before raises or the close is cancelled)."""
         if self._closed:
             return
         self._closed = True
+        try:
+            await self._stop_serving()
+        finally:
+            for region in self._regions.values():
+                region.close()
+            self._regions.clear()
+
+    async def _stop_serving(self) -> None:
         if self._keepalive is not None:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -147,9 +156,6 @@ class TransferEngine:
             task.cancel()
         if self._batches:
             await asyncio.gather(*self._batches, return_exceptions=True)
-        for region in self._regions.values():
-            region.close()
-        self._regions.clear()
 
     async def __aenter__(self) -> TransferEngine:
         await self.start()

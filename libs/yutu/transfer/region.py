@@ -7,16 +7,33 @@ on other hosts go through the engine's TCP data server, which reads and writes t
 
 Lifetime: the owner creates the file (``Region.create``) and unlinks it on ``close()``. A process
 killed with SIGKILL leaves its files behind; ``sweep_stale_region_files()`` removes the files of
-dead processes on this host (the owner pid is part of the file name).
+dead processes on this host.
+
+The rule that decides a file is stale (and that can never remove a live owner's file): the owner
+holds a shared ``flock`` on the file from before it gets its name until it is unlinked; the kernel
+drops that lock when the owner dies, however it dies. A file is stale when **both**
+
+- the pid in its name (``yutu-region-<pid>-<token>-<size>``) is not a live process here, and
+- no process holds its lock (the sweeper's exclusive non-blocking ``flock`` succeeds).
+
+The lock makes pid namespaces harmless (a live owner in another container sharing ``/dev/shm``
+still holds it) and pid reuse cannot remove anything (a reused pid only keeps a dead owner's file
+until the next sweep). The pid test keeps files of writers that take no lock (older versions).
+The file is created under a hidden temporary name, locked, then renamed, so no file ever carries a
+region name without its lock; a temporary file left by an owner that died in between is removed
+once it is older than ``TMP_GRACE_S``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import re
 import secrets
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,9 +43,13 @@ from yutu.transfer.errors import OutOfRangeError, RegionError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 FILE_PREFIX = "yutu-region"
 MAX_REGION_NAME_BYTES = 255
-_FILE_RE = re.compile(rf"^{FILE_PREFIX}-(\d+)-[0-9a-f]+-\d+$")
+TMP_GRACE_S = 60.0  # a temporary file older than this lost its creator between create and rename
+_FILE_RE = re.compile(rf"^{FILE_PREFIX}-(\d+)-[0-9a-f]+-(\d+)$")
+_TMP_RE = re.compile(rf"^\.{FILE_PREFIX}-(\d+)-[0-9a-f]+-(\d+)\.tmp$")
 
 
 def shm_directory() -> str:
@@ -85,16 +106,20 @@ class Region:
         validate_region_name(name)
         if not isinstance(size, int) or size <= 0:
             raise RegionError(f"region size must be a positive int, got {size!r} (region {name!r})")
-        path = os.path.join(
-            shm_dir or shm_directory(), f"{FILE_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}-{size}"
-        )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        directory = shm_dir or shm_directory()
+        base = f"{FILE_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}-{size}"
+        path, tmp = os.path.join(directory, base), os.path.join(directory, f".{base}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        named = tmp
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held until close(): we are alive (see the module doc)
             os.ftruncate(fd, size)
+            os.rename(tmp, path)
+            named = path
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(named)
             raise
         return cls(name, size, path, fd, mm)
 
@@ -173,26 +198,60 @@ class Region:
 
 
 def sweep_stale_region_files(shm_dir: str | None = None) -> list[str]:
-    """Remove region files whose owner process is no longer alive on this host; return their paths.
+    """Remove the region files whose owner is gone (the rule is in the module doc); return their paths.
 
-    Only meaningful on the host (and pid namespace) that created the files.
+    Safe to run at any time from any process: a live owner's file is never removed.
     """
     directory = shm_dir or shm_directory()
     removed: list[str] = []
     for entry in os.listdir(directory):
-        match = _FILE_RE.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid_alive(pid):
+        match = _FILE_RE.match(entry) or _TMP_RE.match(entry)
+        if match is None or pid_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, entry)
-        try:
-            os.unlink(path)
+        if _remove_if_unlocked(path, min_age_s=TMP_GRACE_S if entry.startswith(".") else 0.0):
             removed.append(path)
-        except FileNotFoundError:
-            pass
     return removed
+
+
+def _remove_if_unlocked(path: str, min_age_s: float) -> bool:
+    """Unlink ``path`` if no process holds its lock (and it is at least ``min_age_s`` old)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, another user's, a symlink: not ours to judge
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner is alive (in a pid namespace we cannot see)
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime < min_age_s or os.stat(path).st_ino != st.st_ino:
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def reclaim_stale_regions(shm_dir: str | None = None) -> tuple[int, int]:
+    """Sweep (see :func:`sweep_stale_region_files`) and log what was reclaimed: ``(files, bytes)``.
+
+    Called where regions are about to be created (``yutu up``, a store node's start-up).
+    """
+    removed = sweep_stale_region_files(shm_dir)
+    names = [os.path.basename(p) for p in removed]
+    nbytes = sum(int(m.group(2)) for n in names if (m := _FILE_RE.match(n) or _TMP_RE.match(n)))
+    if removed:
+        log.info(
+            "reclaimed %d shared-memory region file(s) of dead processes (%d MiB): %s",
+            len(removed),
+            nbytes >> 20,
+            ", ".join(names),
+        )
+    return len(removed), nbytes
 
 
 def pid_alive(pid: int) -> bool:
