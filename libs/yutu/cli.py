@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from yutu.config import DEFAULT_REDIS_URL, option
+from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
 SERVICES: dict[str, tuple[str, str]] = {
@@ -38,6 +40,9 @@ from the environment: the options of `yutu up` and those all services share as Y
 gateway's --port is YUTU_GATEWAY_PORT); --help names the variable of each option.
 """
 
+if TYPE_CHECKING:
+    from yutu.launcher import ChildSpec
+
 log = logging.getLogger("yutu.up")
 
 
@@ -54,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"yutu: unknown command {command!r}\n\n" + USAGE.format(services=services), file=sys.stderr)
         return 2
     module_name, description = SERVICES[command]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"yutu {command}", description=description)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)))
+    try:
+        module = importlib.import_module(module_name)
+        parser = argparse.ArgumentParser(prog=f"yutu {command}", description=description)
+        module.add_arguments(parser)
+        return int(module.run(parser.parse_args(rest)))
+    except KeyboardInterrupt:  # Ctrl-C before the service took over its signals (still importing)
+        return 130
 
 
 def up_parser() -> argparse.ArgumentParser:
@@ -115,13 +123,36 @@ def up_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds to wait for every service to be ready",
     )
+    option(
+        parser,
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help="restarts of one crashed child within --restart-window before the stack stops (0: none)",
+    )
+    option(
+        parser,
+        "--restart-window",
+        type=float,
+        default=RESTART_WINDOW_S,
+        help="seconds over which --max-restarts is counted",
+    )
     return parser
 
 
 def up(argv: list[str]) -> int:
+    """Run the stack until Ctrl-C/SIGTERM (0) or until it cannot go on (1).
+
+    Every child but the gateway is restarted when it crashes (:class:`yutu.launcher.ProcessGroup`);
+    the gateway's exit, a crash loop or a child that dies before the stack is first ready stops it.
+    """
+    from urllib.parse import urlparse
+
     from yutu.engine.default_model import DEFAULT_MODEL_NAME
     from yutu.engine.model_source import resolve_model, served_model_name
-    from yutu.launcher import ProcessGroup, child_env, free_port, python_module, redis_reachable, start_redis
+    from yutu.launcher import ProcessGroup, redis_reachable, start_redis
+    from yutu.restarts import RestartPolicy
+    from yutu.transfer.region import reclaim_stale_regions
 
     args = up_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s yutu up: %(message)s")
@@ -130,7 +161,11 @@ def up(argv: list[str]) -> int:
         raise SystemExit("error: --workers must be at least 1")
     if args.store_nodes < 0:
         raise SystemExit("error: --store-nodes must be 0 or more")
-    group = ProcessGroup(Path(args.log_dir) if args.log_dir else None)
+    try:
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    group = ProcessGroup(Path(args.log_dir) if args.log_dir else None, policy)
     stop_requested = False
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -139,73 +174,27 @@ def up(argv: list[str]) -> int:
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        reclaim_stale_regions()  # shared memory of store nodes that were killed outright
         if not redis_reachable(args.redis_url):
-            log.info("no Redis at %s: starting redis-server", args.redis_url)
-            start_redis(group, args.redis_url, Path.home() / ".cache" / "yutu" / "redis")
+            data_dir = Path.home() / ".cache" / "yutu" / "redis" / str(urlparse(args.redis_url).port or 6379)
+            log.info(
+                "no Redis at %s: starting redis-server (append-only file in %s)", args.redis_url, data_dir
+            )
+            start_redis(group, args.redis_url, data_dir, persist=True, restart=True)
         log.info("preparing model %s", args.model or f"{DEFAULT_MODEL_NAME} (built-in demo)")
         model_dir = resolve_model(args.model)
         served = args.served_model_name or served_model_name(args.model, model_dir)
-        env = child_env()
-        common = ["--redis-url", args.redis_url]
-        if args.store_nodes:
-            admin_port = free_port()
-            master_args = ["--admin-port", str(admin_port), "--instance-id", "store-master", *common]
-            group.spawn(
-                "store-master",
-                python_module("yutu.cli", "store-master", *master_args),
-                f"http://127.0.0.1:{admin_port}/ready",
-                env,
-            )
-        for i in range(args.store_nodes):
-            admin_port = free_port()
-            node_args = ["--admin-port", str(admin_port), "--segment-size", args.store_segment_size,
-                         "--instance-id", f"store-node-{i}", *common]  # fmt: skip
-            group.spawn(
-                f"store-node-{i}",
-                python_module("yutu.cli", "store-node", *node_args),
-                f"http://127.0.0.1:{admin_port}/ready",
-                env,
-            )
-        for i in range(args.workers):
-            admin_port = free_port()
-            worker_args = ["--model", str(model_dir), "--served-model-name", served, "--admin-port", str(admin_port),
-                           "--block-size", str(args.block_size), "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
-                           "--instance-id", f"worker-{i}", *common]  # fmt: skip
-            if args.max_model_len:
-                worker_args += ["--max-model-len", str(args.max_model_len)]
-            group.spawn(
-                f"worker-{i}",
-                python_module("yutu.cli", "worker", *worker_args),
-                f"http://127.0.0.1:{admin_port}/ready",
-                env,
-            )
-        gateway_args = [
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            served,
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-            *common,
-        ]
-        gateway_env = dict(env)
-        if args.api_key:  # through the environment, not argv: other users can read a command line in ps
-            gateway_env["YUTU_API_KEY"] = args.api_key
+        for spec in stack_specs(args, model_dir, served):
+            group.start(spec)
+        if not group.wait_ready(args.ready_timeout, lambda: stop_requested):
+            log.info("stopping before the stack was ready")
+            return 0
         ready_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        group.spawn(
-            "gateway",
-            python_module("yutu.cli", "gateway", *gateway_args),
-            f"http://{ready_host}:{args.port}/ready",
-            gateway_env,
-        )
-        group.wait_ready(args.ready_timeout)
         _banner(f"http://{ready_host}:{args.port}/v1", served, model_dir, args.model is None)
         while not stop_requested:
-            exited = group.first_exited()
-            if exited is not None:
-                log.error("%s exited with code %s; stopping the stack", exited.name, exited.proc.returncode)
+            fatal = group.supervise()
+            if fatal is not None:
+                log.error("%s", fatal)
                 return 1
             time.sleep(0.2)
         log.info("stopping")
@@ -217,6 +206,43 @@ def up(argv: list[str]) -> int:
         group.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[ChildSpec]:
+    """The services of the stack in start order: store master, store nodes, workers, gateway.
+
+    All but the gateway are restarted after a crash, with the same arguments and a fresh admin
+    port (they register their endpoints; the launcher polls the new ready URL).
+    """
+    from yutu.launcher import ADMIN_PORT, ChildSpec, child_env, python_module
+
+    env = child_env()
+    common = ["--redis-url", args.redis_url, "--admin-port", ADMIN_PORT]
+    ready = f"http://127.0.0.1:{ADMIN_PORT}/ready"
+
+    def service(name: str, command: str, *flags: str) -> ChildSpec:
+        argv = python_module("yutu.cli", command, "--instance-id", name, *flags, *common)
+        return ChildSpec(name, tuple(argv), env, ready, restart=True)
+
+    specs: list[ChildSpec] = []
+    if args.store_nodes:
+        specs.append(service("store-master", "store-master"))
+    for i in range(args.store_nodes):
+        specs.append(service(f"store-node-{i}", "store-node", "--segment-size", args.store_segment_size))
+    for i in range(args.workers):
+        flags = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
+                 "--kv-cache-memory-mib", str(args.kv_cache_memory_mib)]  # fmt: skip
+        if args.max_model_len:
+            flags += ["--max-model-len", str(args.max_model_len)]
+        specs.append(service(f"worker-{i}", "worker", *flags))
+    gateway_env = dict(env)
+    if args.api_key:  # through the environment, not argv: other users can read a command line in ps
+        gateway_env["YUTU_API_KEY"] = args.api_key
+    ready_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    gateway = python_module("yutu.cli", "gateway", "--model", str(model_dir), "--served-model-name", served,
+                            "--host", args.host, "--port", str(args.port), "--redis-url", args.redis_url)  # fmt: skip
+    specs.append(ChildSpec("gateway", tuple(gateway), gateway_env, f"http://{ready_host}:{args.port}/ready"))
+    return specs
 
 
 def _banner(url: str, served: str, model_dir: Path, demo: bool) -> None:

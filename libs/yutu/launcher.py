@@ -1,8 +1,17 @@
-"""Start, watch and stop a group of local processes (``yutu up`` and the integration tests).
+"""Start, supervise and stop a group of local processes (``yutu up``, the integration tests, benches).
 
-Children are started in order and stopped in reverse order: SIGTERM, a grace period, then SIGKILL.
-Each child's output goes to the parent's terminal prefixed with nothing (services log their own
-name and pid), or to a log file when one is given.
+    start(spec) ... wait_ready() -> supervise() every tick: exits noticed, restarts run when due -> stop()
+
+A :class:`ChildSpec` says how to start a child, so that it can be started again the same way after
+a crash: same argv (same instance id), except that :data:`ADMIN_PORT` in it is a fresh free port on
+every start (a restarted service registers its new endpoints in the registry; nothing dials the
+old port, and the old one may have been taken meanwhile). Children with ``restart`` are restarted
+after an exponential backoff (:mod:`yutu.restarts`); the exit of any other child, or a crash loop,
+is fatal and :meth:`ProcessGroup.supervise` says why. Nothing is restarted once :meth:`stop` runs.
+
+Children are stopped in reverse start order: SIGTERM, a grace period, then SIGKILL. They get
+SIGTERM when the launcher dies, even by SIGKILL (Linux). Each child's output goes to the parent's
+terminal (services log their own name and pid), or to ``<log_dir>/<name>.log`` when one is given.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -23,7 +33,12 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
+from yutu.restarts import RestartHistory, RestartPolicy
+
 log = logging.getLogger(__name__)
+
+ADMIN_PORT = "{admin_port}"  # in a ChildSpec's argv and ready_url: a fresh free port on every start
+LOG_TAIL_LINES = 20
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,13 +47,56 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to start one child (and start it again after a crash)."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None  # None: the launcher's environment
+    ready_url: str | None = None  # answers 200 once the child is ready
+    restart: bool = False  # restarted after it exits; otherwise its exit stops the stack
+    new_session: bool = False  # its own session: a terminal's Ctrl-C does not reach it
+
+    def resolved(self) -> tuple[list[str], str | None]:
+        """argv and ready URL for one start, :data:`ADMIN_PORT` replaced by a fresh free port."""
+        if ADMIN_PORT not in (self.ready_url or "") and not any(ADMIN_PORT in a for a in self.argv):
+            return list(self.argv), self.ready_url
+        port = str(free_port())
+        url = None if self.ready_url is None else self.ready_url.replace(ADMIN_PORT, port)
+        return [a.replace(ADMIN_PORT, port) for a in self.argv], url
+
+
 @dataclass
 class Child:
-    name: str
-    argv: list[str]
+    """One started child: its current process, and its restarts so far."""
+
+    spec: ChildSpec
     proc: subprocess.Popen[bytes]
-    ready_url: str | None = None
-    log_path: Path | None = None
+    ready_url: str | None
+    log_path: Path | None
+    history: RestartHistory
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # set while the process is dead and a restart is due then
+    awaiting_ready: bool = False  # restarted and not ready yet (logged once it is)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def argv(self) -> list[str]:
+        return list(self.proc.args)  # type: ignore[arg-type]
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 1`` or ``was killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
 
 
 @dataclass
@@ -46,55 +104,122 @@ class ProcessGroup:
     """Children started by this process; :meth:`stop` ends all of them."""
 
     log_dir: Path | None = None
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
     children: list[Child] = field(default_factory=list)
 
     def spawn(
         self, name: str, argv: list[str], ready_url: str | None = None, env: dict[str, str] | None = None
     ) -> Child:
+        """Start a child that is not restarted (its exit is fatal to :meth:`supervise`)."""
+        return self.start(ChildSpec(name, tuple(argv), env, ready_url))
+
+    def start(self, spec: ChildSpec) -> Child:
+        proc, ready_url, log_path = self._launch(spec)
+        child = Child(spec, proc, ready_url, log_path, RestartHistory(self.policy))
+        self.children.append(child)
+        return child
+
+    def _launch(self, spec: ChildSpec) -> tuple[subprocess.Popen[bytes], str | None, Path | None]:
+        argv, ready_url = spec.resolved()
         out = None
         log_path = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{name}.log"
+            log_path = self.log_dir / f"{spec.name}.log"
             out = log_path.open("ab")
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, preexec_fn=_die_with_parent
-        )
-        if out is not None:
-            out.close()  # the child holds its own descriptor
-        child = Child(name, argv, proc, ready_url, log_path)
-        self.children.append(child)
-        log.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
-        return child
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                env=None if spec.env is None else dict(spec.env),
+                preexec_fn=_die_with(os.getpid()),
+                start_new_session=spec.new_session,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own descriptor
+        log.debug("started %s (pid %d): %s", spec.name, proc.pid, " ".join(argv))
+        return proc, ready_url, log_path
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until every child with a ready URL answers 200; raise if one dies or time runs out."""
+    def wait_ready(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Block until every child with a ready URL answers 200 (True) or ``should_stop()`` (False);
+        raise RuntimeError if one dies meanwhile, TimeoutError when time runs out."""
         deadline = time.monotonic() + timeout_s
         pending = [c for c in self.children if c.ready_url]
         with httpx.Client(timeout=2.0) as http:
             while pending:
+                if should_stop():
+                    return False
                 for child in list(pending):
                     if child.proc.poll() is not None:
                         raise RuntimeError(
-                            f"{child.name} exited with code {child.proc.returncode} while starting{self._tail(child)}"
+                            f"{child.name} {describe_exit(child.proc.returncode)} while starting"
+                            f"{self._tail(child)}"
                         )
-                    assert child.ready_url is not None
-                    try:
-                        if http.get(child.ready_url).status_code == 200:
-                            pending.remove(child)
-                    except httpx.HTTPError:
-                        pass
+                    if _answers_ready(http, child):
+                        pending.remove(child)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(c.name for c in pending)
                     raise TimeoutError(f"not ready after {timeout_s:.0f}s: {names}")
                 if pending:
                     time.sleep(0.2)
+        return True
+
+    def supervise(self) -> str | None:
+        """One round of supervision: notice exits, schedule restarts, run those that are due, log
+        restarted children once ready. Returns why the stack must stop (a child that is not
+        restarted exited, or one is crash-looping), or None. Call it every fraction of a second."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._restart(child)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                if child.awaiting_ready:
+                    self._note_ready(child)
+                continue
+            ran = now - child.started_at
+            what = f"{child.name} (pid {child.proc.pid}) {describe_exit(code)} after {ran:.1f}s"
+            if not child.spec.restart:
+                return f"{what}; it is not restarted, so the stack stops{self._tail(child)}"
+            delay = child.history.after_exit(now, ran)
+            if delay is None:
+                return (
+                    f"{what}, after {child.history.recent} restarts within {self.policy.window_s:.0f}s: "
+                    f"it is crash-looping, so the stack stops{self._tail(child)}"
+                )
+            log.warning(
+                "%s; restarting it in %.1fs (restart %d; %d of at most %d within %.0fs)",
+                what, delay, child.history.total, child.history.recent, self.policy.max_restarts,
+                self.policy.window_s,
+            )  # fmt: skip
+            child.restart_at = now + delay
+        return None
+
+    def _restart(self, child: Child) -> None:
+        child.proc, child.ready_url, child.log_path = self._launch(child.spec)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.awaiting_ready = child.ready_url is not None
+        log.warning("restarted %s: pid %d", child.name, child.proc.pid)
+
+    @staticmethod
+    def _note_ready(child: Child) -> None:
+        with httpx.Client(timeout=0.5) as http:
+            if _answers_ready(http, child):
+                child.awaiting_ready = False
+                log.info("%s (pid %d) is ready again", child.name, child.proc.pid)
 
     def first_exited(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """Stop every child, last started first; nothing is restarted from now on."""
         for child in reversed(self.children):
+            child.restart_at = None
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
@@ -110,18 +235,32 @@ class ProcessGroup:
     def _tail(child: Child) -> str:
         if child.log_path is None or not child.log_path.exists():
             return ""
-        lines = child.log_path.read_text(errors="replace").splitlines()[-20:]
-        return "; last lines of its log:\n" + "\n".join(lines)
+        lines = child.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        return f"; last lines of its log ({child.log_path}):\n" + "\n".join(lines)
+
+
+def _answers_ready(http: httpx.Client, child: Child) -> bool:
+    assert child.ready_url is not None
+    try:
+        return http.get(child.ready_url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+
+    def in_child() -> None:
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+                os._exit(1)
+
+    return in_child
 
 
 def redis_reachable(url: str) -> bool:
@@ -134,8 +273,16 @@ def redis_reachable(url: str) -> bool:
         client.close()
 
 
-def start_redis(group: ProcessGroup, url: str, data_dir: Path) -> None:
-    """Start a local redis-server for ``url`` (loopback only) and wait until it answers."""
+def start_redis(
+    group: ProcessGroup, url: str, data_dir: Path, *, persist: bool = False, restart: bool = False
+) -> Child:
+    """Start a local redis-server for ``url`` (loopback only) and wait until it answers.
+
+    It runs in its own session (a terminal's Ctrl-C reaches only the launcher, which stops Redis
+    after every service) and dies with the launcher. ``persist``: an append-only file in
+    ``data_dir``, fsynced every second, reloaded when it starts again; otherwise nothing is kept.
+    ``restart``: restarted by :meth:`ProcessGroup.supervise` after a crash.
+    """
     parsed = urlparse(url)
     host = parsed.hostname or "127.0.0.1"
     if host not in ("127.0.0.1", "localhost", "::1"):
@@ -148,14 +295,19 @@ def start_redis(group: ProcessGroup, url: str, data_dir: Path) -> None:
             "  or point Yutu at a running Redis with --redis-url / YUTU_REDIS_URL."
         )
     data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [binary, "--port", str(parsed.port or 6379), "--bind", host, "--save", "", "--appendonly", "no",
-            "--dir", str(data_dir), "--logfile", str(data_dir / "redis.log")]  # fmt: skip
-    child = group.spawn("redis", argv)
+    durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if persist else ["--appendonly", "no"]
+    argv = (binary, "--port", str(parsed.port or 6379), "--bind", host, "--save", "", *durability,
+            "--dir", str(data_dir), "--logfile", str(data_dir / "redis.log"))  # fmt: skip
+    child = group.start(ChildSpec("redis", argv, restart=restart, new_session=True))
     deadline = time.monotonic() + 15
     while not redis_reachable(url):
         if child.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server did not start for {url} (exit code {child.proc.poll()})")
+            raise RuntimeError(
+                f"redis-server did not start for {url} (exit code {child.proc.poll()}); "
+                f"see {data_dir / 'redis.log'}"
+            )
         time.sleep(0.1)
+    return child
 
 
 def python_module(module: str, *args: str) -> list[str]:
