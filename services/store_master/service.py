@@ -32,6 +32,7 @@ from services.store_master.events import KVEventPublisher
 from services.store_master.handlers import RpcHandlers
 from services.store_master.metrics import StoreMetrics, collect_stats
 from services.store_master.persistence import MetadataStore, Persister
+from services.store_master.resync import MetadataWatch
 from services.store_master.settings import MasterSettings
 from services.store_master.state import MasterState
 from services.store_master.tasks import TaskDispatcher
@@ -53,6 +54,8 @@ class StoreMasterService(Service, RpcHandlers):
         self._events: KVEventPublisher | None = None
         self._registration: Registration | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._watch: MetadataWatch | None = None  # rewrites the metadata into a Redis that lost it
+        self._watcher: asyncio.Task[None] | None = None
         self._ready = False
         self.tasks = TaskDispatcher()
         self._handlers: dict[type[Any], Callable[[Any], Any]] = {  # reply, or an awaitable of it
@@ -93,6 +96,11 @@ class StoreMasterService(Service, RpcHandlers):
                 "recovered %d segments and %d objects from Redis", len(segments), len(self.state.objects)
             )
         self._persister = Persister(store, self._snapshot_object, self._snapshot_segment)
+        if s.persist:
+            self._watch = MetadataWatch(
+                self._redis, s.registry_prefix, self._persister, self._record_names, s.instance_id
+            )
+            await self._watch.arm()
         if s.kv_events:
             self._events = KVEventPublisher(
                 s.host, s.kv_events_port, s.kv_events_topic, s.data_parallel_rank, s.kv_events_replay_port
@@ -100,7 +108,9 @@ class StoreMasterService(Service, RpcHandlers):
             self._events.start()
         self._rpc = RpcServer(p.CHANNEL, self._handle, s.host, s.port)
         self._rpc.start()
-        self._sweeper = asyncio.create_task(self._sweep_loop(), name="store-sweeper")
+        self._sweeper = self.loops.spawn("store-sweeper", self._sweep_loop())
+        if self._watch is not None:
+            self._watcher = self.loops.spawn("metadata-watch", self._watch.run())
         endpoints = {"rpc": self._advertise(self._rpc.endpoint)}
         if self._events is not None:
             endpoints["kv_events"] = self._advertise(self._events.endpoint)
@@ -127,9 +137,10 @@ class StoreMasterService(Service, RpcHandlers):
         self._ready = False
         if self._registration is not None:
             await self._registration.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        loops = [t for t in (self._sweeper, self._watcher) if t is not None]
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         if self._rpc is not None:
             await self._rpc.close()
         if self._persister is not None:
@@ -199,4 +210,9 @@ class StoreMasterService(Service, RpcHandlers):
         return p.StatsReply(self.stats())
 
     def stats(self) -> dict[str, Any]:
-        return collect_stats(self.state, self._persister, self._events)
+        rewrites = 0 if self._watch is None else self._watch.rewrites
+        return {**collect_stats(self.state, self._persister, self._events), "metadata_rewrites": rewrites}
+
+    def _record_names(self) -> tuple[set[str], set[str]]:
+        """Every object and segment the master holds (what a full metadata rewrite writes)."""
+        return set(self.state.objects), set(self.state.segments.segments)
