@@ -30,6 +30,7 @@ class Channel:
         self.version = version
         self._by_tag: dict[str, type[Any]] = {}
         self._tag_of: dict[type[Any], str] = {}
+        self._fields_of: dict[type[Any], tuple[str, ...]] = {}  # field names, read once per class
 
     def message(self, tag: str) -> Callable[[type[T]], type[T]]:
         """Class decorator registering a dataclass under ``tag`` on this channel."""
@@ -41,18 +42,27 @@ class Channel:
                 raise ValueError(f"tag {tag!r} already registered on channel {self.name}")
             self._by_tag[tag] = cls
             self._tag_of[cls] = tag
+            self._fields_of[cls] = tuple(f.name for f in dataclasses.fields(cls))
             return cls
 
         return register
 
+    @property
+    def messages(self) -> tuple[type[Any], ...]:
+        """The registered message classes, in registration order."""
+        return tuple(self._tag_of)
+
     def encode(self, msg: Any) -> bytes:
-        tag = self._tag_of.get(type(msg))
+        """The frame of ``msg``; raises TypeError if it is not a message of this channel."""
+        cls = type(msg)
+        tag = self._tag_of.get(cls)
         if tag is None:
-            raise TypeError(f"{type(msg).__name__} is not a message of channel {self.name}")
-        fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+            raise TypeError(f"{cls.__name__} is not a message of channel {self.name}")
+        fields = {name: getattr(msg, name) for name in self._fields_of[cls]}
         return msgpack.packb([self.name, self.version, tag, fields], use_bin_type=True)
 
     def decode(self, frame: bytes) -> Any:
+        """The message in ``frame``; raises :class:`ProtocolError` for anything else, never another error."""
         try:
             channel, version, tag, fields = msgpack.unpackb(frame, raw=False, strict_map_key=False)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -64,7 +74,7 @@ class Channel:
                 f"{self.name} protocol version {version} received, this process speaks {self.version}:"
                 " run the same Yutu version on both sides"
             )
-        cls = self._by_tag.get(tag)
+        cls = self._by_tag.get(tag) if isinstance(tag, str) else None
         if cls is None or not isinstance(fields, dict):
             raise ProtocolError(f"unknown message {tag!r} on channel {self.name}")
         try:
