@@ -19,6 +19,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from yutu.supervise import Supervisor
+
 log = logging.getLogger(__name__)
 
 
@@ -147,20 +149,37 @@ class Registry:
 class Registration:
     """Keeps one record alive: re-written every ``ttl_s / 3`` seconds, deleted on :meth:`close`.
 
-    A Redis outage is logged and retried; the record reappears once Redis is back.
+    A Redis outage, or any other failure of one heartbeat, is logged and retried; the record
+    reappears once Redis is back. With a ``supervisor`` (a service's ``loops``) the heartbeat task
+    is watched by it, so if it dies anyway the service turns not ready and says why.
     """
 
-    def __init__(self, registry: Registry, record: ServiceRecord, ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        record: ServiceRecord,
+        ttl_s: float = 10.0,
+        supervisor: Supervisor | None = None,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"registration ttl must be positive, got {ttl_s}")
         self.registry = registry
         self.record = record
         self.ttl_s = ttl_s
+        self._supervisor = supervisor
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The heartbeat task (None before :meth:`start`)."""
+        return self._task
 
     async def start(self) -> None:
         await self.registry.put(self.record, self.ttl_s)  # fail fast if Redis is unreachable at start
-        self._task = asyncio.create_task(self._keep_alive(), name=f"registration-{self.record.kind}")
+        name = f"registration-{self.record.kind}"
+        self._task = asyncio.create_task(self._keep_alive(), name=name)
+        if self._supervisor is not None:
+            self._supervisor.watch(name, self._task)
 
     def update_meta(self, **meta: Any) -> None:
         """Change the record's meta; written on the next heartbeat."""
@@ -173,6 +192,8 @@ class Registration:
                 await self.registry.put(self.record, self.ttl_s)
             except (RedisError, OSError) as exc:
                 log.warning("registry heartbeat for %s failed: %s", self.record.instance_id, exc)
+            except Exception:  # noqa: BLE001 - e.g. meta that stopped being JSON: retried next beat
+                log.exception("registry heartbeat for %s failed unexpectedly", self.record.instance_id)
 
     async def close(self) -> None:
         if self._task is not None:

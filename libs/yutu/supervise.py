@@ -8,13 +8,16 @@ logged with its traceback and recorded as a *problem*, and a service with a prob
 (``/ready`` answers 503 and names it) instead of quietly degrading.
 
 A loop that returns normally, or is cancelled, is not a problem: that is how loops are stopped.
+Most loops are "do this every N seconds": :meth:`Supervisor.every` runs one, surviving any error
+of a single step (logged with its traceback; the next step runs on time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,31 @@ class Supervisor:
         task = asyncio.create_task(coro, name=name)
         self.watch(name, task)
         return task
+
+    def every(
+        self, name: str, interval_s: float, step: Callable[[], Awaitable[object] | None]
+    ) -> asyncio.Task[Any]:
+        """Run ``step()`` (sync, or async and awaited) every ``interval_s`` seconds as the task ``name``.
+
+        The first step runs one interval after the call. A step that raises is logged with its
+        traceback and the loop goes on: one bad record or a transient error never ends it. A step
+        that expects an error (Redis down) should catch it and log it briefly itself.
+        """
+        if interval_s <= 0:
+            raise ValueError(f"{self.owner}: {name} needs a positive interval, got {interval_s}")
+        return self.spawn(name, self._every(name, interval_s, step))
+
+    async def _every(
+        self, name: str, interval_s: float, step: Callable[[], Awaitable[object] | None]
+    ) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                result = step()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - logged; the loop must outlive one bad step
+                log.exception("%s: a step of %s failed (the loop goes on)", self.owner, name)
 
     def watch(self, name: str, task: asyncio.Task[Any]) -> None:
         """Watch a task someone else created (a library object's loop)."""
