@@ -9,7 +9,17 @@ Flow over one DEALER (front end) -> ROUTER (worker) connection::
     AbortRequest     ------------->   request dropped, its KV blocks freed
                      <-------------   RequestFailed (instead of deltas, when it cannot run)
 
-Every worker -> front end message carries the request id; the front end routes by it.
+    Ping             ------------->   every ~1 s, whatever else is going on
+                     <-------------   Pong (at once)
+
+Every reply about a request (TokenDelta, RequestFailed) carries its id; the front end routes by it.
+
+Liveness, both ways. The front end counts any message from a worker as a sign of life; a worker
+silent for longer than the front end's window (a frozen or wedged process keeps its TCP connection
+up) gets no new requests and its in-flight ones fail UNAVAILABLE, until it answers again. Each Ping
+carries that window: a worker that hears no Ping from a front end for ``timeout_s`` aborts that
+front end's requests (freeing their KV blocks) and tells it so with RequestFailed. Liveness is
+opt-in: a front end that never pings (a test's raw socket) is never timed out.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from typing import Any
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("generate", version=1)
+CHANNEL = Channel("generate", version=2)  # 2: Ping/Pong
 
 
 @CHANNEL.message("generate")
@@ -55,3 +65,16 @@ class RequestFailed:
     request_id: str
     kind: str  # a yutu.errors.ErrorKind value
     message: str
+
+
+@CHANNEL.message("ping")
+@dataclass
+class Ping:
+    seq: int  # counts up per front-end connection; echoed in the Pong
+    timeout_s: float  # the front end's liveness window: silent this long, each side gives up on the other
+
+
+@CHANNEL.message("pong")
+@dataclass
+class Pong:
+    seq: int  # the Ping answered
