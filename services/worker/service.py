@@ -3,6 +3,14 @@
 Front ends (the gateway) connect a DEALER to our ROUTER and multiplex requests by id. A request's
 replies go back to the identity that sent it. If that front end is gone (ZeroMQ cannot route to it),
 the request is aborted so its KV blocks are freed at once.
+
+Registry record meta (refreshed every second, written on the next heartbeat): ``model``,
+``model_dir``, ``max_model_len``, ``block_size``, ``demo``, the load (``num_running``,
+``num_waiting``, ``kv_usage``) and ``broken``: None while the engine serves, else the reason it
+cannot (see ``services.worker.engine_loop``: steps kept failing, or a failure outside a step). A
+broken worker stays up so it can say so: ``/ready`` answers 503 naming the reason, requests in
+flight fail with ``internal_error`` and new ones with ``service_unavailable``; front ends should
+skip a worker whose ``broken`` is set.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from fastapi import APIRouter
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.sampling import SamplingParams
-from yutu.errors import ErrorKind
+from yutu.errors import ErrorKind, YutuError
 from yutu.protocol.codec import ProtocolError
 from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
 from yutu.registry import Registration, Registry, ServiceRecord
@@ -230,16 +238,29 @@ class WorkerService(Service):
             self._outbox.put_nowait((identity, delta))
 
     def _on_error(self, request_id: str, exc: BaseException) -> None:
-        if not request_id:  # the engine thread itself died: nothing will finish any more
+        """A request failed (its kind from the error), or, with no id, the engine is broken."""
+        if not request_id:  # broken: nothing in flight will finish; the worker stays up to say why
             for rid, identity in list(self._routes.items()):
                 self._fail(identity, rid, ErrorKind.INTERNAL, f"worker engine failed: {exc}")
             self._routes.clear()
-            self._accepting = False
-            self.stopping.set()
+            if self._registration is not None:
+                self._registration.update_meta(**self._meta())
             return
         front_end = self._routes.pop(request_id, None)
         if front_end is not None:
-            self._fail(front_end, request_id, error_kind(exc), str(exc))
+            kind = exc.kind if isinstance(exc, YutuError) else error_kind(exc)
+            self._fail(front_end, request_id, kind, str(exc))
+
+    @property
+    def broken(self) -> str | None:
+        """Why the engine cannot serve any more, or None (see the module docstring)."""
+        return self._loop_engine.broken if self._loop_engine is not None else None
+
+    def problems(self) -> list[str]:
+        reasons = super().problems()
+        if self.broken is not None:
+            reasons.append(f"engine broken: {self.broken}")
+        return reasons
 
     async def _send(self) -> None:
         assert self._sock is not None
@@ -267,6 +288,7 @@ class WorkerService(Service):
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "kv_usage": stats.kv_usage,
+            "broken": self.broken,
         }
 
     async def _refresh_meta(self) -> None:
@@ -286,6 +308,7 @@ class WorkerService(Service):
                 "max_model_len": self.engine.max_model_len,
                 "block_size": self.settings.block_size,
                 "in_flight": len(self._routes),
+                "broken": self.broken,
                 "engine": asdict(stats),
                 "uptime_s": round(time.time() - self.started_at, 3),
             }
