@@ -1,0 +1,74 @@
+"""Instances that cannot take the request (KV blocks, batch room) are excluded; none left: NO_CAPACITY."""
+
+from __future__ import annotations
+
+import pytest
+from yutu.errors import ErrorKind
+from yutu.sched import (
+    ClusterView,
+    IncomingDecode,
+    Placement,
+    RejectCause,
+    Rejection,
+    RunningDecode,
+    policy_by_name,
+)
+
+from tests.sched.sched_support import cluster, costs, decode, prefill, request, step
+
+
+def place(view: ClusterView, name: str = "kvcentric") -> Placement | Rejection:
+    return policy_by_name(name, costs=costs()).place(view, request(), 0.0)
+
+
+@pytest.mark.parametrize(("free", "chosen"), [(1, "cold"), (2, "warm")])
+def test_prefill_needs_blocks_for_all_but_its_reused_prefix(free: int, chosen: str) -> None:
+    # 161 tokens = 11 blocks; "warm" reuses 9 locally, so it needs 2 free blocks.
+    view = cluster((prefill("warm", local=9, free=free), prefill("cold", free=11)), (decode("d0"),))
+    out = place(view)
+    assert isinstance(out, Placement)
+    assert out.prefill_id == chosen
+
+
+@pytest.mark.parametrize(("free", "chosen"), [(23, "d1"), (24, "d0")])
+def test_decode_blocks_count_what_incoming_requests_will_take(free: int, chosen: str) -> None:
+    # The request needs ceil(162 / 16) = 11 blocks; d0's incoming 200-token request takes 13.
+    # It arrives long after this prefill ends, so d0 is idle then and wins when it has the room.
+    later = IncomingDecode(arrival_s=100.0, prompt_len=200, max_tokens=4)
+    d0 = decode("d0", free=free, incoming=(later,))
+    d1 = decode("d1", running=(RunningDecode(10, 1000),))
+    out = place(cluster((prefill("p0"),), (d0, d1)))
+    assert isinstance(out, Placement)
+    assert out.decode_id == chosen
+
+
+@pytest.mark.parametrize(("remaining", "chosen"), [(1000, "d1"), (1, "d0")])
+def test_a_batch_full_when_the_prefill_ends_is_excluded(remaining: int, chosen: str) -> None:
+    # d0 runs its maximum of 2 now; with 1 token left each, both leave before the prefill ends.
+    d0 = decode("d0", max_batch=2, running=(RunningDecode(10, remaining), RunningDecode(10, remaining)))
+    d1 = decode("d1", running=tuple(RunningDecode(10, 1000) for _ in range(5)))
+    out = place(cluster((prefill("p0"),), (d0, d1)))
+    assert isinstance(out, Placement)
+    assert out.decode_id == chosen
+
+
+def test_no_decode_with_free_blocks_is_overloaded_until_the_first_departure() -> None:
+    # One sequence with 1000 tokens left at step(1) s per token.
+    d0 = decode("d0", free=10, running=(RunningDecode(10, 1000),))
+    out = place(cluster((prefill("p0"),), (d0,)))
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.NO_CAPACITY
+    assert out.error_kind is ErrorKind.OVERLOADED
+    assert out.reason == (
+        "kvcentric: no decode instance has 11 free KV blocks for a 161-token prompt (most free: 10)"
+    )
+    assert out.retry_after_s == 1000 * step(1)
+
+
+def test_every_batch_full_is_overloaded_with_a_clamped_retry() -> None:
+    d0 = decode("d0", max_batch=1, running=(RunningDecode(10, 100_000),))
+    out = place(cluster((prefill("p0"),), (d0,)), name="round_robin")
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.NO_CAPACITY
+    assert "full batch" in out.reason
+    assert out.retry_after_s == 30.0  # 100000 steps away: clamped

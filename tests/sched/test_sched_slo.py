@@ -1,0 +1,96 @@
+"""Early rejection: TTFT and TBT SLOs, TBT judged on the load forecast for the prefill's end."""
+
+from __future__ import annotations
+
+import pytest
+from yutu.errors import ErrorKind
+from yutu.sched import (
+    POLICIES,
+    ClusterView,
+    IncomingDecode,
+    Placement,
+    QueuedPrefill,
+    RejectCause,
+    Rejection,
+    RunningDecode,
+    policy_by_name,
+)
+
+from tests.sched.sched_support import PROMPT, cluster, costs, decode, prefill, prefill_time, request, step
+
+ALL = sorted(POLICIES)
+
+
+def place(name: str, view: ClusterView, **options: object) -> Placement | Rejection:
+    return policy_by_name(name, costs=costs(), **options).place(view, request(), 0.0)
+
+
+def test_ttft_above_the_slo_is_rejected_with_the_queue_drain_as_retry() -> None:
+    view = cluster((prefill("p0", queue=(QueuedPrefill(10240),)),), (decode("d0"),))  # 10 s queued
+    ttft = 10.0 + prefill_time(PROMPT)
+    out = place("kvcentric", view, slo_ttft_s=1.0)
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.TTFT_SLO
+    assert out.error_kind is ErrorKind.OVERLOADED
+    assert out.ttft_s == ttft
+    assert out.tbt_s == step(1)
+    assert out.retry_after_s == ttft - 1.0
+    assert out.reason.startswith(
+        "kvcentric: predicted TTFT 10.157s > SLO 1.000s on the best placement (prefill p0"
+    )
+
+
+def test_ttft_met_exactly_is_accepted() -> None:
+    out = place("kvcentric", cluster((prefill("p0"),), (decode("d0"),)), slo_ttft_s=prefill_time(PROMPT))
+    assert isinstance(out, Placement)
+
+
+def test_a_prompt_that_alone_misses_the_ttft_slo_retries_late() -> None:
+    out = place("kvcentric", cluster((prefill("p0"),), (decode("d0"),)), slo_ttft_s=0.1)
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.TTFT_SLO
+    assert out.retry_after_s == 30.0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rejected_on_todays_load_but_accepted_on_the_load_at_prefill_end(name: str) -> None:
+    # Today: 5 sequences, so this request would make 6 (> SLO of 2). Each has 1 token left and
+    # leaves after one step, long before the prefill ends at 161/1024 s: the request runs alone.
+    d0 = decode("d0", running=tuple(RunningDecode(100, 1) for _ in range(5)))
+    out = place(name, cluster((prefill("p0"),), (d0,)), slo_tbt_s=step(2))
+    assert isinstance(out, Placement), out
+    assert out.tbt_s == step(1)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_accepted_on_todays_load_but_rejected_on_the_load_at_prefill_end(name: str) -> None:
+    # Today: idle. But 4 requests placed earlier finish their prefills at 1/16 s, before this one
+    # (161/1024 s), and stay for 1000 steps of step(1) s: the request would make a batch of 5.
+    arriving = tuple(IncomingDecode(arrival_s=2.0**-4, prompt_len=100, max_tokens=1001) for _ in range(4))
+    d0 = decode("d0", incoming=arriving)
+    out = place(name, cluster((prefill("p0"),), (d0,)), slo_tbt_s=step(2))
+    assert isinstance(out, Rejection), out
+    assert out.cause is RejectCause.TBT_SLO
+    assert out.tbt_s == step(5)
+    assert out.ttft_s == prefill_time(PROMPT)
+    # They leave at 1/16 + 1000 * step(1) s; sent that much later, the request would run alone.
+    assert out.retry_after_s == 2.0**-4 + 1000 * step(1) - prefill_time(PROMPT)
+    assert out.reason == (
+        f"{name}: predicted TBT {step(5):.4f}s > SLO {step(2):.4f}s on decode d0 at batch 5 when the prefill ends"
+    )
+
+
+def test_tbt_slo_no_load_can_meet_retries_late() -> None:
+    out = place("kvcentric", cluster((prefill("p0"),), (decode("d0"),)), slo_tbt_s=step(1) / 2)
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.TBT_SLO
+    assert out.retry_after_s == 30.0
+
+
+def test_kvcentric_picks_the_decode_that_meets_the_slo() -> None:
+    crowded = decode("d0", running=tuple(RunningDecode(100, 1000) for _ in range(3)))
+    quiet = decode("d1", running=(RunningDecode(100, 1000),))
+    out = place("kvcentric", cluster((prefill("p0"),), (crowded, quiet)), slo_tbt_s=step(2))
+    assert isinstance(out, Placement)
+    assert out.decode_id == "d1"
+    assert out.tbt_s == step(2)
