@@ -11,6 +11,9 @@ logits' device, token indices as int64), so an accepted request can never make i
   overflows is shifted by its maximum first). Temperatures beyond float32's range are refused.
 - ``top_k`` and ``stop_token_ids`` are bounded to int64, the dtype of token indices (a ``top_k``
   larger than the vocabulary means no limit; a stop id outside it never matches).
+- ``seed`` spans what ``torch.Generator.manual_seed`` takes; ``logprobs`` is at most 20 (the sampler
+  takes ``min(k, vocab)`` alternatives, and reports a ``-inf`` logprob as float32's lowest);
+  ``max_tokens`` is checked against the context by the engine (``PromptTooLongError``).
 """
 
 from __future__ import annotations
