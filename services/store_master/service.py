@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
+from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcServer
 from yutu.service import Service
@@ -86,7 +87,7 @@ class StoreMasterService(Service, RpcHandlers):
 
     async def startup(self) -> None:
         s = self.settings
-        self._redis = aioredis.from_url(s.redis_url)
+        self._redis = connect(s.redis_url)
         await self._redis.ping()
         store = MetadataStore(self._redis, s.registry_prefix)
         if s.persist:

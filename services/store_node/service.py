@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import APIRouter
 from yutu.protocol import store as p
+from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 from yutu.store.master import MasterClient
@@ -62,7 +63,7 @@ class StoreNodeService(Service):
 
     async def startup(self) -> None:
         s = self.settings
-        self._redis = aioredis.from_url(s.redis_url)
+        self._redis = connect(s.redis_url)  # survives a Redis restart (yutu.redis_conn)
         await self._redis.ping()
         registry = Registry(self._redis, s.registry_prefix)
         directory = SegmentDirectory(self._redis, s.registry_prefix)
