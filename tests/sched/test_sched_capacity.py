@@ -70,5 +70,8 @@ def test_every_batch_full_is_overloaded_with_a_clamped_retry() -> None:
     out = place(cluster((prefill("p0"),), (d0,)), name="round_robin")
     assert isinstance(out, Rejection)
     assert out.cause is RejectCause.NO_CAPACITY
-    assert "full batch" in out.reason
+    assert (
+        out.reason
+        == "round_robin: every decode instance with free KV blocks has a full batch when the prefill ends"
+    )
     assert out.retry_after_s == 30.0  # 100000 steps away: clamped

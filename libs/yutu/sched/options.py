@@ -10,11 +10,11 @@ from dataclasses import dataclass
 class PolicyOptions:
     """Knobs of the shared placement steps.
 
-    balancing_threshold: kvcentric considers fetching an instance's missing prefix from the store only
-        when ``reach / local > balancing_threshold`` (any reach counts when ``local == 0``); then the
-        fetch-or-recompute cost test decides whether the fetch pays. 1.0 leaves the decision to the
-        cost test alone; larger values keep small gains local (Algorithm 1's
-        kvcache_balancing_threshold). The other policies apply the cost test alone.
+    balancing_threshold: an instance considers fetching the store's blocks beyond its local prefix
+        only when ``reach / local > balancing_threshold`` (always when ``local == 0``); then the
+        fetch-or-recompute cost test (Eq. 2) decides whether the fetch pays. Algorithm 1's
+        kvcache_balancing_threshold, applied in the prefix plan every policy shares. 1.0 leaves the
+        decision to the cost test alone; larger values keep small gains local.
     disagg_threshold: conditional disaggregation. When at most this many prompt tokens remain
         uncached after the decode instance's own cache and the store, the decode instance prefills
         them itself. 0 turns it off.

@@ -120,7 +120,7 @@ class Placer(ABC):
             return self._reject(
                 request,
                 RejectCause.NO_CAPACITY,
-                f"every decode instance with room has a full batch when the prefill ends ({note})",
+                "every decode instance with free KV blocks has a full batch when the prefill ends",
                 self._next_departure(roomy, now, now if prefill is None else now + prefill.ttft_s),
             )
         decode = self.choose_decode(cands)

@@ -12,7 +12,8 @@ fetch-or-recompute, conditional disaggregation, early rejection) around its two 
 
 Remaining ties go to the lowest instance id. "In turn" walks the instances able to take the request,
 sorted by id, with one counter per role that advances on every choice: state lives in the policy
-object, so one object must serve one stream of placements (for determinism, replay the same calls).
+object, so one object serves one stream of placements (replaying the same calls replays the same
+answers). Not thread-safe: call ``place`` from one thread (the conductor's event loop).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A bounded-window, non-negative, outlier-trimmed linear fit ``y ~ theta . x``: the engine of the cost models.
+"""A bounded-window, non-negative, outlier-robust linear fit ``y ~ theta . x``: the engine of the cost models.
 
 Contract:
 - ``add(x, y)`` keeps the last ``window`` observations; features and targets are finite and >= 0.
@@ -7,14 +7,17 @@ Contract:
   read after an ``add``) and deterministic: the same observations in the same order give the same
   coefficients.
 
-The fit, over the window:
-1. Weighted least squares on relative error: weight ``1 / prior(x)^2``, so a 10 ms and a 10 s
-   measurement count alike (times span orders of magnitude) and no weight depends on a noisy ``y``.
-2. Non-negativity by active sets: the least-squares solution on every non-empty subset of features,
-   keeping the feasible one (all coefficients >= 0) with the least weighted error. With three
-   features that is seven tiny solves over one normal matrix, and it is the exact NNLS optimum.
-3. Outliers: observations whose relative residual exceeds ``max(0.5, 5 * median residual)`` are
-   dropped and the fit repeated once, weighted by the first fit's predictions.
+The fit, over the window (errors are *relative*: times span orders of magnitude, and a 10 ms and a
+10 s measurement should count alike):
+1. Non-negative least squares by active sets: the weighted least-squares solution on every
+   non-empty subset of features, keeping the feasible one (all coefficients >= 0) with the least
+   weighted error. With three features that is seven tiny solves over one normal matrix, and it is
+   the exact NNLS optimum.
+2. A robust start: least absolute relative deviation, by iteratively reweighted least squares from
+   a fit weighted by the prior's predictions. A few wild measurements (a stall, a cached no-op) barely
+   move it, where squares would follow them.
+3. Outliers: observations whose log ratio to that fit exceeds ``max(log 1.5, 5 * median)`` are
+   dropped, and the rest fitted by relative least squares (exact on exact data).
 4. Degenerate data (the window cannot tell the features apart, e.g. every sample has the same x):
    the prior's shape scaled by the median of ``y / prior(x)``, rather than an arbitrary exact fit.
 """
@@ -25,72 +28,51 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from itertools import combinations
-from statistics import median
 
-_TINY = 1e-12
-_PIVOT_TOL = 1e-9  # on the unit-diagonal normal matrix: below it, features are (nearly) collinear
-_TRIM_MIN = 0.5
+import numpy as np
+from numpy.typing import NDArray
+
+Vector = NDArray[np.float64]
+Matrix = NDArray[np.float64]
+
+_MIN_EIGEN = 1e-10  # of the unit-diagonal normal matrix: below it, features are (nearly) collinear
+_IRLS_ROUNDS = 12  # enough to find the outliers; the final fit on the rest is exact
+_IRLS_FLOOR = 1e-6  # relative residual below which a sample's L1 weight stops growing
+_TRIM_MIN = math.log(1.5)
 _TRIM_MEDIANS = 5.0
 
-Sample = tuple[tuple[float, ...], float]
 
+def nnls(x: Matrix, y: Vector, w: Vector, *, check_rank: bool = True) -> Vector | None:
+    """Non-negative weighted least squares by active sets; None when the features are collinear.
 
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return math.fsum(x * y for x, y in zip(a, b, strict=True))
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Solve ``a @ t = b`` (small, symmetric) by Gaussian elimination with partial pivoting.
-
-    Returns None when a pivot falls below ``_PIVOT_TOL`` (the system is, for our purposes, singular).
+    ``x``: (N, k) features, ``y``: (N,) targets, ``w``: (N,) weights > 0. ``check_rank=False`` skips
+    the collinearity test (for a refit of samples already found independent).
     """
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < _PIVOT_TOL:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    t = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        t[r] = (m[r][n] - sum(m[r][c] * t[c] for c in range(r + 1, n))) / m[r][r]
-    return t
-
-
-def nnls(samples: Sequence[Sample], weights: Sequence[float]) -> tuple[float, ...] | None:
-    """Non-negative weighted least squares by active sets; None when the features are collinear."""
-    k = len(samples[0][0])
-    # Normal equations A t = b with A = X^T W X, b = X^T W y, rescaled to a unit diagonal.
-    a = [
-        [math.fsum(w * x[i] * x[j] for (x, _), w in zip(samples, weights, strict=True)) for j in range(k)]
-        for i in range(k)
-    ]
-    b = [math.fsum(w * x[i] * y for (x, y), w in zip(samples, weights, strict=True)) for i in range(k)]
-    if min(a[i][i] for i in range(k)) <= 0:
+    a = (x * w[:, None]).T @ x  # (k, k) = X^T W X
+    b = (x * w[:, None]).T @ y  # (k,)   = X^T W y
+    diag = np.diag(a)
+    if not np.all(diag > 0):
         return None
-    d = [math.sqrt(a[i][i]) for i in range(k)]
-    an = [[a[i][j] / (d[i] * d[j]) for j in range(k)] for i in range(k)]
-    bn = [b[i] / d[i] for i in range(k)]
-    if _solve(an, bn) is None:
+    d = np.sqrt(diag)
+    an, bn = a / np.outer(d, d), b / d  # unit diagonal: conditioning independent of feature scales
+    if check_rank and np.linalg.eigvalsh(an)[0] < _MIN_EIGEN:
         return None
-    best: tuple[float, list[float]] | None = None
+    k = len(b)
+    full = np.linalg.solve(an, bn)
+    if np.all(full >= 0):  # the unconstrained optimum is feasible: it is the NNLS optimum
+        return full / d
+    best_gain, best = -math.inf, np.zeros(k)
     for size in range(k, 0, -1):
         for subset in combinations(range(k), size):
-            sol = _solve([[an[i][j] for j in subset] for i in subset], [bn[i] for i in subset])
-            if sol is None or min(sol) < 0:
+            idx = list(subset)
+            sol = np.linalg.solve(an[np.ix_(idx, idx)], bn[idx])
+            if np.any(sol < 0):
                 continue
-            gain = _dot(sol, [bn[i] for i in subset])  # weighted error = y^T W y - gain
-            if best is None or gain > best[0]:
-                full = [0.0] * k
-                for i, v in zip(subset, sol, strict=True):
-                    full[i] = v / d[i]
-                best = (gain, full)
-    assert best is not None  # a single feature with x, y >= 0 always has a coefficient >= 0
-    return tuple(best[1])
+            gain = float(sol @ bn[idx])  # weighted error = y^T W y - gain
+            if gain > best_gain:
+                best_gain, best = gain, np.zeros(k)
+                best[idx] = sol / d[idx]
+    return best  # a single feature with x, y >= 0 always has a coefficient >= 0: never empty
 
 
 class WindowFit:
@@ -105,7 +87,7 @@ class WindowFit:
             )
         self.prior = tuple(float(p) for p in prior)
         self.min_samples = min_samples
-        self._samples: deque[Sample] = deque(maxlen=window)
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._theta: tuple[float, ...] | None = self.prior
 
     def add(self, x: Sequence[float], y: float) -> None:
@@ -125,29 +107,51 @@ class WindowFit:
     def coefficients(self) -> tuple[float, ...]:
         """The current coefficients (the prior before ``min_samples`` observations), each >= 0."""
         if self._theta is None:
-            self._theta = self._fit(list(self._samples))
+            self._theta = self._fit()
         return self._theta
 
     def predict(self, x: Sequence[float]) -> float:
         """``theta . x``: finite and >= 0 for finite features >= 0."""
-        return max(0.0, _dot(self.coefficients, x))
+        return max(0.0, math.fsum(c * v for c, v in zip(self.coefficients, x, strict=True)))
 
-    def _fit(self, samples: list[Sample]) -> tuple[float, ...]:
-        if len(samples) < self.min_samples:
+    def _fit(self) -> tuple[float, ...]:
+        if len(self._samples) < self.min_samples:
             return self.prior
-        first = nnls(samples, [1.0 / max(_dot(self.prior, x), _TINY) ** 2 for x, _ in samples])
-        if first is None:
-            return self._scaled_prior(samples)
-        predicted = [max(_dot(first, x), _TINY) for x, _ in samples]
-        residuals = [abs(y - p) / p for (_, y), p in zip(samples, predicted, strict=True)]
-        cutoff = max(_TRIM_MIN, _TRIM_MEDIANS * median(residuals))
-        kept = [(s, p) for s, p, r in zip(samples, predicted, residuals, strict=True) if r <= cutoff]
-        if len(kept) < self.min_samples:
-            return first
-        second = nnls([s for s, _ in kept], [1.0 / p**2 for _, p in kept])
-        return first if second is None else second
+        x = np.array([s[0] for s in self._samples], dtype=np.float64)  # (N, k)
+        y = np.array([s[1] for s in self._samples], dtype=np.float64)  # (N,)
+        floor = 1e-3 * float(np.median(y)) + 1e-12  # keeps relative weights finite near zero
+        theta = self._robust_start(x, y, floor)
+        if theta is None:
+            return self._scaled_prior(x, y)
+        fit = np.maximum(x @ theta, 0.0) + floor
+        ratio = np.abs(np.log((y + floor) / fit))
+        keep = ratio <= max(_TRIM_MIN, _TRIM_MEDIANS * float(np.median(ratio)))
+        if int(keep.sum()) >= self.min_samples:
+            final = nnls(x[keep], y[keep], 1.0 / fit[keep] ** 2)
+            if final is not None:
+                theta = final
+        return tuple(float(c) for c in theta)
 
-    def _scaled_prior(self, samples: list[Sample]) -> tuple[float, ...]:
-        ratios = [y / p for x, y in samples if (p := _dot(self.prior, x)) > _TINY]
-        scale = median(ratios) if ratios else 1.0
+    def _robust_start(self, x: Matrix, y: Vector, floor: float) -> Vector | None:
+        """Least absolute relative deviation by IRLS; None when the features are collinear."""
+        scale = x @ np.array(self.prior) + floor
+        theta = nnls(x, y, 1.0 / scale**2)
+        if theta is None:
+            return None
+        for _ in range(_IRLS_ROUNDS):
+            scale = np.maximum(x @ theta, 0.0) + floor
+            rel = np.maximum(np.abs(y - x @ theta) / scale, _IRLS_FLOOR)
+            nxt = nnls(x, y, 1.0 / (scale**2 * rel), check_rank=False)
+            if nxt is None:
+                break
+            done = np.allclose(nxt, theta, rtol=1e-9, atol=0.0)
+            theta = nxt
+            if done:
+                break
+        return theta
+
+    def _scaled_prior(self, x: Matrix, y: Vector) -> tuple[float, ...]:
+        base = x @ np.array(self.prior)
+        ok = base > 0
+        scale = float(np.median(y[ok] / base[ok])) if np.any(ok) else 1.0
         return tuple(c * scale for c in self.prior)
