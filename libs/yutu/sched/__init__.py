@@ -12,14 +12,16 @@ placement steps), ``policies`` (the four policies and their registry).
 """
 
 from yutu.sched.costs import CostModels, DecodeCostModel, PrefillCostModel, TransferCostModel
+from yutu.sched.estimate import Estimate
 from yutu.sched.options import PolicyOptions
 from yutu.sched.outcome import Placement, PrefixPlan, RejectCause, Rejection
-from yutu.sched.placer import Placer, Policy
+from yutu.sched.placer import DecodeCandidate, Placer, Policy
 from yutu.sched.policies import POLICIES, CacheAware, KVCentric, LeastLoaded, RoundRobin, policy_by_name
 from yutu.sched.view import (
     ClusterView,
     DecodeView,
     IncomingDecode,
+    KeySet,
     PrefillView,
     QueuedPrefill,
     RequestView,
@@ -31,10 +33,13 @@ __all__ = [
     "CacheAware",
     "ClusterView",
     "CostModels",
+    "DecodeCandidate",
     "DecodeCostModel",
     "DecodeView",
+    "Estimate",
     "IncomingDecode",
     "KVCentric",
+    "KeySet",
     "LeastLoaded",
     "Placement",
     "Placer",
