@@ -129,7 +129,7 @@ def test_float32_edge_params_that_are_valid_are_served(real_stack: RealStack) ->
 
 
 def zero_stats() -> EngineStats:
-    return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 0, 0, 0, 0)
+    return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 @dataclass

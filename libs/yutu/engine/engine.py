@@ -6,6 +6,18 @@ Thread-safety: LLMEngine is NOT thread-safe. A worker owns it from a single engi
 Length contract (vLLM's): a request is accepted only if ``len(prompt) + max_tokens <= max_model_len``;
 otherwise ``add_request`` raises PromptTooLongError, and the caller lowers ``max_tokens``.
 
+Disaggregation (the prefill and decode roles build on three additions to ``add_request``):
+
+- ``prefill_only``: the request stops after its first token and keeps its blocks (``HELD``); the
+  output carries them (``RequestOutput.kv_held``) so a peer can read their KV; ``release`` frees them.
+- ``import_tokens``: the KV of the first ``import_tokens`` tokens comes from outside (a peer's cache,
+  the KV store). At admission the engine takes blocks for the whole sequence, reuses its own prefix
+  cache, and lists the blocks still to fill as a :class:`~yutu.engine.scheduler.KVLoad`
+  (``take_loads``); the caller copies the KV in and calls ``finish_load`` with how many tokens arrived.
+  The request is not scheduled in between. Fewer tokens than asked are fine: the rest is computed.
+- ``generated``: tokens already sampled (the prefill's first token; those streamed before a decode
+  instance died), appended as output before the request runs; only new tokens are output.
+
 Failure contract: one request never takes the engine down. ``step()`` contains whatever raises inside
 it (scheduler, model, sampler, postprocessing): the requests of that step are aborted, their blocks
 freed, and each gets a *failed* output (``RequestOutput.error``); the engine then serves the others
@@ -17,6 +29,8 @@ when it cannot go on (the block pool is inconsistent after aborting a failed ste
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +40,19 @@ from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptToo
 from yutu.engine.loader import default_device_and_dtype, load_model
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import ModelRunner, kv_block_bytes
-from yutu.engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
+from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
 from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.scheduler import ScheduledBatch, Scheduler
+from yutu.engine.scheduler import KVLoad, ScheduledBatch, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
-from yutu.kv.block_manager import BlockManager
+from yutu.kv.block_manager import BlockManager, CacheEvent
 from yutu.kv.hashing import root_key
 
 __all__ = [
     "EngineConfig",
     "EngineStats",
     "FinishReason",
+    "KVLoad",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
@@ -117,7 +132,10 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self._root_key = root_key(self.model_id)
-        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id (loading ones included)
+        self._held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept until release
+        self._loads: list[KVLoad] = []  # admitted imports not yet taken by the caller
+        self.last_step: StepRecord | None = None  # what the last step that ran did, and how long it took
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._failed_steps_total = 0
@@ -157,22 +175,40 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        generated: Seq[int] = (),
+        import_tokens: int = 0,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input.
+
+        ``generated``, ``import_tokens`` and ``prefill_only``: see the module docstring.
+        """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._seqs:
+        if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
-        if bad:
+        self._check_token_ids(prompt_token_ids, "prompt")
+        generated = list(generated)
+        self._check_token_ids(generated, "generated")
+        if len(generated) >= params.max_tokens:
             raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
-                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                f"{len(generated)} tokens are already generated of max_tokens={params.max_tokens}: nothing left to do"
+            )
+        if prefill_only and generated:
+            raise InvalidRequestError("a prefill-only request cannot carry generated tokens")
+        num_tokens = len(prompt_token_ids) + len(generated)
+        if type(import_tokens) is not int or not 0 <= import_tokens < num_tokens:
+            raise InvalidRequestError(
+                f"import_tokens must be an integer in [0, {num_tokens - 1}] (one token is always computed),"
+                f" got {import_tokens!r}"
             )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -188,15 +224,70 @@ class LLMEngine:
         seq = Sequence(
             request_id, prompt_token_ids, params, self.config.block_size, self._root_key, generator=generator
         )
+        for token in generated:
+            seq.append_token(token)
+        if generator is not None and not params.is_greedy:
+            Sampler.skip_draws(generator, self.model_config.vocab_size, len(generated))
+        seq.kv_import_tokens = import_tokens
+        seq.prefill_only = prefill_only
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens_total += len(prompt_token_ids)
 
+    def _check_token_ids(self, ids: list[int], what: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"{what} token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            )
+
+    def take_loads(self) -> list[KVLoad]:
+        """Imports admitted since the last call: fill their blocks, then call ``finish_load``."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def finish_load(self, request_id: str, num_tokens: int) -> None:
+        """The KV of the first ``num_tokens`` tokens of a loading request is in its blocks.
+
+        ``num_tokens`` lies between the tokens its own prefix cache covered and ``import_tokens``
+        (a failed copy: pass how far it got; the rest is computed). For a request aborted while it
+        was loading, this frees its blocks. Unknown ids are ignored.
+        """
+        seq = self._seqs.get(request_id) or self.scheduler.abandoned.get(request_id)
+        if seq is not None:
+            self.scheduler.finish_load(seq, num_tokens)
+            if seq.num_cached_tokens is not None and seq.status is RequestStatus.RUNNING:
+                seq.num_cached_tokens = num_tokens
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a held prefill-only request; False if it holds none."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.release(seq)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take_cache_events(self) -> list[CacheEvent]:
+        """Prefix-cache changes since the last call (with ``block_manager.record_events`` on)."""
+        return self.block_manager.drain_events()
+
     def abort_request(self, request_id: str) -> None:
-        """Drop a request now and free its blocks; no further output is produced for it. Unknown: no-op."""
+        """Drop a request now and free its blocks (held ones too); no further output is produced for it.
+
+        A loading request keeps its blocks until ``finish_load`` (a copy may still be writing them).
+        Unknown: no-op.
+        """
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
+        else:
+            self.release(request_id)
 
     def abort_all(self) -> list[str]:
         """Abort every unfinished request and free its blocks; return their ids."""
@@ -221,6 +312,7 @@ class LLMEngine:
         batch: ScheduledBatch | None = None
         try:
             batch = self.scheduler.schedule()
+            self._loads.extend(batch.loads)
             if batch.is_empty:
                 return []
             self._run(batch, outputs)
@@ -235,9 +327,11 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         """Compute ``batch``, sample, and append to ``outputs`` (as it goes: kept if a later part raises)."""
+        started = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
         result = self.sampler.sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        self._record(batch, time.perf_counter() - started)
         # Fail non-finite rows before the prefix cache learns their blocks: their KV is suspect.
         failed = {sampled[r].seq_id for r in result.nonfinite_rows}
         if failed:
@@ -249,6 +343,20 @@ class LLMEngine:
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if token is not None:
                 outputs.append(self._append(seq, token, logprobs))
+
+    def _record(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Charge the step's time to the prompts it computed; remember what it did (load reports)."""
+        decodes = prefill_tokens = kv_tokens = 0
+        for chunk in batch.chunks:
+            if chunk.num_tokens == 1 and chunk.sample and chunk.start > 0:
+                decodes += 1
+                kv_tokens += chunk.context_len
+            else:
+                prefill_tokens += chunk.num_tokens
+                seq = self._seqs.get(chunk.seq_id) or self._held.get(chunk.seq_id)
+                if seq is not None:
+                    seq.prefill_compute_s += seconds
+        self.last_step = StepRecord(decodes, kv_tokens, prefill_tokens, seconds)
 
     def _fail_step(self, batch: ScheduledBatch | None, exc: Exception) -> list[RequestOutput]:
         """Fail the unfinished requests of a step that raised; ``batch`` is None if scheduling raised."""
@@ -299,17 +407,25 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
+        kv_held: HeldKV | None = None
         if status is not None:
             self.scheduler.finish(seq, status)
             del self._seqs[seq.seq_id]
+        elif seq.prefill_only:  # first token sampled: keep the KV of the prompt for a peer to read
+            self.scheduler.hold(seq)
+            del self._seqs[seq.seq_id]
+            self._held[seq.seq_id] = seq
+            kv_held = HeldKV(self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens)
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[token],
             new_logprobs=None if logprobs is None else [logprobs],
-            finished=status is not None,
+            finished=status is not None or kv_held is not None,
             finish_reason=None if status is None else status.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            kv_held=kv_held,
+            prefill_s=seq.prefill_compute_s if seq.num_output_tokens == 1 else None,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -327,6 +443,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            num_loading=len(self.scheduler.loading),
+            num_held=len(self._held),
             failed_steps_total=self._failed_steps_total,
             failed_requests_total=self._failed_requests_total,
         )

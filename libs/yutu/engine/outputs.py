@@ -28,12 +28,33 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class HeldKV:
+    """The blocks of a held request: ``block_ids`` in token order hold the KV of ``num_tokens`` tokens."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step computed, and its wall time (the conductor fits its models on these)."""
+
+    num_decodes: int  # sequences that got one decode token
+    decode_kv_tokens: int  # context tokens of those sequences
+    num_prefill_tokens: int  # prompt (or recompute) tokens computed
+    seconds: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the tokens appended this step (usually one).
 
     A *failed* output has ``error`` set (a message for the user): the engine gave up on the request
     in this step (see ``LLMEngine.step``). It is aborted and its blocks are freed: ``finished`` is
     True, ``finish_reason`` is ``ABORT``, and it carries no tokens. No further output follows.
+
+    A prefill-only request's first token comes with ``kv_held`` set and ``finished`` True but no
+    ``finish_reason``: the engine is done with it, its blocks are held until ``LLMEngine.release``.
     """
 
     request_id: str
@@ -44,6 +65,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
     error: str | None = None  # set iff the engine failed the request (then finished, no tokens)
+    kv_held: HeldKV | None = None  # a prefill-only request's blocks, held for a peer to read
+    prefill_s: float | None = None  # with the first token: engine time of the steps that computed the prompt
 
     @property
     def failed(self) -> bool:
@@ -64,5 +87,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    num_loading: int  # admitted requests waiting for imported KV
+    num_held: int  # prefill-only requests whose blocks are held for a peer
     failed_steps_total: int  # steps that raised (their requests were failed)
     failed_requests_total: int  # requests the engine failed: in a failed step, or non-finite logits

@@ -139,6 +139,18 @@ class Sampler:
                 chosen[r] = torch.multinomial(probs[i], 1, generator=gen)[0]
 
     @staticmethod
+    def skip_draws(generator: torch.Generator, vocab: int, num_draws: int) -> None:
+        """Advance a request's generator past ``num_draws`` tokens sampled elsewhere (by a prefill
+        instance, or before a migration), so its next draw is the one the request would have made.
+        A draw consumes the generator the same way whatever the probabilities (one multinomial of a
+        ``vocab``-sized row); tests check the continuation equals an uninterrupted run."""
+        if num_draws <= 0:
+            return
+        uniform = torch.ones(vocab, device=generator.device)
+        for _ in range(num_draws):
+            torch.multinomial(uniform, 1, generator=generator)
+
+    @staticmethod
     def _logprobs(
         logits: torch.Tensor,
         chosen: torch.Tensor,

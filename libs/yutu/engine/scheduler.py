@@ -9,7 +9,10 @@ Each ``schedule()`` fills one forward pass under two limits: ``max_num_batched_t
    recomputes prompt + generated tokens (and may hit the prefix cache).
 2. Running prefills (a prompt or a recompute that did not finish in earlier steps): the next chunk.
 3. Waiting sequences, first come first served, while they fit (blocks for all their tokens are taken
-   at admission, reusing the longest cached prefix). Skipped in a step that preempted.
+   at admission, reusing the longest cached prefix). Skipped in a step that preempted. A sequence
+   whose leading KV is to be imported (``kv_import_tokens`` past its cached prefix) is admitted into
+   ``loading`` instead: it gets no chunk, and the batch lists a :class:`KVLoad` naming the blocks
+   to fill. ``finish_load`` moves it to ``running`` once the copy is done.
 
 The result is a plain :class:`ScheduledBatch`. After the forward pass the engine calls
 ``update_after_step`` so the computed counters and the prefix cache follow what the model wrote.
@@ -50,12 +53,30 @@ class ScheduledChunk:
         return self.start + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """Blocks of one admitted sequence to fill from outside before it can run.
+
+    ``block_ids[i]`` is the sequence's block number ``first_block + i``; together they cover tokens
+    ``[num_cached_tokens, num_tokens)`` of the sequence, where ``num_cached_tokens`` (a multiple of
+    the block size) came from this engine's own prefix cache.
+    """
+
+    seq_id: str
+    first_block: int
+    block_ids: list[int]
+    num_cached_tokens: int
+    num_tokens: int  # the sequence's kv_import_tokens
+
+
 @dataclass
 class ScheduledBatch:
-    """One forward pass: chunks laid end to end in this order, plus what was preempted to make room."""
+    """One forward pass: chunks laid end to end in this order, what was preempted to make room, and
+    the sequences admitted to wait for imported KV (they have no chunk)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_seq_ids: list[str] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +90,9 @@ class ScheduledBatch:
         """This batch minus the chunks of ``seq_ids`` (requests failed during the step)."""
         if not seq_ids:
             return self
-        return ScheduledBatch([c for c in self.chunks if c.seq_id not in seq_ids], self.preempted_seq_ids)
+        return ScheduledBatch(
+            [c for c in self.chunks if c.seq_id not in seq_ids], self.preempted_seq_ids, self.loads
+        )
 
 
 class Scheduler:
@@ -85,6 +108,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order; the last one is the preemption victim
+        self.loading: dict[str, Sequence] = {}  # admitted, waiting for imported KV; never preempted
+        # Aborted while loading: their blocks stay allocated until the copy into them has ended
+        # (finish_load), or the copy would write into blocks another sequence may own by then.
+        self.abandoned: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -92,6 +119,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has anything to do (loading sequences wait for ``finish_load``, not a step)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
@@ -129,7 +157,7 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) + len(self.loading) < self.max_num_seqs
             and not batch.preempted_seq_ids
         ):
             seq = self.waiting[0]
@@ -140,6 +168,9 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached
+            if seq.kv_import_tokens > num_cached:
+                batch.loads.append(self._load(seq, num_cached))
+                continue
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
@@ -155,6 +186,40 @@ class Scheduler:
             assert seq.num_computed_tokens == chunk.start, (seq, chunk.start)
             seq.num_computed_tokens = chunk.context_len
             self.block_manager.cache_computed_blocks(seq)
+
+    def finish_load(self, seq: Sequence, num_tokens: int) -> None:
+        """The import of ``seq`` ended with its first ``num_tokens`` tokens' KV in place (at least its
+        cached prefix; less than asked when part of the copy failed: the rest is computed). For a
+        sequence aborted while loading, this is when its blocks are freed."""
+        if self.abandoned.get(seq.seq_id) is seq:
+            del self.abandoned[seq.seq_id]
+            self.block_manager.free(seq)
+            return
+        assert seq.status is RequestStatus.LOADING and self.loading.get(seq.seq_id) is seq
+        if not seq.num_computed_tokens <= num_tokens <= seq.kv_import_tokens:
+            raise ValueError(
+                f"{seq.seq_id}: loaded {num_tokens} tokens, expected between {seq.num_computed_tokens}"
+                f" and {seq.kv_import_tokens}"
+            )
+        del self.loading[seq.seq_id]
+        seq.kv_import_tokens = 0  # consumed: a preempted sequence recomputes
+        seq.num_computed_tokens = num_tokens
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        self.block_manager.cache_computed_blocks(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch but keep its blocks (``HELD``): its KV is to be
+        read by someone else. Free them later with ``release``."""
+        assert seq.status is RequestStatus.RUNNING
+        self.running.remove(seq)
+        seq.status = RequestStatus.HELD
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a HELD sequence."""
+        assert seq.status is RequestStatus.HELD
+        self.block_manager.free(seq)
+        seq.status = RequestStatus.FINISHED_ABORTED
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Retire a running or waiting sequence with a FINISHED_* status and free its blocks."""
@@ -176,8 +241,20 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if self.loading.pop(seq.seq_id, None) is not None:
+            self.abandoned[seq.seq_id] = seq  # freed by finish_load, once the copy has ended
+        elif seq.seq_id not in self.abandoned:
+            self.block_manager.free(seq)
         seq.status = RequestStatus.FINISHED_ABORTED
+
+    def _load(self, seq: Sequence, num_cached: int) -> KVLoad:
+        # blocks [num_cached / bs, ceil(kv_import_tokens / bs)) of the table get the imported KV
+        bs = self.block_manager.block_size
+        first, end = num_cached // bs, -(-seq.kv_import_tokens // bs)
+        seq.status = RequestStatus.LOADING
+        self.loading[seq.seq_id] = seq
+        table = self.block_manager.block_table(seq.seq_id)
+        return KVLoad(seq.seq_id, first, table[first:end], num_cached, seq.kv_import_tokens)
 
     def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         # token_ids[start : start + num_tokens] are computed this step; start = num_computed_tokens.

@@ -15,14 +15,24 @@ class RequestStatus(enum.Enum):
     """Lifecycle of a sequence::
 
     WAITING --admit--> RUNNING --finish--> FINISHED_*
-                          |  ^
-                  preempt v  | re-admit (recompute prompt + generated tokens)
+       |                  |  ^    \
+       | admit, KV        |  |     `-- first token of a prefill-only request --> HELD --release--> freed
+       | to import        |  |
+       v                  |  |
+    LOADING --loaded------'  |  re-admit (recompute prompt + generated tokens)
+                  preempt v  |
                        PREEMPTED (back at the front of the waiting queue)
+
+    LOADING: blocks are allocated and KV for some leading tokens is being copied in from outside
+    (a peer's cache, the KV store); the sequence is not scheduled until the copy is done. HELD: a
+    prefill-only request sampled its first token; its blocks stay allocated until released.
     """
 
     WAITING = "waiting"
+    LOADING = "loading"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    HELD = "held"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -71,8 +81,13 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission (+ KV imported)
         self.generator = generator  # per-request RNG when params.seed is set
+        # Leading tokens whose KV is copied in from outside at admission (0: none). Consumed once
+        # the copy is done: a re-admission after preemption recomputes instead.
+        self.kv_import_tokens = 0
+        self.prefill_only = False  # stop after the first token and hold the blocks (prefill role)
+        self.prefill_compute_s = 0.0  # engine time of the steps that computed this sequence's prompt
         self._root_key = root_key
         self.block_keys: list[bytes] = block_key_digests(root_key, self.token_ids, block_size)
 

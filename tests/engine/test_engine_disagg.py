@@ -1,0 +1,224 @@
+"""The engine's disaggregation primitives on a tiny real model: hold a prefill-only request's blocks,
+import KV into an admitted request's blocks, continue from tokens generated elsewhere.
+
+The "transfer" here is a tensor copy between two engines' caches (what the transfer engine does
+between two workers' registered regions); the reference is one engine running the request whole.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from yutu.engine.errors import InvalidRequestError
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.sequence import RequestStatus
+from yutu.engine.testing import make_tiny_checkpoint
+
+VOCAB = 512
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", arch="llama", seed=0)
+
+
+def make_engine(ckpt: Path, **overrides: Any) -> LLMEngine:
+    kwargs: dict[str, Any] = {"model_dir": ckpt, "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        engine.block_manager.check_integrity()
+    assert not engine.has_unfinished_requests()
+    return outputs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def logprobs(outs: list[RequestOutput]) -> list[float]:
+    return [lp.logprob for o in outs for lp in (o.new_logprobs or [])]
+
+
+def reference(ckpt: Path, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+    engine = make_engine(ckpt)
+    engine.add_request("ref", ids, params)
+    return drain(engine)["ref"]
+
+
+def copy_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int]) -> None:
+    """What the decode's batched READ does: block i of the source into block i of the destination."""
+    dst.runner.kv_cache[dst_blocks] = src.runner.kv_cache[src_blocks]
+
+
+def prefill(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams) -> RequestOutput:
+    engine.add_request(rid, ids, params, prefill_only=True)
+    (out,) = drain(engine)[rid]
+    return out
+
+
+def handoff(
+    prefiller: LLMEngine, first: RequestOutput, decoder: LLMEngine, ids: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    """Decode on ``decoder`` what ``prefiller`` prefilled: import its KV, then run to the end."""
+    assert first.kv_held is not None
+    rid = first.request_id
+    decoder.add_request(rid, ids, params, generated=first.new_token_ids, import_tokens=len(ids))
+    assert drain(decoder) == {}  # admitted into loading: no step output yet
+    (load,) = decoder.take_loads()
+    assert load.seq_id == rid and load.num_tokens == len(ids)
+    first_block = load.first_block
+    copy_blocks(prefiller, first.kv_held.block_ids[first_block : first_block + len(load.block_ids)],
+                decoder, load.block_ids)  # fmt: skip
+    assert prefiller.release(rid)
+    decoder.finish_load(rid, len(ids))
+    return drain(decoder)[rid]
+
+
+@pytest.mark.parametrize("length", [40, 48, 1])  # a partial last block, an exact one, one token
+def test_prefill_then_decode_elsewhere_equals_one_engine(ckpt: Path, length: int) -> None:
+    ids = prompt(length, seed=length)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = reference(ckpt, ids, params)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt)
+    first = prefill(prefiller, "r", ids, params)
+    assert first.finished and first.finish_reason is None and first.kv_held is not None
+    assert first.kv_held.num_tokens == length
+    assert len(first.kv_held.block_ids) == -(
+        -length // BS
+    )  # the prompt's blocks (the first token has no KV yet)
+    assert prefiller.num_held == 1 and prefiller.stats().num_held == 1
+    assert first.prefill_s is not None and first.prefill_s > 0
+    rest = handoff(prefiller, first, decoder, ids, params)
+    assert tokens([first, *rest]) == tokens(ref)
+    assert logprobs([first, *rest]) == pytest.approx(logprobs(ref), abs=1e-5)
+    assert rest[-1].finished and rest[-1].finish_reason is not None
+    for engine in (prefiller, decoder):
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_used_blocks == 0
+    assert prefiller.num_held == 0 and not prefiller.release("r")
+
+
+def test_seeded_sampling_continues_the_same_stream_after_a_handoff(ckpt: Path) -> None:
+    ids = prompt(37, seed=5)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    ref = reference(ckpt, ids, params)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt)
+    first = prefill(prefiller, "s", ids, params)
+    assert tokens([first, *handoff(prefiller, first, decoder, ids, params)]) == tokens(ref)
+
+
+def test_decoder_reuses_its_own_prefix_cache_and_imports_only_the_rest(ckpt: Path) -> None:
+    shared = prompt(32, seed=9)  # two full blocks the decoder already computed
+    ids = shared + prompt(20, seed=10)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    decoder = make_engine(ckpt)
+    decoder.add_request("warm", shared + [7, 8, 9], SamplingParams(temperature=0, max_tokens=1))
+    drain(decoder)
+    prefiller = make_engine(ckpt)
+    first = prefill(prefiller, "x", ids, params)
+    assert first.kv_held is not None
+    decoder.add_request("x", ids, params, generated=first.new_token_ids, import_tokens=len(ids))
+    drain(decoder)
+    (load,) = decoder.take_loads()
+    assert (load.first_block, load.num_cached_tokens, len(load.block_ids)) == (2, 32, 2)  # tokens 32..51
+    copy_blocks(prefiller, first.kv_held.block_ids[2:4], decoder, load.block_ids)
+    prefiller.release("x")
+    decoder.finish_load("x", len(ids))
+    assert tokens([first, *drain(decoder)["x"]]) == tokens(reference(ckpt, ids, params))
+
+
+def test_partial_import_computes_the_rest(ckpt: Path) -> None:
+    ids = prompt(50, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt)
+    first = prefill(prefiller, "p", ids, params)
+    assert first.kv_held is not None
+    decoder.add_request("p", ids, params, generated=first.new_token_ids, import_tokens=len(ids))
+    drain(decoder)
+    (load,) = decoder.take_loads()
+    copy_blocks(prefiller, first.kv_held.block_ids[:1], decoder, load.block_ids[:1])  # only block 0 came
+    prefiller.release("p")
+    decoder.finish_load("p", BS)
+    assert tokens([first, *drain(decoder)["p"]]) == tokens(reference(ckpt, ids, params))
+    # "p" left its 3 full blocks in the decoder's prefix cache: a load may not claim less than that
+    with pytest.raises(ValueError, match="loaded 0 tokens, expected between 48 and 49"):
+        decoder.add_request("q", ids, params, import_tokens=len(ids) - 1)
+        drain(decoder)
+        decoder.take_loads()
+        decoder.finish_load("q", 0)
+
+
+def test_abort_while_loading_frees_blocks_only_after_the_copy(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    ids = prompt(40, seed=1)
+    engine.add_request("a", ids, SamplingParams(temperature=0, max_tokens=3), import_tokens=39)
+    drain(engine)
+    (load,) = engine.take_loads()
+    assert engine.stats().num_loading == 1 and not engine.has_unfinished_requests()
+    engine.abort_request("a")
+    assert engine.block_manager.num_used_blocks == 3  # a copy may still be writing into them
+    assert engine.scheduler.abandoned["a"].status is RequestStatus.FINISHED_ABORTED
+    engine.finish_load("a", 39)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.abandoned
+    engine.block_manager.check_integrity()
+    assert engine.take_loads() == [] and load.seq_id == "a"
+
+
+def test_continuing_from_generated_tokens_equals_an_uninterrupted_run(ckpt: Path) -> None:
+    """A migration: another engine recomputes prompt + tokens so far and samples the next ones."""
+    ids = prompt(30, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    ref = tokens(reference(ckpt, ids, params))
+    engine = make_engine(ckpt)
+    engine.add_request("m", ids, params, generated=ref[:4])
+    assert tokens(drain(engine)["m"]) == ref[4:]
+
+
+def test_first_token_that_ends_the_request_holds_nothing(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    out = prefill(engine, "one", prompt(20, seed=2), SamplingParams(temperature=0, max_tokens=1))
+    assert out.finished and out.finish_reason is not None and out.kv_held is None
+    assert engine.num_held == 0 and engine.block_manager.num_used_blocks == 0
+
+
+def test_bad_disaggregation_arguments_are_refused(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    ids = prompt(10, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(InvalidRequestError, match="one token is always computed"):
+        engine.add_request("a", ids, params, import_tokens=10)
+    with pytest.raises(InvalidRequestError, match="nothing left to do"):
+        engine.add_request("b", ids, params, generated=[5, 6, 7])
+    with pytest.raises(InvalidRequestError, match="cannot carry generated tokens"):
+        engine.add_request("c", ids, params, generated=[5], prefill_only=True)
+    with pytest.raises(InvalidRequestError, match=r"generated token ids must be integers in \[0, 512\)"):
+        engine.add_request("d", ids, params, generated=[9999])
