@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview | Any  # anything exporting a contiguous buffer (numpy arrays too)
 SEGMENT_REGION = "segment"
+STAGING_REGION = "store-staging"  # plain put/get copy through it (shared engines hold other regions too)
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,25 @@ class StoreClientConfig:
 
 
 class StoreClient:
-    def __init__(self, config: StoreClientConfig) -> None:
+    """See the module docstring.
+
+    ``engine``: a started transfer engine to move bytes with, owned by the caller (a worker whose KV
+    cache lives in one of its regions, so ``put_from``/``get_into`` reach the cache directly). The
+    client registers its staging region in it and leaves it running on :meth:`close`. Without one,
+    the client runs an engine of its own whose segment is named ``client_id``.
+    """
+
+    def __init__(self, config: StoreClientConfig, engine: TransferEngine | None = None) -> None:
         self.config = config
         self.client_id = (
             config.client_id or f"store-client-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
+        if engine is not None and config.segment_bytes > 0:
+            raise ValueError("a store client on a shared transfer engine cannot contribute a segment")
         self.host_id = local_host_id()
         self._redis: aioredis.Redis | None = None
-        self.engine: TransferEngine | None = None
+        self.engine: TransferEngine | None = engine
+        self._owns_engine = engine is None
         self.master: MasterClient | None = None
         self._staging: Staging | None = None
         self._segment: MountedSegment | None = None
@@ -89,20 +101,25 @@ class StoreClient:
     async def start(self) -> None:
         c = self.config
         self._redis = aioredis.from_url(c.redis_url)
-        engine = TransferEngine(
-            self.client_id,
-            SegmentDirectory(self._redis, c.prefix),
-            c.host,
-            0,
-            c.tcp_connections,
-            c.transfer_timeout_s,
-            transports=c.transports,
-        )
-        self.engine = engine
-        self._staging = Staging(engine.register_region("staging", c.staging_bytes))
-        if c.segment_bytes > 0:
-            engine.register_region(SEGMENT_REGION, c.segment_bytes)
-        await engine.start()
+        if self.engine is None:
+            engine = TransferEngine(
+                self.client_id,
+                SegmentDirectory(self._redis, c.prefix),
+                c.host,
+                0,
+                c.tcp_connections,
+                c.transfer_timeout_s,
+                transports=c.transports,
+            )
+            self.engine = engine
+            self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))
+            if c.segment_bytes > 0:
+                engine.register_region(SEGMENT_REGION, c.segment_bytes)
+            await engine.start()
+        else:
+            engine = self.engine
+            self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))
+            await engine.publish()
         self.master = MasterClient(
             c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s
         )
@@ -126,7 +143,10 @@ class StoreClient:
         if self.master is not None:
             await self.master.close()
         if self.engine is not None:
-            await self.engine.close()
+            if self._owns_engine:
+                await self.engine.close()
+            elif STAGING_REGION in self.engine.regions:
+                self.engine.unregister_region(STAGING_REGION)
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -198,6 +218,18 @@ class StoreClient:
         self, keys: Sequence[str], buffer: Region | str, offsets: Sequence[int], lengths: Sequence[int], *,
         replicas: int = 1, soft_pin: bool = False, upsert: bool = False,
     ) -> list[bool]:  # fmt: skip
+        """Store each ``buffer[offset : offset + length]``; raises if any key failed (after the rest)."""
+        results = await self.put_from_batch_outcomes(
+            keys, buffer, offsets, lengths, replicas=replicas, soft_pin=soft_pin, upsert=upsert
+        )
+        return _raise_any([_key(k) for k in keys], results)
+
+    async def put_from_batch_outcomes(
+        self, keys: Sequence[str], buffer: Region | str, offsets: Sequence[int], lengths: Sequence[int], *,
+        replicas: int = 1, soft_pin: bool = False, upsert: bool = False,
+    ) -> list[bool | YutuError]:  # fmt: skip
+        """Like :meth:`put_from_batch`, but one outcome per key instead of raising: True written,
+        False already stored, or the error of that key. Bad arguments still raise."""
         if not len(keys) == len(offsets) == len(lengths):
             raise ValueError("keys, offsets and lengths must have the same length")
         name = self._region_name(buffer)
@@ -210,8 +242,7 @@ class StoreClient:
                 )
         checked = [_key(k) for k in keys]
         sources = [(name, o, n) for o, n in zip(offsets, lengths, strict=True)]
-        results = await self._io.put(checked, sources, PutOptions(replicas, soft_pin, upsert))
-        return _raise_any(checked, results)
+        return await self._io.put(checked, sources, PutOptions(replicas, soft_pin, upsert))
 
     # -- gets ------------------------------------------------------------------------------------
 

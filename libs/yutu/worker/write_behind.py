@@ -1,0 +1,151 @@
+"""Write-behind: every new full KV block goes into the store, keyed by its chained hash.
+
+The engine thread pins each block it registers in its prefix cache (an extra reference, so the
+block is not handed to another sequence while it is copied) and offers it here. This module, on
+the event loop, batches offered blocks into ``put_from_batch`` calls straight from the KV cache
+region (no copy in this process), keeps at most ``max_in_flight`` blocks pinned, and unpins every
+block it was offered exactly once -- written, already stored, skipped or failed. It is never on the
+token path: offering returns at once, and a failed put is counted and logged, never raised.
+
+    engine thread: step -> new full blocks -> pin -> offer(blocks)      (via the event loop)
+    event loop:    queue -> put_from_batch(keys, kv region, offsets) -> unpin(block ids)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from yutu.errors import YutuError
+from yutu.store.client import StoreClient
+from yutu.supervise import Supervisor
+
+log = logging.getLogger(__name__)
+
+KNOWN_KEYS = 65_536  # keys remembered as stored, so a hot prefix is not offered again and again
+
+
+@dataclass
+class WriteBehindStats:
+    written: int = 0  # blocks put into the store
+    already_stored: int = 0  # the store had them (another instance wrote them first)
+    known: int = 0  # not sent: remembered as stored
+    skipped: int = 0  # not sent: too many in flight
+    failed: int = 0  # the put failed (logged)
+
+
+class WriteBehind:
+    def __init__(
+        self,
+        store: StoreClient,
+        region: str,
+        block_bytes: int,
+        unpin: Callable[[list[int]], None],
+        supervisor: Supervisor,
+        max_in_flight: int = 512,
+        batch_blocks: int = 64,
+    ) -> None:
+        if max_in_flight < 1 or batch_blocks < 1:
+            raise ValueError("write-behind needs max_in_flight >= 1 and batch_blocks >= 1")
+        self.store = store
+        self.region = region
+        self.block_bytes = block_bytes
+        self.max_in_flight = max_in_flight
+        self.batch_blocks = batch_blocks
+        self.stats = WriteBehindStats()
+        self._unpin = unpin
+        self._queue: list[tuple[str, int]] = []
+        self._in_flight = 0  # queued or being written (all pinned)
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        supervisor.spawn("write-behind", self._run())
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def remember(self, keys: Sequence[str]) -> None:
+        """Keys known to be in the store (fetched from it): never offered for writing."""
+        for key in keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+        while len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def offer(self, blocks: Sequence[tuple[str, int]]) -> None:
+        """Take pinned blocks (store key, block id); each is unpinned once it is dealt with."""
+        release: list[int] = []
+        for key, block_id in blocks:
+            if self._closed:
+                release.append(block_id)
+            elif key in self._known:
+                self.stats.known += 1
+                release.append(block_id)
+            elif self._in_flight >= self.max_in_flight:
+                self.stats.skipped += 1
+                release.append(block_id)
+            else:
+                self._queue.append((key, block_id))
+                self._in_flight += 1
+        if release:
+            self._unpin(release)
+        if self._queue:
+            self._idle.clear()
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch, self._queue = self._queue[: self.batch_blocks], self._queue[self.batch_blocks :]
+                await self._write(batch)
+            if not self._queue:
+                self._idle.set()
+
+    async def _write(self, batch: list[tuple[str, int]]) -> None:
+        keys = [k for k, _ in batch]
+        block_ids = [b for _, b in batch]
+        try:
+            results = await self.store.put_from_batch_outcomes(
+                keys, self.region, [b * self.block_bytes for b in block_ids], [self.block_bytes] * len(batch)
+            )
+        except (YutuError, OSError, ValueError) as exc:
+            self.stats.failed += len(batch)
+            log.warning("write-behind of %d KV blocks failed: %s", len(batch), exc)
+        else:
+            for key, outcome in zip(keys, results, strict=True):
+                if isinstance(outcome, YutuError):
+                    self.stats.failed += 1
+                    log.warning("write-behind of KV block %s failed: %s", key, outcome)
+                    continue
+                if outcome:
+                    self.stats.written += 1
+                else:
+                    self.stats.already_stored += 1
+                self.remember([key])
+        finally:
+            self._in_flight -= len(batch)
+            self._unpin(block_ids)
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every offered block is dealt with; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Unpin what is still queued (not yet sent); later offers are unpinned at once."""
+        self._closed = True
+        if self._queue:
+            queued, self._queue = self._queue, []
+            self._in_flight -= len(queued)
+            self._unpin([b for _, b in queued])
