@@ -1,0 +1,224 @@
+"""The conductor's global view: live instances, their load, the KV blocks each one and the store hold.
+
+Fed by three streams and read once per placement as a plain :class:`yutu.sched.ClusterView`::
+
+    registry (every poll)      -> which prefill and decode instances exist, and their endpoints
+    load reports (PUB/SUB)     -> queue, running batch, free blocks, measured step/prefill/transfer times
+    KV events (vLLM shape)     -> the block keys each instance's prefix cache holds, and the store's
+
+Placements the conductor made but no report reflects yet are kept as *pending* per instance, so two
+requests placed within one report interval see each other: a prefill instance's queue and free
+blocks count them, a decode instance lists them as incoming (the sched package's contract).
+A pending entry is dropped once a report made well after it arrives (the instance then counts it
+itself), or after ``pending_ttl_s`` at the latest.
+
+All times are the conductor's monotonic clock, passed in; nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from yutu.protocol.load import LoadReport
+from yutu.registry import ServiceRecord
+from yutu.sched import (
+    ClusterView,
+    DecodeView,
+    IncomingDecode,
+    Placement,
+    PrefillView,
+    QueuedPrefill,
+    RequestView,
+    RunningDecode,
+)
+
+ROLES = ("prefill", "decode")
+STORE = "store"  # the KV-event source name of the store master
+REPORT_LAG_S = 0.05  # a report received this long after a placement includes it
+
+
+@dataclass
+class Pending:
+    """A placement not yet visible in its instance's load reports."""
+
+    request_id: str
+    prompt_len: int
+    reused_tokens: int
+    max_tokens: int
+    blocks: int  # KV blocks it will take there
+    placed_at: float
+    ready_at: float  # predicted end of its prefill (when a decode instance gets it)
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    record: ServiceRecord
+    report: LoadReport | None = None
+    report_at: float | None = None
+    cached: set[str] = field(default_factory=set)  # block keys of its prefix cache (from KV events)
+    pending: list[Pending] = field(default_factory=list)
+
+    @property
+    def broken(self) -> str | None:
+        value = self.record.meta.get("broken")
+        return str(value) if value else None
+
+    @property
+    def max_batch(self) -> int:
+        return max(1, int(self.record.meta.get("max_num_seqs", 64)))
+
+    def endpoint(self, name: str) -> str | None:
+        return self.record.endpoints.get(name)
+
+
+class GlobalView:
+    def __init__(self, block_size: int, report_stale_s: float, pending_ttl_s: float = 30.0) -> None:
+        self.block_size = block_size
+        self.report_stale_s = report_stale_s
+        self.pending_ttl_s = pending_ttl_s
+        self.instances: dict[str, Instance] = {}
+        self.store_keys: set[str] = set()
+        self.bytes_per_block = 0  # from the workers' records (all must agree)
+
+    # -- registry ---------------------------------------------------------------------------------
+
+    def update_records(self, records: list[ServiceRecord]) -> tuple[list[str], list[str]]:
+        """The registry's current prefill and decode records; returns (joined, left) instance ids."""
+        seen = {r.instance_id: r for r in records if r.kind in ROLES}
+        left = [i for i in self.instances if i not in seen]
+        for instance_id in left:
+            del self.instances[instance_id]
+        joined = []
+        for instance_id, record in seen.items():
+            current = self.instances.get(instance_id)
+            if current is None or current.record.pid != record.pid or current.role != record.kind:
+                self.instances[instance_id] = Instance(instance_id, record.kind, record)
+                joined.append(instance_id)
+            else:
+                current.record = record
+            block_bytes = record.meta.get("block_bytes")
+            if isinstance(block_bytes, int) and block_bytes > 0:
+                self.bytes_per_block = block_bytes
+        return joined, left
+
+    # -- streams ----------------------------------------------------------------------------------
+
+    def on_report(self, report: LoadReport, now: float) -> bool:
+        """Take a load report; False if its instance is unknown (not yet listed, or gone)."""
+        instance = self.instances.get(report.instance_id)
+        if instance is None:
+            return False
+        if (
+            instance.report is not None
+            and report.seq <= instance.report.seq
+            and report.time <= instance.report.time
+        ):
+            return True  # an old report arriving late
+        instance.report = report
+        instance.report_at = now
+        instance.pending = [
+            p
+            for p in instance.pending
+            if p.placed_at > now - REPORT_LAG_S or (instance.role == "decode" and p.ready_at > now)
+        ]
+        return True
+
+    def on_kv_events(self, source: str, batch: KVEventBatch) -> None:
+        keys = self.store_keys if source == STORE else self._cached(source)
+        if keys is None:
+            return
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                keys.update(_hex(h) for h in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                keys.difference_update(_hex(h) for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                keys.clear()
+
+    def reset_keys(self, source: str) -> None:
+        keys = self.store_keys if source == STORE else self._cached(source)
+        if keys is not None:
+            keys.clear()
+
+    def _cached(self, instance_id: str) -> set[str] | None:
+        instance = self.instances.get(instance_id)
+        return None if instance is None else instance.cached
+
+    # -- placements -------------------------------------------------------------------------------
+
+    def note_placement(self, placement: Placement, request: RequestView, now: float) -> None:
+        """Count a placement on its instances until their reports do."""
+        blocks = -(-(request.prompt_len + request.max_tokens) // self.block_size)
+        reused = (
+            placement.plan.fetch_end if placement.plan.fetch_blocks else placement.plan.local_blocks
+        ) * self.block_size
+        pending = Pending(
+            request.request_id, request.prompt_len, min(reused, request.prompt_len - 1), request.max_tokens,
+            blocks, now, placement.ready_at_s,
+        )  # fmt: skip
+        for instance_id in {placement.prefill_id, placement.decode_id} - {None}:
+            instance = self.instances.get(str(instance_id))
+            if instance is not None:
+                instance.pending.append(pending)
+
+    def live(self, role: str, now: float, exclude: frozenset[str] = frozenset()) -> list[Instance]:
+        """Instances of ``role`` that may take work: listed, reporting, not broken, not excluded."""
+        out = []
+        for instance in self.instances.values():
+            if instance.role != role or instance.instance_id in exclude or instance.broken:
+                continue
+            if (
+                instance.report is None
+                or instance.report_at is None
+                or now - instance.report_at > self.report_stale_s
+            ):
+                continue
+            out.append(instance)
+        return sorted(out, key=lambda i: i.instance_id)
+
+    def snapshot(self, now: float, exclude: frozenset[str] = frozenset()) -> ClusterView:
+        """The view a policy places one request on."""
+        self._expire(now)
+        prefills = tuple(self._prefill_view(i) for i in self.live("prefill", now, exclude))
+        decodes = tuple(self._decode_view(i) for i in self.live("decode", now, exclude))
+        return ClusterView(prefills, decodes, self.store_keys, max(1, self.bytes_per_block), self.block_size)
+
+    def _expire(self, now: float) -> None:
+        for instance in self.instances.values():
+            if instance.pending:
+                instance.pending = [p for p in instance.pending if now - p.placed_at < self.pending_ttl_s]
+
+    def _prefill_view(self, instance: Instance) -> PrefillView:
+        report = instance.report
+        assert report is not None
+        queue = [
+            QueuedPrefill(q[0], min(q[1], q[0]), max(0, min(q[2], q[0] - min(q[1], q[0]))))
+            for q in report.queued
+            if q and q[0] > 0
+        ]
+        queue += [QueuedPrefill(p.prompt_len, p.reused_tokens) for p in instance.pending]
+        free = report.free_blocks - sum(p.blocks for p in instance.pending)
+        return PrefillView(instance.instance_id, instance.cached, max(0, free), tuple(queue))
+
+    def _decode_view(self, instance: Instance) -> DecodeView:
+        report = instance.report
+        assert report is not None
+        running = tuple(RunningDecode(max(1, d[0]), max(0, d[1])) for d in report.decoding if d)
+        incoming = tuple(IncomingDecode(p.ready_at, p.prompt_len, p.max_tokens) for p in instance.pending)
+        return DecodeView(
+            instance.instance_id,
+            max(0, report.free_blocks),
+            instance.max_batch,
+            running,
+            incoming,
+            instance.cached,
+        )
+
+
+def _hex(block_hash: bytes | int) -> str:
+    if isinstance(block_hash, bytes):
+        return block_hash.hex()
+    return format(block_hash, "032x")

@@ -1,0 +1,108 @@
+"""The conductor's global view, fed by hand: records, load reports, KV events, pending placements."""
+
+from __future__ import annotations
+
+from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from yutu.protocol.load import LoadReport
+from yutu.registry import ServiceRecord
+from yutu.sched import KVCentric, Placement, PrefixPlan, RequestView
+
+from services.conductor.view import STORE, GlobalView
+
+BS = 16
+
+
+def record(kind: str, instance_id: str, pid: int = 100, **meta: object) -> ServiceRecord:
+    endpoints = {"load": f"tcp://127.0.0.1:1{pid}", "kv_events": f"tcp://127.0.0.1:2{pid}"}
+    return ServiceRecord(
+        kind, instance_id, endpoints, {"block_bytes": 4096, "max_num_seqs": 8, **meta}, pid=pid
+    )
+
+
+def report(instance_id: str, seq: int, role: str, **fields: object) -> LoadReport:
+    base: dict[str, object] = dict(
+        instance_id=instance_id, role=role, seq=seq, time=1000.0 + seq, num_running=0, num_waiting=0,
+        num_held=0, free_blocks=100, total_blocks=128, block_size=BS,
+    )  # fmt: skip
+    base.update(fields)
+    return LoadReport(**base)  # type: ignore[arg-type]
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def test_instances_need_a_fresh_report_and_a_sane_record() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    joined, left = view.update_records(
+        [record("prefill", "p0"), record("decode", "d0", pid=101), record("gateway", "g", pid=102)]
+    )
+    assert (sorted(joined), left) == (["d0", "p0"], [])
+    assert view.live("prefill", now=10.0) == []  # no report yet
+    assert view.on_report(report("p0", 1, "prefill"), now=10.0)
+    assert not view.on_report(report("zz", 1, "prefill"), now=10.0)  # unknown instance
+    assert [i.instance_id for i in view.live("prefill", now=14.9)] == ["p0"]
+    assert view.live("prefill", now=15.1) == []  # stale
+    view.update_records([record("prefill", "p0", broken="engine died"), record("decode", "d0", pid=101)])
+    view.on_report(report("p0", 2, "prefill"), now=20.0)
+    assert view.live("prefill", now=20.0) == []  # broken instances get nothing
+    joined, left = view.update_records([record("prefill", "p0", pid=999)])  # restarted: a new incarnation
+    assert (joined, left) == (["p0"], ["d0"])
+    assert view.instances["p0"].report is None and view.bytes_per_block == 4096
+
+
+def test_kv_events_track_each_cache_and_the_store() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("prefill", "p0")])
+    view.on_kv_events("p0", KVEventBatch(0.0, [BlockStored([bytes.fromhex(key(1)), bytes.fromhex(key(2))])]))
+    view.on_kv_events(STORE, KVEventBatch(0.0, [BlockStored([bytes.fromhex(key(1))]), BlockStored([3])]))
+    assert view.instances["p0"].cached == {key(1), key(2)}
+    assert view.store_keys == {key(1), key(3)}
+    view.on_kv_events("p0", KVEventBatch(0.0, [BlockRemoved([bytes.fromhex(key(2))])]))
+    assert view.instances["p0"].cached == {key(1)}
+    view.on_kv_events("p0", KVEventBatch(0.0, [AllBlocksCleared(), BlockStored([bytes.fromhex(key(7))])]))
+    assert view.instances["p0"].cached == {key(7)}
+    view.on_kv_events("gone", KVEventBatch(0.0, [BlockStored([1])]))  # an instance that left: ignored
+    view.reset_keys(STORE)
+    assert view.store_keys == set()
+
+
+def test_pending_placements_count_until_a_later_report() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("prefill", "p0"), record("decode", "d0", pid=101)])
+    view.on_report(report("p0", 1, "prefill", queued=[[64, 16, 0]]), now=10.0)
+    view.on_report(report("d0", 1, "decode", decoding=[[80, 10]], free_blocks=50), now=10.0)
+    request = RequestView("r1", (key(1), key(2)), 40, 8)
+    placement = Placement("r1", "p0", "d0", PrefixPlan(1, 2, 8), 0.5, 0.01, 10.5, "kvcentric", "test")
+    view.note_placement(placement, request, now=10.1)
+    snap = view.snapshot(now=10.1)
+    (p,) = snap.prefills
+    assert [(q.prompt_len, q.reused_tokens) for q in p.queue] == [(64, 16), (40, 32)]
+    assert p.free_blocks == 100 - 3  # ceil((40 + 8) / 16)
+    (d,) = snap.decodes
+    assert [(i.arrival_s, i.prompt_len) for i in d.incoming] == [(10.5, 40)]
+    assert d.batch_size == 1 and d.kv_tokens == 80 and d.max_batch == 8
+    view.on_report(report("p0", 2, "prefill"), now=10.12)  # too soon after the placement to include it
+    assert len(view.snapshot(now=10.12).prefills[0].queue) == 1
+    view.on_report(report("p0", 3, "prefill"), now=10.3)
+    assert view.snapshot(now=10.3).prefills[0].queue == ()
+    view.on_report(report("d0", 2, "decode"), now=10.3)  # its prefill is not over (ready at 10.5)
+    assert len(view.snapshot(now=10.3).decodes[0].incoming) == 1
+    view.on_report(report("d0", 3, "decode"), now=10.6)
+    assert view.snapshot(now=10.6).decodes[0].incoming == ()
+    assert view.snapshot(now=10.6, exclude=frozenset({"d0"})).decodes == ()
+
+
+def test_a_policy_places_on_the_snapshot() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records(
+        [record("prefill", "p0"), record("prefill", "p1", pid=102), record("decode", "d0", pid=101)]
+    )
+    for name in ("p0", "p1"):
+        view.on_report(report(name, 1, "prefill"), now=1.0)
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    keys = tuple(key(i) for i in range(8))
+    view.on_kv_events("p1", KVEventBatch(0.0, [BlockStored([bytes.fromhex(k) for k in keys])]))
+    outcome = KVCentric().place(view.snapshot(now=1.0), RequestView("r", keys, 8 * BS + 5, 4), now=1.0)
+    assert isinstance(outcome, Placement)
+    assert (outcome.prefill_id, outcome.decode_id, outcome.plan.local_blocks) == ("p1", "d0", 8)
