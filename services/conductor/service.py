@@ -96,7 +96,7 @@ class ConductorService(Service):
         if self._registration is not None:
             await self._registration.close()
         if self._rpc is not None:
-            self._rpc.close()
+            await self._rpc.close()
         if self._loads is not None:
             self._loads.close()
         if self._events is not None:
