@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,12 +22,13 @@ import redis
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.launcher import free_port, redis_reachable
 from yutu.store.client import StoreClient, StoreClientConfig
+from yutu.transfer.region import SHM_DIR_ENV, shm_directory
 
 
 class Up:
     """`yutu up` in its own session (as a terminal runs it), HOME in ``tmp_path``, output collected."""
 
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, shm: Path, *flags: str) -> None:
         self.checkpoint = make_tiny_checkpoint(tmp_path / "tiny-sup", arch="llama", seed=7)
         self.port = free_port()
         self.redis_url = f"redis://127.0.0.1:{free_port()}/0"
@@ -33,7 +37,8 @@ class Up:
         argv = [sys.executable, "-m", "yutu.cli", "up", "--model", str(self.checkpoint), "--port", str(self.port),
                 "--redis-url", self.redis_url, "--kv-cache-memory-mib", "64", "--store-segment-size", "16MiB",
                 *flags]  # fmt: skip
-        env = {**os.environ, "HOME": str(self.home), "OMP_NUM_THREADS": "1"}
+        self.shm = shm  # where the stack's region files live (YUTU_SHM_DIR)
+        env = {**os.environ, "HOME": str(self.home), "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(shm)}
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -76,6 +81,9 @@ class Up:
                 return pid
         raise AssertionError(f"no child {name!r} of `yutu up` ({self.children()})")
 
+    def region_files(self, pid: int) -> list[str]:
+        return sorted(f for f in os.listdir(self.shm) if f.startswith(f"yutu-region-{pid}-"))
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -92,8 +100,14 @@ def alive(pid: int) -> bool:
         return False
 
 
-def region_files(pid: int) -> list[str]:
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"yutu-region-{pid}-"))
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A region directory (tmpfs) of the test's own: other sessions' services sweep /dev/shm."""
+    path = Path(tempfile.mkdtemp(prefix="yutu-test-", dir=shm_directory()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -154,9 +168,9 @@ async def store_roundtrip(redis_url: str, payloads: dict[str, bytes]) -> list[by
 
 @pytest.mark.timeout(600)
 def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_the_stack(
-    tmp_path: Path,
+    tmp_path: Path, shm: Path
 ) -> None:
-    up = Up(tmp_path, "--log-dir", str(tmp_path / "logs"))
+    up = Up(tmp_path, shm, "--log-dir", str(tmp_path / "logs"))
     load: Load | None = None
     try:
         up.wait_for("Ctrl-C stops everything", timeout_s=240)
@@ -164,7 +178,7 @@ def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_
         load.wait_served(3)
 
         node = up.pid_of("store-node-0")
-        [node_file] = region_files(node)
+        [node_file] = up.region_files(node)
         os.kill(node, signal.SIGKILL)
         up.wait_for(
             rf"store-node-0 \(pid {node}\) was killed by SIGKILL after [\d.]+s; restarting it in 0\.5s"
@@ -172,7 +186,7 @@ def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_
         new_node = int(up.wait_for(r"restarted store-node-0: pid (\d+)").group(1))
         up.wait_for(rf"store-node-0 \(pid {new_node}\) is ready again")
         assert new_node != node and up.pid_of("store-node-0") == new_node
-        assert region_files(node) == []  # the killed node's shared memory was reclaimed
+        assert up.region_files(node) == []  # the killed node's shared memory was reclaimed
         assert node_file in (tmp_path / "logs" / "store-node-0.log").read_text()  # ... by its successor
         payloads = {f"sup-{i}": os.urandom(50_000) for i in range(4)}
         assert asyncio.run(store_roundtrip(up.redis_url, payloads)) == list(payloads.values())
@@ -214,14 +228,14 @@ def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_from_the_terminal_stops_everything_cleanly(tmp_path: Path) -> None:
-    up = Up(tmp_path)  # no --log-dir: every child's output comes through the same terminal
+def test_ctrl_c_from_the_terminal_stops_everything_cleanly(tmp_path: Path, shm: Path) -> None:
+    up = Up(tmp_path, shm)  # no --log-dir: every child's output comes through the same terminal
     try:
         up.wait_for("Ctrl-C stops everything", timeout_s=240)
         children = up.children()
         assert len(children) == 5  # redis-server, store-master, store-node-0, worker-0, gateway
         node = up.pid_of("store-node-0")
-        assert len(region_files(node)) == 1
+        assert len(up.region_files(node)) == 1
         redis_pid = up.pid_of("redis")
         assert os.getpgid(redis_pid) != up.proc.pid  # Redis is out of the terminal's reach
         os.killpg(up.proc.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the foreground group
@@ -229,7 +243,7 @@ def test_ctrl_c_from_the_terminal_stops_everything_cleanly(tmp_path: Path) -> No
         up.wait_for("yutu up: stopping")
         up._reader.join(timeout=10)
         assert "Traceback" not in up.output
-        assert [f for pid in children for f in region_files(pid)] == []
+        assert os.listdir(shm) == []  # no region file left, of any process
         assert group_members(up.proc.pid) == []
         assert not [pid for pid in children if alive(pid)]
         assert not redis_reachable(up.redis_url)  # stopped last, by `yutu up`

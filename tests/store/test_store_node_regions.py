@@ -6,14 +6,25 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import Cluster
+import pytest
 from yutu.transfer import Region
-from yutu.transfer.region import TMP_GRACE_S, reclaim_stale_regions, sweep_stale_region_files
+from yutu.transfer.region import (
+    SHM_DIR_ENV,
+    TMP_GRACE_S,
+    reclaim_stale_regions,
+    shm_directory,
+    sweep_stale_region_files,
+)
+
+from tests.store.conftest import Cluster
 
 
 def dead_pid() -> int:
@@ -80,13 +91,24 @@ def test_a_region_is_locked_by_its_owner_from_before_it_has_its_name(tmp_path: P
     assert os.listdir(tmp_path) == []
 
 
-def node_region_files(pid: int) -> list[str]:
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"yutu-region-{pid}-"))
+@pytest.fixture
+def private_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A region directory (tmpfs) for the processes this test starts, that no other sweep on the
+    host touches: other sessions' services sweep /dev/shm when they start."""
+    path = Path(tempfile.mkdtemp(prefix="yutu-test-", dir=shm_directory()))
+    monkeypatch.setenv(SHM_DIR_ENV, str(path))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
 
 
 async def test_a_sigkilled_nodes_region_is_reclaimed_when_the_next_node_starts(
-    store_cluster: Cluster,
+    private_shm: Path, store_cluster: Cluster
 ) -> None:
+    def node_region_files(pid: int) -> list[str]:
+        return sorted(f for f in os.listdir(private_shm) if f.startswith(f"yutu-region-{pid}-"))
+
     store_cluster.master()
     node = store_cluster.node("n0", size="8MiB")
     files = node_region_files(node.popen.pid)

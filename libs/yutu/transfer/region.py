@@ -52,8 +52,16 @@ _FILE_RE = re.compile(rf"^{FILE_PREFIX}-(\d+)-[0-9a-f]+-(\d+)$")
 _TMP_RE = re.compile(rf"^\.{FILE_PREFIX}-(\d+)-[0-9a-f]+-(\d+)\.tmp$")
 
 
+SHM_DIR_ENV = "YUTU_SHM_DIR"
+
+
 def shm_directory() -> str:
-    """The directory region files live in: ``/dev/shm`` where it exists, else the temp dir."""
+    """The directory region files live in (and the one sweeps clean): ``$YUTU_SHM_DIR`` when set
+    (another tmpfs; tests give their processes a directory no other sweep touches), else
+    ``/dev/shm`` where it exists, else the temp dir."""
+    chosen = os.environ.get(SHM_DIR_ENV)
+    if chosen:
+        return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
