@@ -274,15 +274,20 @@ def test_pinned_blocks_outlive_their_sequence_and_are_not_handed_out(bm: BlockMa
     assert bm.num_free_blocks == 8
 
 
-def test_pin_refuses_free_blocks_and_unpin_refuses_unpinned(bm: BlockManager) -> None:
-    seq = FakeSeq("a", list(range(4)))
+def test_pin_refuses_free_blocks_without_kv_and_unpin_refuses_unpinned(bm: BlockManager) -> None:
+    seq = FakeSeq("a", list(range(6)))  # block 0 full (cached), block 1 partial (no key)
     run_prefill(bm, seq)
-    with pytest.raises(ValueError, match=r"cannot pin free blocks \[1\]"):
+    bm.free(seq)
+    with pytest.raises(ValueError, match=r"cannot pin free blocks \[1\] that hold no cached KV"):
         bm.pin([0, 1])
-    assert bm.ref_count(0) == 1  # nothing was pinned
+    assert bm.ref_count(0) == 0 and 0 in bm.free_queue()  # nothing was pinned
+    bm.pin([0])  # free but cached: its KV is intact, and now it stays so
+    assert bm.ref_count(0) == 1 and 0 not in bm.free_queue()
+    bm.check_integrity()
+    bm.unpin([0])
+    assert bm.free_queue()[-1] == 0  # back at the tail, as the most recently used cached block
     with pytest.raises(AssertionError, match="not pinned"):
         bm.unpin([0])
-    bm.free(seq)
 
 
 def test_cache_events_record_stores_and_evictions_in_order() -> None:

@@ -143,11 +143,18 @@ class FakeEngine:
     aborted_all: list[str] = field(default_factory=list)
     consecutive_failed_steps: int = 0
     last_failure: str | None = None
+    last_step: None = None  # no step records: these steps never compute anything
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def take_loads(self) -> list[object]:
+        return []
+
+    def queue_snapshot(self) -> tuple[list[list[int]], list[list[int]]]:
+        return [[1, 0, 0] for _ in self.requests], []
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, **_: object) -> None:
         if self.add_raises is not None:
             raise self.add_raises
         self.requests.append(request_id)

@@ -273,6 +273,22 @@ class LLMEngine:
     def num_held(self) -> int:
         return len(self._held)
 
+    def queue_snapshot(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(prefill work left: [prompt_len, reused, computed] per request not yet past its prompt,
+        decodes: [context_tokens, tokens it may still generate] per running sequence) -- the load
+        report's view of this engine."""
+        queued: list[list[int]] = []
+        decoding: list[list[int]] = []
+        for seq in self.scheduler.waiting:
+            queued.append([seq.num_tokens, 0, 0])
+        for seq in list(self.scheduler.loading.values()) + self.scheduler.running:
+            if seq.num_computed_tokens + 1 < seq.num_tokens:  # still in its prompt (or a recompute)
+                reused = seq.num_cached_tokens or 0
+                queued.append([seq.num_tokens, reused, max(0, seq.num_computed_tokens - reused)])
+            else:
+                decoding.append([seq.num_tokens, max(0, seq.params.max_tokens - seq.num_output_tokens)])
+        return queued, decoding
+
     def take_cache_events(self) -> list[CacheEvent]:
         """Prefix-cache changes since the last call (with ``block_manager.record_events`` on)."""
         return self.block_manager.drain_events()

@@ -231,15 +231,19 @@ class BlockManager:
         self._num_registered[seq.seq_id] = max(done, full)
 
     def pin(self, block_ids: Iterable[int]) -> None:
-        """Take an extra reference on blocks that are in use (a reader outside the step holds them).
+        """Take an extra reference on blocks whose KV is stable: in use, or free but still holding a
+        prefix-cache key (a sequence that finished this step; its KV stays until the block is handed
+        out, which a pin now prevents).
 
-        Raises ValueError, pinning nothing, if any block is free: its KV may already be overwritten.
+        Raises ValueError, pinning nothing, if any block is free without a key: its KV means nothing.
         """
         ids = list(block_ids)
-        free = [b for b in ids if self._ref_counts[b] == 0]
-        if free:
-            raise ValueError(f"cannot pin free blocks {free[:5]}: only blocks in use hold stable KV")
+        loose = [b for b in ids if self._ref_counts[b] == 0 and self._block_key[b] is None]
+        if loose:
+            raise ValueError(f"cannot pin free blocks {loose[:5]} that hold no cached KV")
         for block_id in ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
             self._ref_counts[block_id] += 1
             self._pins[block_id] += 1
 
