@@ -160,18 +160,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+async def stop_cluster(cluster: Cluster) -> None:
+    """Close the clients, stop every process the cluster started, sweep what SIGKILLs left."""
+    for client in cluster.clients:
+        try:
+            await client.close()
+        except Exception:  # noqa: BLE001 - a failed test may leave a client half-closed
+            pass
+    # nodes first, while the master can still take their unmount; then the masters
+    for proc in sorted(reversed(cluster.procs), key=lambda p: "store_master" in " ".join(p.args)):
+        proc.stop(timeout=5.0)
+    sweep_stale_region_files()  # shared memory left by nodes the test SIGKILLed
+
+
 @pytest.fixture
 async def store_cluster(redis_url: str, registry_prefix: str, tmp_path: Path) -> AsyncIterator[Cluster]:
     cluster = Cluster(redis_url, registry_prefix, tmp_path)
     try:
         yield cluster
     finally:
-        for client in cluster.clients:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001 - a failed test may leave a client half-closed
-                pass
-        # nodes first, while the master can still take their unmount; then the masters
-        for proc in sorted(reversed(cluster.procs), key=lambda p: "store_master" in " ".join(p.args)):
-            proc.stop(timeout=5.0)
-        sweep_stale_region_files()  # shared memory left by nodes the test SIGKILLed
+        await stop_cluster(cluster)

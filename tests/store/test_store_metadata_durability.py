@@ -12,11 +12,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from yutu.launcher import ProcessGroup, free_port, start_redis
-from yutu.transfer import sweep_stale_region_files
 
 from services.store_master.persistence import MetadataStore, Persister
 from services.store_master.resync import MetadataWatch
-from tests.store.conftest import Cluster
+from tests.store.conftest import Cluster, stop_cluster
 
 
 class OwnRedis:
@@ -72,14 +71,7 @@ async def cluster(own_redis: OwnRedis, registry_prefix: str, tmp_path: Path) -> 
     try:
         yield cluster
     finally:
-        for client in cluster.clients:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001 - a failed test may leave a client half-closed
-                pass
-        for proc in sorted(reversed(cluster.procs), key=lambda p: "store_master" in " ".join(p.args)):
-            proc.stop(timeout=5.0)
-        sweep_stale_region_files()
+        await stop_cluster(cluster)
 
 
 def stored(server: OwnRedis, prefix: str) -> tuple[set[str], set[str]]:
