@@ -1,0 +1,165 @@
+"""KV imports: copy into this worker's cache the KV an admitted request does not compute itself.
+
+The engine admits a request that imports KV into ``loading`` and hands its :class:`KVLoad` (the
+blocks to fill) to the event loop; this module copies the KV in and answers ``finish_load`` with
+how many tokens arrived, whatever happened (a failed copy means those tokens are computed)::
+
+    decode:   FromPeer(handle)  -> one batched READ from the prefill's KV region -> release its hold
+    prefill:  FromStore(keys)   -> one batched get_into from the KV store (the planned prefix)
+    (a decode prefilling locally, or taking over a migrated request, imports FromStore too)
+
+Nothing here blocks the event loop, and nothing rides a control message: bytes move through the
+transfer engine only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from yutu.engine.engine import KVLoad
+from yutu.protocol.prefill import KVHandle
+from yutu.store.client import StoreClient
+from yutu.transfer import TransferEngine
+from yutu.worker.kv_io import fetch_from_store, pull_blocks
+from yutu.worker.kv_region import KVRegion
+from yutu.worker.write_behind import WriteBehind
+
+from services.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FromPeer:
+    """Pull the blocks a prefill instance holds for this request."""
+
+    handle: KVHandle
+
+
+@dataclass(frozen=True)
+class FromStore:
+    """Fetch the request's leading blocks from the KV store; ``keys[i]`` is the key of block ``i``."""
+
+    keys: list[str]
+
+
+Source = FromPeer | FromStore
+TRANSFERS_KEPT = 512
+
+
+class KVImports:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        transfer: TransferEngine,
+        region: KVRegion,
+        store: StoreClient | None,
+        write_behind: WriteBehind | None,
+        block_size: int,
+        release_remote: Callable[[KVHandle, str], None],
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.transfer = transfer
+        self.region = region
+        self.store = store
+        self.write_behind = write_behind
+        self.block_size = block_size
+        self._release_remote = release_remote
+        self.timeout_s = timeout_s
+        self._sources: dict[str, Source] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.transfers: list[list[float]] = []  # [bytes, seconds] since the last load report
+        self.pulled_blocks = 0
+        self.fetched_blocks = 0
+        self.failed = 0  # imports that brought less than planned
+
+    def expect(self, request_id: str, source: Source) -> None:
+        """Say where ``request_id``'s KV comes from; its KVLoad arrives once the engine admits it."""
+        self._sources[request_id] = source
+
+    def forget(self, request_id: str) -> Source | None:
+        """The engine refused the request: drop its source (returned, so a peer's hold can be released)."""
+        return self._sources.pop(request_id, None)
+
+    def on_loads(self, loads: list[KVLoad]) -> None:
+        """EngineLoop callback (on the event loop): start copying each admitted load."""
+        for load in loads:
+            task = asyncio.create_task(self._load(load), name=f"kv-import-{load.seq_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _load(self, load: KVLoad) -> None:
+        source = self._sources.pop(load.seq_id, None)
+        loaded = load.num_cached_tokens
+        started = time.perf_counter()
+        try:
+            if isinstance(source, FromPeer):
+                loaded = await self._pull(load, source.handle)
+            elif isinstance(source, FromStore):
+                loaded = await self._fetch(load, source.keys)
+            else:
+                log.error("request %s imports KV but no source was given: computing it", load.seq_id)
+        except Exception:  # noqa: BLE001 - whatever went wrong, the engine must hear back
+            log.exception("importing KV for %s failed; computing it instead", load.seq_id)
+        finally:
+            self.engine_loop.finish_load(load.seq_id, loaded)
+        moved = loaded - load.num_cached_tokens
+        if moved > 0:
+            blocks = -(-moved // self.block_size)
+            self._note_transfer(blocks * self.region.block_bytes, time.perf_counter() - started)
+        if loaded < load.num_tokens:
+            self.failed += 1
+
+    async def _pull(self, load: KVLoad, handle: KVHandle) -> int:
+        try:
+            last = min(len(load.block_ids), len(handle.block_ids) - load.first_block)
+            pairs = [(load.block_ids[i], handle.block_ids[load.first_block + i]) for i in range(max(0, last))]
+            timeout = max(0.5, min(self.timeout_s, handle.lease_s * 0.8))  # never read past the hold's lease
+            got = await pull_blocks(
+                self.transfer,
+                self.region.name,
+                handle.segment,
+                handle.region,
+                pairs,
+                self.region.block_bytes,
+                timeout,
+            )
+        finally:
+            self._release_remote(handle, load.seq_id)
+        self.pulled_blocks += got
+        return self._tokens(load, got)
+
+    async def _fetch(self, load: KVLoad, keys: list[str]) -> int:
+        if self.store is None:
+            return load.num_cached_tokens
+        wanted = keys[load.first_block : load.first_block + len(load.block_ids)]
+        block_ids = load.block_ids[: len(wanted)]
+        got = await fetch_from_store(self.store, self.region.name, wanted, block_ids, self.region.block_bytes)
+        if self.write_behind is not None:
+            self.write_behind.remember(wanted[:got])  # in the store already: never written back
+        self.fetched_blocks += got
+        return self._tokens(load, got)
+
+    def _tokens(self, load: KVLoad, blocks: int) -> int:
+        """Tokens in place once ``blocks`` leading blocks of ``load`` arrived."""
+        if blocks >= len(load.block_ids):
+            return load.num_tokens
+        return (load.first_block + blocks) * self.block_size
+
+    def _note_transfer(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.transfers.append([nbytes, seconds])
+            del self.transfers[:-TRANSFERS_KEPT]
+
+    def take_transfers(self) -> list[list[float]]:
+        out, self.transfers = self.transfers, []
+        return out
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
