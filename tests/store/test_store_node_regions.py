@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from yutu.errors import YutuError
+from yutu.store.client import StoreClient, StoreClientConfig
 from yutu.transfer import Region
 from yutu.transfer.region import (
     SHM_DIR_ENV,
@@ -123,3 +125,14 @@ async def test_a_sigkilled_nodes_region_is_reclaimed_when_the_next_node_starts(
     assert files[0] in log
     fresh.stop()
     assert node_region_files(fresh.popen.pid) == []  # SIGTERM: the node unlinked its own
+
+
+async def test_a_store_client_that_cannot_start_leaves_no_shared_memory(
+    private_shm: Path, redis_url: str, registry_prefix: str
+) -> None:
+    client = StoreClient(StoreClientConfig(redis_url, prefix=registry_prefix, staging_bytes=1 << 20))
+    with pytest.raises(YutuError, match="no store master is registered"):
+        async with client:  # no master under this prefix: start() fails after taking its staging region
+            raise AssertionError("started without a master")
+    assert os.listdir(private_shm) == []
+    assert client.engine is not None and client.engine.regions == {}

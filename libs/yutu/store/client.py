@@ -36,6 +36,7 @@ import redis.asyncio as aioredis
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
+from yutu.redis_conn import connect
 from yutu.registry import Registry
 from yutu.store.datapath import DataPath
 from yutu.store.leases import LeaseCache
@@ -99,8 +100,16 @@ class StoreClient:
         self._datapath: DataPath | None = None
 
     async def start(self) -> None:
+        """Connect and register; if that fails, what was taken (shared memory too) is released."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         c = self.config
-        self._redis = aioredis.from_url(c.redis_url)
+        self._redis = connect(c.redis_url)  # survives a Redis restart (yutu.redis_conn)
         if self.engine is None:
             engine = TransferEngine(
                 self.client_id,
@@ -138,10 +147,15 @@ class StoreClient:
             self._segment.start()
 
     async def close(self) -> None:
-        if self._segment is not None:
-            await self._segment.close()
-        if self.master is not None:
-            await self.master.close()
+        try:
+            if self._segment is not None:
+                await self._segment.close()
+            if self.master is not None:
+                await self.master.close()
+        finally:
+            await self._close_engine()
+
+    async def _close_engine(self) -> None:
         if self.engine is not None:
             if self._owns_engine:
                 await self.engine.close()
