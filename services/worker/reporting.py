@@ -97,13 +97,17 @@ class LoadReporter:
         self._extra = extra
         self._seq = itertools.count(1)
         self.publisher = Publisher(LOAD, host, 0)
-        supervisor.every("load-reports", interval_s, self.report)
+        supervisor.every("load-reports", interval_s, self.publish)
 
     @property
     def endpoint(self) -> str:
         return self.publisher.endpoint
 
+    def publish(self) -> None:
+        self.publisher.publish(self.report())
+
     def report(self) -> LoadReport:
+        """The next report (taking the measurements made since the previous one)."""
         stats = self.engine_loop.stats
         load: LoadState = self.engine_loop.load
         held, transfers = self._extra()
@@ -124,7 +128,6 @@ class LoadReporter:
             steps=LoadState.drain(load.steps),
             transfers=transfers,
         )
-        self.publisher.publish(msg)
         return msg
 
     def close(self) -> None:
