@@ -9,6 +9,9 @@ from yutu.service import admin_app
 from services.gateway import routes_chat, routes_completions, routes_models, routes_tokenize
 from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import install_error_handlers
+from services.gateway.memory import ReleaseAfterLargeBodies
+from services.gateway.openapi import install_openapi
+from services.gateway.schemas import ChatCompletionChunk, CompletionResponse
 from services.gateway.service import GatewayService
 
 _ROUTES = {
@@ -63,6 +66,8 @@ def build_app(gateway: GatewayService) -> FastAPI:
     for module in (routes_models, routes_completions, routes_chat, routes_tokenize):
         app.include_router(module.router)
     install_error_handlers(app)
+    install_openapi(app, extra_models=(CompletionResponse, ChatCompletionChunk))
+    app.add_middleware(ReleaseAfterLargeBodies, releaser=gateway.memory)  # inside BodyLimit: accepted bodies
     app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_request_bytes)
     app.add_middleware(RequestCounter, gateway=gateway)  # added last: outermost, so it counts the 413s
     return app

@@ -1,6 +1,8 @@
 """Running the worker requests of one API request and turning their tokens into text.
 
-A :class:`Generation` submits one worker request per :class:`ChoiceSpec`, then for each choice
+A :class:`Generation` submits one worker request per :class:`ChoiceSpec`, at most
+``max_in_flight`` at a time (the next as each one ends, in index order), so one request's many
+choices never take every running slot of the workers while other users wait. For each choice it
 detokenizes incrementally, applies the stop strings (truncating the text before the match and
 aborting the worker request), and yields :class:`ChoiceUpdate`\\ s in arrival order, all choices
 interleaved. Use it as an async context manager: leaving the block (normally, on an error, or
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -81,14 +84,20 @@ class Generation:
         specs: list[ChoiceSpec],
         request_id: str,
         metrics: GatewayMetrics,
+        max_in_flight: int,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.pool = pool
+        self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.request_id = request_id
         self.metrics = metrics
         self.arrival = time.time()
         self.arrival_mono = time.monotonic()
         self.choices = {spec.index: ChoiceState(spec) for spec in specs}
+        self._waiting = deque(self.choices[i] for i in sorted(self.choices))  # not submitted yet
+        self._running = 0  # choices submitted and not ended
         self._handles: dict[int, GenerationHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._events: asyncio.Queue[ChoiceUpdate | YutuError | None] = asyncio.Queue()
@@ -104,30 +113,37 @@ class Generation:
         self.close()
 
     def start(self) -> None:
-        """Submit every choice's worker request; raises YutuError (503) when no worker is available."""
+        """Submit the first choices; raises YutuError (503) when no worker is available."""
         assert not self._started
         self._started = True
         self.metrics.in_flight.labels(self.metrics.model).inc()
         try:
-            for index, state in self.choices.items():
-                worker = self.pool.pick()
-                spec = state.spec
-                handle = worker.submit(
-                    GenerateRequest(
-                        request_id=f"{self.request_id}-{index}-{next(_ids)}",
-                        prompt_token_ids=spec.prompt_ids,
-                        sampling=_sampling_dict(spec),
-                        arrival_time=self.arrival,
-                    )
-                )
-                self._handles[index] = handle
-                self._tasks.append(asyncio.create_task(self._run(state, handle)))
+            self._submit_waiting()
         except BaseException:
             self.close()
             raise
 
+    def _submit_waiting(self) -> None:
+        """Submit waiting choices, lowest index first, while fewer than max_in_flight run."""
+        while self._waiting and self._running < self.max_in_flight:
+            state = self._waiting.popleft()
+            spec = state.spec
+            worker = self.pool.pick()
+            handle = worker.submit(
+                GenerateRequest(
+                    request_id=f"{self.request_id}-{spec.index}-{next(_ids)}",
+                    prompt_token_ids=spec.prompt_ids,
+                    sampling=_sampling_dict(spec),
+                    arrival_time=self.arrival,
+                )
+            )
+            self._running += 1
+            self._handles[spec.index] = handle
+            self._tasks.append(asyncio.create_task(self._run(state, handle)))
+
     def close(self) -> None:
         """Abort what still runs; synchronous so it also works inside a cancelled task."""
+        self._waiting.clear()  # first: a choice ending now must not submit another
         for task in self._tasks:
             task.cancel()
         for handle in self._handles.values():
@@ -138,7 +154,7 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of all choices as they come; raises YutuError if any choice fails."""
-        remaining = len(self._tasks)
+        remaining = len(self.choices)  # each choice ends with None (after its error, if any)
         while remaining:
             event = await self._events.get()
             if event is None:
@@ -167,18 +183,36 @@ class Generation:
         return UsageCount(prompt, completion, cached)
 
     async def _run(self, state: ChoiceState, handle: GenerationHandle) -> None:
+        failed = False
         try:
             await self._consume(state, handle)
         except YutuError as exc:
+            failed = True
             self.metrics.finished.labels(self.metrics.model, "error").inc()
             self._events.put_nowait(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the client as a 500, not a hang
-            self._events.put_nowait(YutuError(f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL))
+            failed = True
+            self._events.put_nowait(_internal(exc))
         finally:
             handle.close()
+            self._running -= 1
+            if failed:
+                self._waiting.clear()  # the response fails: run no more of its choices
             self._events.put_nowait(None)
+        self._submit_next()
+
+    def _submit_next(self) -> None:
+        """A choice ended: submit the next waiting ones; a failure to do so fails the response."""
+        try:
+            self._submit_waiting()
+        except YutuError as exc:
+            self._waiting.clear()
+            self._events.put_nowait(exc)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the client as a 500, not a hang
+            self._waiting.clear()
+            self._events.put_nowait(_internal(exc))
 
     async def _consume(self, state: ChoiceState, handle: GenerationHandle) -> None:
         spec = state.spec
@@ -243,6 +277,10 @@ class Generation:
             m.prompt_tokens.labels(m.model).inc(state.num_prompt_tokens or len(state.spec.prompt_ids))
             m.cached_tokens.labels(m.model).inc(state.num_cached_tokens)
             m.e2e.labels(m.model).observe(time.monotonic() - self.arrival_mono)
+
+
+def _internal(exc: Exception) -> YutuError:
+    return YutuError(f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL)
 
 
 def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:

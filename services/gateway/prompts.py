@@ -6,27 +6,24 @@ learns which field to change. Nothing here talks to a worker.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.tokenizer import ChatTemplateError, Tokenizer
+from yutu.engine.tokenizer import ChatTemplateError
 from yutu.errors import ErrorKind
 
 from services.gateway.errors import ApiError, invalid
+from services.gateway.limits import RequestLimits
 from services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     _GenerationRequest,
 )
+from services.gateway.tokenization import PromptTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-THREAD_THRESHOLD_CHARS = 20_000  # tokenize longer inputs in a thread, off the event loop
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,13 +35,6 @@ class ChoiceSpec:
     prompt_ids: list[int]
     sampling: SamplingParams
     stops: tuple[str, ...]
-
-
-async def off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn(*args)`` inline when ``size`` is small, else in a worker thread."""
-    if size > THREAD_THRESHOLD_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -63,8 +53,21 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise invalid(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param)
 
 
-async def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    """Token ids of each prompt of a completions request (text, ids, or a list of either)."""
+def num_prompts(req: CompletionRequest) -> int:
+    """How many prompts a completions request has (a string or a list of ids is one)."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+async def completion_prompts(
+    req: CompletionRequest, tokens: PromptTokenizer, max_model_len: int
+) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (text, ids, or a list of either).
+
+    A text prompt proved too long for the context is refused (413) before it is tokenized.
+    """
     prompt = req.prompt
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
@@ -73,8 +76,7 @@ async def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> li
     else:
         texts = None
     if texts is not None:
-        size = sum(len(t) for t in texts)
-        encoded = await off_loop_if_long(size, lambda: [tokenizer.encode(t) for t in texts])
+        encoded = await tokens.encode(texts, max_model_len, "prompt")
     elif prompt and all(isinstance(p, int) for p in prompt):
         encoded = [[p for p in prompt if isinstance(p, int)]]
     else:
@@ -86,7 +88,7 @@ async def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> li
     for ids in encoded:
         if not ids:
             raise invalid("prompt encodes to no tokens: send some text or token ids", "prompt")
-        check_token_ids(ids, tokenizer.vocab_size, "prompt")
+        check_token_ids(ids, tokens.tokenizer.vocab_size, "prompt")
     return encoded
 
 
@@ -113,13 +115,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 async def chat_prompt(
-    messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool = True
+    messages: list[ChatMessage],
+    tokens: PromptTokenizer,
+    add_generation_prompt: bool = True,
+    max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of the chat prompt rendered with the model's template."""
+    """Token ids of the chat prompt rendered with the model's template.
+
+    With ``max_model_len``, a rendered prompt proved too long for it is refused (413) untokenized.
+    """
     dicts = template_messages(messages)
-    size = sum(len(str(m.get("content", ""))) for m in dicts)
     try:
-        ids = await off_loop_if_long(size, tokenizer.encode_chat, dicts, add_generation_prompt)
+        ids = await tokens.encode_chat(dicts, add_generation_prompt, max_model_len)
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None
     if not ids:
@@ -211,6 +218,14 @@ def sampling_for(
         raise invalid(str(exc)) from None
 
 
+def check_cost_before_tokenizing(
+    req: _GenerationRequest, limits: RequestLimits, prompts: int, requested: int | None, param: str
+) -> None:
+    """n, and the tokens the request may generate as far as the body alone tells (400s)."""
+    limits.check_n(req.n)
+    limits.check_planned(prompts, req.n, requested, param)
+
+
 def choice_specs(
     req: _GenerationRequest,
     prompts: list[list[int]],
@@ -218,13 +233,23 @@ def choice_specs(
     requested_max_tokens: int | None,
     default_max_tokens: int | None,
     logprobs: int | None,
+    *,
+    limits: RequestLimits,
+    max_tokens_param: str = "max_tokens",
 ) -> list[ChoiceSpec]:
-    """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i."""
+    """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
+
+    Refuses (400, ``max_tokens_param``) a request whose choices may generate more tokens in all
+    than ``limits`` allow, counting each choice's exact max_tokens.
+    """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
+    per_prompt = [
+        max_tokens_for(len(ids), requested_max_tokens, default_max_tokens, max_model_len) for ids in prompts
+    ]
+    limits.check_generated(sum(per_prompt) * req.n, len(prompts), req.n, max_tokens_param)
     specs = []
-    for p, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(len(ids), requested_max_tokens, default_max_tokens, max_model_len)
+    for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
             sampling = sampling_for(req, max_tokens, logprobs, i)
             specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops))

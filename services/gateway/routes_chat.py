@@ -14,7 +14,8 @@ from services.gateway.deps import GatewayDep
 from services.gateway.errors import invalid
 from services.gateway.generation import ChoiceState, ChoiceUpdate, Generation
 from services.gateway.logprobs import chat_logprobs
-from services.gateway.prompts import chat_prompt, check_model, choice_specs
+from services.gateway.openapi import generation_responses
+from services.gateway.prompts import chat_prompt, check_cost_before_tokenizing, check_model, choice_specs
 from services.gateway.routes_completions import usage_of
 from services.gateway.schemas import (
     AssistantMessage,
@@ -28,6 +29,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, SSE_HEADERS, ClientGone, error_event, event, unless_disconnected
+from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -39,16 +41,36 @@ def _max_tokens(body: ChatCompletionRequest) -> int | None:
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=generation_responses(
+        ChatCompletionResponse, ChatCompletionChunk, "a chat.completion, or its chunks as SSE"
+    ),
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    """OpenAI's chat completions, rendered with the model's chat template; ``"stream": true``: SSE."""
+    require_valid_text(body)
     check_model(body.model, gw.model_name)
     max_model_len = gw.require_max_model_len()
     requested = _max_tokens(body)
-    prompt = await chat_prompt(body.messages, gw.tokenizer, body.add_generation_prompt)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limits = gw.settings.limits
+    check_cost_before_tokenizing(body, limits, 1, requested, param)
+    prompt = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
-    specs = choice_specs(body, [prompt], max_model_len, requested, None, logprobs)
-    gen = Generation(gw.pool, gw.tokenizer, specs, f"chatcmpl-{uuid.uuid4().hex}", gw.gateway_metrics)
+    specs = choice_specs(
+        body, [prompt], max_model_len, requested, None, logprobs, limits=limits, max_tokens_param=param
+    )
+    gen = Generation(
+        gw.pool,
+        gw.tokenizer,
+        specs,
+        f"chatcmpl-{uuid.uuid4().hex}",
+        gw.gateway_metrics,
+        limits.max_choices_in_flight,
+    )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(

@@ -13,11 +13,14 @@ from services.gateway.auth import require_api_key
 from services.gateway.deps import GatewayDep
 from services.gateway.generation import ChoiceState, Generation
 from services.gateway.logprobs import completion_logprobs
+from services.gateway.openapi import generation_responses
 from services.gateway.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    check_cost_before_tokenizing,
     check_model,
     choice_specs,
     completion_prompts,
+    num_prompts,
 )
 from services.gateway.schemas import (
     CompletionChoice,
@@ -28,6 +31,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, SSE_HEADERS, ClientGone, error_event, event, unless_disconnected
+from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -42,15 +46,38 @@ def usage_of(gen: Generation) -> Usage:
     )
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=generation_responses(
+        CompletionResponse, CompletionResponse, "a text_completion, or its chunks as SSE"
+    ),
+)
 async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
+    """OpenAI's completions (vLLM's extras accepted); ``"stream": true`` answers server-sent events."""
+    require_valid_text(body)
     check_model(body.model, gw.model_name)
     max_model_len = gw.require_max_model_len()
-    prompts = await completion_prompts(body, gw.tokenizer)
+    limits = gw.settings.limits
+    check_cost_before_tokenizing(body, limits, num_prompts(body), body.max_tokens, "max_tokens")
+    prompts = await completion_prompts(body, gw.prompts, max_model_len)
     specs = choice_specs(
-        body, prompts, max_model_len, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs
+        body,
+        prompts,
+        max_model_len,
+        body.max_tokens,
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        body.logprobs,
+        limits=limits,
     )
-    gen = Generation(gw.pool, gw.tokenizer, specs, f"cmpl-{uuid.uuid4().hex}", gw.gateway_metrics)
+    gen = Generation(
+        gw.pool,
+        gw.tokenizer,
+        specs,
+        f"cmpl-{uuid.uuid4().hex}",
+        gw.gateway_metrics,
+        limits.max_choices_in_flight,
+    )
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(

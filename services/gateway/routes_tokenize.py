@@ -2,7 +2,9 @@
 
 /tokenize takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
 "add_generation_prompt": true}`` and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
-/detokenize takes ``{"tokens": [...]}`` and answers ``{"prompt": str}``.
+/detokenize takes ``{"tokens": [...]}`` and answers ``{"prompt": str}``. A text proved longer than
+the workers' context (by its length alone, see tokenization.py) is refused with a 413 untokenized;
+any other text is counted, also past the context.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from fastapi import APIRouter, Depends
 
 from services.gateway.auth import require_api_key
 from services.gateway.deps import GatewayDep
-from services.gateway.prompts import chat_prompt, check_model, check_token_ids, off_loop_if_long
+from services.gateway.openapi import api_responses
+from services.gateway.prompts import chat_prompt, check_model, check_token_ids
 from services.gateway.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -19,29 +22,33 @@ from services.gateway.schemas import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=api_responses(413))
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, gw: GatewayDep) -> TokenizeResponse:
+    require_valid_text(body)
     check_model(body.model, gw.model_name)
     tok = gw.tokenizer
+    max_model_len = gw.pool.max_model_len
     if isinstance(body, TokenizeChatRequest):
-        ids = await chat_prompt(body.messages, tok, body.add_generation_prompt)
+        ids = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len)
         if body.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
     else:
-        ids = await off_loop_if_long(len(body.prompt), tok.encode, body.prompt, body.add_special_tokens)
+        (ids,) = await gw.prompts.encode([body.prompt], max_model_len, "prompt", body.add_special_tokens)
     token_strs = [tok.id_to_token(t) or "" for t in ids] if body.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=gw.pool.max_model_len, tokens=ids, token_strs=token_strs
     )
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=api_responses())
 async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> DetokenizeResponse:
+    require_valid_text(body)
     check_model(body.model, gw.model_name)
     check_token_ids(body.tokens, gw.tokenizer.vocab_size, "tokens")
-    text = await off_loop_if_long(len(body.tokens) * 4, gw.tokenizer.decode, body.tokens)
+    text = await gw.prompts.decode(body.tokens)
     return DetokenizeResponse(prompt=text)

@@ -2,63 +2,78 @@
 
 Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k,
 ignore_eos, stop_token_ids, add_generation_prompt) are accepted too. Unknown fields are ignored.
-Range checks here give 400s with ``param`` set (see errors.py); cross-field rules live in
-prompts.py where the prompt length is known.
+Requests are validated strictly, as OpenAI does: ``"2"`` is not an integer and ``"true"`` not a
+boolean (an integer is a number, though). Range checks here give 400s with ``param`` set (see
+errors.py); cross-field rules live in prompts.py where the prompt length is known.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
-from yutu.engine.sampling import MAX_LOGPROBS
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from yutu.engine.sampling import MAX_LOGPROBS, TOP_P_MIN
 
 # -- requests -------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 2.0 is 2 (other floats stay floats, and strict validation refuses them)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=128)
+    top_p: float | None = Field(None, ge=TOP_P_MIN, le=1)  # the smallest positive float32: 2**-149
+    n: Int = Field(1, ge=1)  # at most the gateway's --max-n (default 128, OpenAI's cap)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras (vLLM's names)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no limit
+    top_k: Int | None = Field(None, ge=-1)  # -1 or 0: no limit
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[list[int]] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[Int] | list[list[Int]] | list[str]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Request):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, ... reach the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -67,23 +82,23 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extra
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -91,9 +106,9 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -230,3 +245,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str  # what went wrong and what to change
+    type: str  # invalid_request_error, authentication_error, not_found_error, request_too_large, ...
+    param: str | None  # the request field to change, when one is to blame
+    code: str | None  # e.g. context_length_exceeded, model_not_found, invalid_api_key
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error envelope: every error the gateway answers has this body."""
+
+    error: ErrorDetail

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 
+from services.gateway.memory import MemoryReleaser, rss_bytes
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
+from services.gateway.tokenization import PromptTokenizer, default_threads
 from services.gateway.tokens import TokenText
 from services.gateway.workers import WorkerPool
 
@@ -45,6 +48,8 @@ class GatewayService(Service):
         self.created = int(time.time())
         self._tokenizer: Tokenizer | None = None
         self._token_text: TokenText | None = None
+        self._prompts: PromptTokenizer | None = None
+        self.memory = MemoryReleaser()
         self._pool: WorkerPool | None = None
         self._metrics: GatewayMetrics | None = None
         self._registry: Registry | None = None
@@ -58,6 +63,14 @@ class GatewayService(Service):
         self.model_dir = model_dir
         self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, model_dir)
         self._token_text = TokenText(self._tokenizer)
+        threads = s.tokenizer_threads or default_threads()
+        self._prompts = PromptTokenizer(self._tokenizer, threads, self.memory)
+        if self._prompts.span is None:
+            log.warning(
+                "this tokenizer can map unbounded text to one token (or its bound is unprovable):"
+                " over-long prompts are refused only after tokenizing"
+            )
+        self.loops.spawn("memory-release", self.memory.run())
         self.model_name = served_name(s, model_dir)
         self._metrics = GatewayMetrics(self.metrics, self.model_name)
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
@@ -93,6 +106,8 @@ class GatewayService(Service):
             await self._pool.close()
         if self._registry is not None:
             await self._registry.close()
+        if self._prompts is not None:
+            self._prompts.close()
 
     def is_ready(self) -> bool:
         return self._pool is not None and bool(self._pool.usable())
@@ -116,6 +131,9 @@ class GatewayService(Service):
                 }
                 for w in workers
             ],
+            "limits": asdict(self.settings.limits),
+            "tokenizer": None if self._prompts is None else self._prompts.info(),
+            "memory": {"rss_bytes": rss_bytes(), "trims": self.memory.trims},
         }
 
     # -- what the routes use -----------------------------------------------------------------------
@@ -124,6 +142,11 @@ class GatewayService(Service):
     def tokenizer(self) -> Tokenizer:
         assert self._tokenizer is not None, "used before startup"
         return self._tokenizer
+
+    @property
+    def prompts(self) -> PromptTokenizer:
+        assert self._prompts is not None, "used before startup"
+        return self._prompts
 
     @property
     def token_text(self) -> TokenText:

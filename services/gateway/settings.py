@@ -9,6 +9,13 @@ from typing import Any
 
 from yutu.config import ServiceSettings, add_common_options, add_model_options, option
 
+from services.gateway.limits import (
+    DEFAULT_MAX_CHOICES_IN_FLIGHT,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_TOTAL_TOKENS,
+    RequestLimits,
+)
+
 
 def split_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
     """``--api-key a --api-key b,c`` (or ``YUTU_API_KEY=a,b``) -> ("a", "b", "c"); blanks dropped."""
@@ -49,6 +56,8 @@ class GatewaySettings(ServiceSettings):
     api_keys: tuple[str, ...]  # empty: no authentication
     max_request_bytes: int  # larger request bodies get a 413 before they are parsed
     registry_poll_s: float  # how often the worker pool re-reads the registry
+    limits: RequestLimits = RequestLimits()  # what one request may cost, and how many choices run at once
+    tokenizer_threads: int = 0  # threads tokenizing large prompts; 0: sized to the machine
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -56,6 +65,8 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         if args.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+        if args.tokenizer_threads < 0:
+            raise ValueError(f"--tokenizer-threads must be 0 (auto) or more, got {args.tokenizer_threads}")
         if args.registry_poll <= 0:
             raise ValueError(f"--registry-poll must be positive, got {args.registry_poll}")
         return cls(
@@ -66,6 +77,12 @@ class GatewaySettings(ServiceSettings):
             api_keys=split_api_keys(args.api_key),
             max_request_bytes=args.max_request_bytes,
             registry_poll_s=args.registry_poll,
+            limits=RequestLimits(
+                max_n=args.max_n,
+                max_total_tokens=args.max_total_tokens,
+                max_choices_in_flight=args.max_choices_in_flight,
+            ),
+            tokenizer_threads=args.tokenizer_threads,
         )
 
 
@@ -82,4 +99,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     own(api, "--max-request-bytes", type=int, default=32 * 2**20, help="largest request body accepted")
     own(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
+    cost = parser.add_argument_group("request limits")
+    own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")
+    own(
+        cost,
+        "--max-total-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_TOKENS,
+        help="most tokens all choices of one request may generate (n x max_tokens, summed over prompts)",
+    )
+    own(
+        cost,
+        "--max-choices-in-flight",
+        type=int,
+        default=DEFAULT_MAX_CHOICES_IN_FLIGHT,
+        help="most choices of one request running on workers at once (the rest start as those end)",
+    )
+    own(
+        cost,
+        "--tokenizer-threads",
+        type=int,
+        default=0,
+        help="threads that tokenize large prompts (small ones are tokenized inline); 0: half the CPUs, 1-8",
+    )
     add_common_options(parser)
