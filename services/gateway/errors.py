@@ -86,10 +86,30 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         where = ".".join(loc) if loc else "body"
         if param is None and loc:
             param = where
-        part = f"{where}: {err.get('msg', 'invalid value')}"
+        part = f"{where}: {_message(err)}"
         if part not in parts:
             parts.append(part)
     return invalid("invalid request: " + "; ".join(parts), param)
+
+
+_BOUNDS = {  # pydantic error type -> (operator, ctx key of the bound)
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def _message(err: Any) -> str:
+    """pydantic's message, except that a numeric bound is written as Python writes the number
+    (``must be >= 1.401298464324817e-45``, not a 45-digit decimal)."""
+    bound = _BOUNDS.get(str(err.get("type")))
+    if bound is not None:
+        op, key = bound
+        value = (err.get("ctx") or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return f"must be {op} {value!r}, got {err.get('input')!r}"
+    return str(err.get("msg", "invalid value"))
 
 
 def _field_path(loc: tuple[int | str, ...] | list[int | str]) -> list[str]:

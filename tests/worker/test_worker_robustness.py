@@ -101,7 +101,7 @@ def assert_served(stack: RealStack) -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "needle"),
     [
-        ({"top_p": 1e-50}, "top_p", "top_p must be >= 1.401298464324817e-45"),
+        ({"top_p": 1e-50}, "top_p", "must be >= 1.401298464324817e-45"),
         ({"top_k": 2**63}, "top_k", "top_k must be an integer >= 1"),
     ],
 )
