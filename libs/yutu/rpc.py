@@ -112,7 +112,11 @@ class Endpoint:
         self._closed = False
 
     def _bind(self, host: str, port: int) -> None:
-        self.endpoint = bind(self._sock, host, port)
+        try:
+            self.endpoint = bind(self._sock, host, port)
+        except zmq.ZMQError as exc:
+            self._close_socket()
+            raise OSError(f"{self.name}: cannot bind {host}:{port}: {exc}; pick another port") from exc
 
     def _connect(self, endpoint: str, on_connection: OnConnection | None) -> None:
         if on_connection is not None:
@@ -194,12 +198,11 @@ class Peer(Endpoint):
     def __init__(
         self, channel: Channel, kind: int, handlers: Mapping[type[Any], MessageHandler], name: str | None
     ) -> None:
-        super().__init__(
-            channel, kind, name or f"{channel.name}-{'router' if kind == zmq.ROUTER else 'dealer'}"
-        )
         unknown = [cls.__name__ for cls in handlers if cls not in channel.messages]
         if unknown:
             raise TypeError(f"{', '.join(unknown)} not message(s) of channel {channel.name}")
+        role = "router" if kind == zmq.ROUTER else "dealer"
+        super().__init__(channel, kind, name or f"{channel.name}-{role}")
         self._handlers = dict(handlers)
         self._router = kind == zmq.ROUTER
         self._sock.setsockopt(zmq.SNDHWM, 0)

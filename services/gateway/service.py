@@ -74,7 +74,14 @@ class GatewayService(Service):
         self.model_name = served_name(s, model_dir)
         self._metrics = GatewayMetrics(self.metrics, self.model_name)
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
-        self._pool = WorkerPool(self._registry, self.model_name, s.registry_poll_s, grace_s=s.registry_ttl_s)
+        self._pool = WorkerPool(
+            self._registry,
+            self.model_name,
+            self.loops,
+            poll_s=s.registry_poll_s,
+            grace_s=s.registry_ttl_s,
+            liveness_timeout_s=s.worker_liveness_timeout_s,
+        )
         await self._pool.start()
         record = ServiceRecord(
             kind=self.kind,
@@ -82,7 +89,7 @@ class GatewayService(Service):
             endpoints={"http": self.http_url},
             meta={"model": self.model_name, "auth": bool(s.api_keys)},
         )
-        self._registration = Registration(self._registry, record, s.registry_ttl_s)
+        self._registration = Registration(self._registry, record, s.registry_ttl_s, supervisor=self.loops)
         await self._registration.start()
         log.info(
             "gateway %s serving %r (tokenizer from %s) on %s; %d worker(s) so far",
@@ -110,7 +117,17 @@ class GatewayService(Service):
             self._prompts.close()
 
     def is_ready(self) -> bool:
-        return self._pool is not None and bool(self._pool.usable())
+        return self._pool is not None
+
+    def problems(self) -> list[str]:
+        """The supervisor's, plus "no live worker" (none registered, or none answering heartbeats)."""
+        problems = super().problems()
+        if self._pool is not None and not self._pool.live():
+            problems.append(
+                f"no live worker serving model {self.model_name!r}: none is registered, connected"
+                " and answering heartbeats"
+            )
+        return problems
 
     def info(self) -> dict[str, Any]:
         workers = [] if self._pool is None else list(self._pool.workers.values())
@@ -120,17 +137,7 @@ class GatewayService(Service):
             "model": self.model_name,
             "model_dir": str(self.model_dir),
             "auth": bool(self.settings.api_keys),
-            "workers": [
-                {
-                    "instance_id": w.info.instance_id,
-                    "endpoint": w.info.generate_endpoint,
-                    "connected": w.connected,
-                    "usable": w.usable,
-                    "in_flight": w.in_flight,
-                    "max_model_len": w.info.max_model_len,
-                }
-                for w in workers
-            ],
+            "workers": [w.info_dict() for w in workers],
             "limits": asdict(self.settings.limits),
             "tokenizer": None if self._prompts is None else self._prompts.info(),
             "memory": {"rss_bytes": rss_bytes(), "trims": self.memory.trims},

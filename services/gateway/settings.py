@@ -56,6 +56,7 @@ class GatewaySettings(ServiceSettings):
     api_keys: tuple[str, ...]  # empty: no authentication
     max_request_bytes: int  # larger request bodies get a 413 before they are parsed
     registry_poll_s: float  # how often the worker pool re-reads the registry
+    worker_liveness_timeout_s: float  # a worker silent this long gets no requests; its in-flight ones fail
     limits: RequestLimits = RequestLimits()  # what one request may cost, and how many choices run at once
     tokenizer_threads: int = 0  # threads tokenizing large prompts; 0: sized to the machine
 
@@ -69,6 +70,10 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"--tokenizer-threads must be 0 (auto) or more, got {args.tokenizer_threads}")
         if args.registry_poll <= 0:
             raise ValueError(f"--registry-poll must be positive, got {args.registry_poll}")
+        if args.worker_liveness_timeout <= 0:
+            raise ValueError(
+                f"--worker-liveness-timeout must be positive, got {args.worker_liveness_timeout}"
+            )
         return cls(
             **ServiceSettings.common(args, "gateway"),
             model=args.model,
@@ -77,6 +82,7 @@ class GatewaySettings(ServiceSettings):
             api_keys=split_api_keys(args.api_key),
             max_request_bytes=args.max_request_bytes,
             registry_poll_s=args.registry_poll,
+            worker_liveness_timeout_s=args.worker_liveness_timeout,
             limits=RequestLimits(
                 max_n=args.max_n,
                 max_total_tokens=args.max_total_tokens,
@@ -99,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     own(api, "--max-request-bytes", type=int, default=32 * 2**20, help="largest request body accepted")
     own(api, "--registry-poll", type=float, default=1.0, help="seconds between worker registry scans")
+    own(
+        api,
+        "--worker-liveness-timeout",
+        type=float,
+        default=3.0,
+        help="seconds a worker may go without answering heartbeats before its requests fail and it"
+        " gets no new ones (until it answers again)",
+    )
     cost = parser.add_argument_group("request limits")
     own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")
     own(

@@ -2,7 +2,9 @@
 
 Front ends (the gateway) connect a DEALER to our ROUTER and multiplex requests by id. A request's
 replies go back to the identity that sent it. If that front end is gone (ZeroMQ cannot route to it),
-the request is aborted so its KV blocks are freed at once.
+the request is aborted so its KV blocks are freed at once; so are the requests of a front end that
+pinged and then went quiet past the window its Pings declare (frozen: its TCP connection stays up),
+each answered with an UNAVAILABLE RequestFailed in case it wakes up.
 
 Registry record meta (refreshed every second, written on the next heartbeat): ``model``,
 ``model_dir``, ``max_model_len``, ``block_size``, ``demo``, the load (``num_running``,
@@ -23,17 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
-import zmq.asyncio
 from fastapi import APIRouter
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
-from yutu.protocol.codec import ProtocolError
-from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
+from yutu.liveness import Liveness
+from yutu.protocol.generate import (
+    CHANNEL,
+    AbortRequest,
+    GenerateRequest,
+    Ping,
+    Pong,
+    RequestFailed,
+    TokenDelta,
+)
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.rpc import bind, context
+from yutu.rpc import Peer, Sent
 from yutu.service import Service
 
 from services.worker.engine_loop import EngineLoop
@@ -43,6 +51,8 @@ from services.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 _META_REFRESH_S = 1.0
+_FRONT_END_CHECK_S = 0.5  # how often front ends' heartbeats are judged (each declares its window)
+_SHUTDOWN_LINGER_S = 1.0  # the last deltas still go out this long after the socket closes
 
 
 def error_kind(exc: BaseException) -> ErrorKind:
@@ -61,10 +71,9 @@ class WorkerService(Service):
         self.served_model_name = ""
         self.demo = False
         self._loop_engine: EngineLoop | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._peer: Peer | None = None  # the generate channel's ROUTER
         self._routes: dict[str, bytes] = {}  # request id -> front-end identity
-        self._outbox: asyncio.Queue[tuple[bytes, Any]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._front_ends = Liveness[bytes](timeout_s=3.0)  # front ends that ping, by identity
         self._registry: Registry | None = None
         self._registration: Registration | None = None
         self._accepting = False
@@ -103,15 +112,16 @@ class WorkerService(Service):
         self._loop_engine = EngineLoop(self.engine, loop, self._on_outputs, self._on_error)
         self._loop_engine.start()
 
-        self._sock = context().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable reply -> error, not a silent drop
-        endpoint = bind(self._sock, s.host, s.zmq_port).replace(s.host, s.advertise_host, 1)
+        self._peer = Peer.router(
+            CHANNEL,
+            {GenerateRequest: self._admit, AbortRequest: self._on_abort, Ping: self._on_ping},
+            s.host,
+            s.zmq_port,
+            name="generate",
+        )
+        endpoint = self._peer.endpoint.replace(s.host, s.advertise_host, 1)
         self._accepting = True
-        self._tasks = [
-            asyncio.create_task(self._receive(), name="worker-receive"),
-            asyncio.create_task(self._send(), name="worker-send"),
-        ]
+        self.loops.every("front-end-liveness", _FRONT_END_CHECK_S, self._check_front_ends)
 
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
         record = ServiceRecord(
@@ -120,9 +130,9 @@ class WorkerService(Service):
             endpoints={"generate": endpoint, "admin": self.http_url},
             meta=self._meta(),
         )
-        self._registration = Registration(self._registry, record, s.registry_ttl_s)
+        self._registration = Registration(self._registry, record, s.registry_ttl_s, supervisor=self.loops)
         await self._registration.start()
-        self._tasks.append(asyncio.create_task(self._refresh_meta(), name="worker-meta"))
+        self.loops.every("worker-meta", _META_REFRESH_S, self._refresh_meta)
         log.info("worker %s serving %r on %s", s.instance_id, self.served_model_name, endpoint)
 
     async def drain(self) -> None:
@@ -131,20 +141,17 @@ class WorkerService(Service):
             await self._registration.close()  # front ends stop picking us first
             self._registration = None
         # Polling is fine here: drain happens once, and it keeps the hot path free of bookkeeping.
-        while self._routes or not self._outbox.empty():  # noqa: ASYNC110
+        while self._routes:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
         self._accepting = False
         if self._registration is not None:
             await self._registration.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._loop_engine is not None:
             await self._loop_engine.stop()
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        if self._peer is not None:
+            self._peer.close(_SHUTDOWN_LINGER_S)
         if self._registry is not None:
             await self._registry.close()
 
@@ -153,25 +160,37 @@ class WorkerService(Service):
 
     # -- generate channel ------------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
-                log.warning("dropping generate frame with %d parts", len(frames))
-                continue
-            identity, payload = frames
-            try:
-                msg = CHANNEL.decode(payload)
-            except ProtocolError as exc:
-                log.warning("dropping undecodable generate message: %s", exc)
-                continue
-            if isinstance(msg, GenerateRequest):
-                self._admit(identity, msg)
-            elif isinstance(msg, AbortRequest):
-                self._abort(msg.request_id)
-            else:
-                log.warning("unexpected %s on the generate channel", type(msg).__name__)
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        """Answer at once; from its first Ping on, a front end silent past its window is given up on."""
+        timeout_s = msg.timeout_s
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s < 3600:
+            raise ValueError(f"ping with a liveness window of {timeout_s!r} s: expected (0, 3600)")
+        self._front_ends.heard(identity, float(timeout_s))
+        self._peer_send(identity, Pong(msg.seq))
+
+    def _check_front_ends(self) -> None:
+        """Abort the requests of front ends that stopped pinging (frozen or gone), freeing their blocks."""
+        for silent in self._front_ends.expired():
+            identity = silent.key
+            self._front_ends.forget(identity)  # if it comes back, its next Ping watches it anew
+            request_ids = [rid for rid, owner in self._routes.items() if owner == identity]
+            log.warning(
+                "front end %s sent no ping for %.1f s: aborting its %d request(s)",
+                identity.hex(),
+                silent.silence_s,
+                len(request_ids),
+            )
+            for rid in request_ids:
+                self._abort(rid)
+                message = (
+                    f"the worker heard no heartbeat from this front end for {silent.silence_s:.1f} s"
+                    " and aborted the request: retry it"
+                )
+                self._peer_send(identity, RequestFailed(rid, ErrorKind.UNAVAILABLE.value, message))
+
+    def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
+        if self._routes.get(msg.request_id) == identity:  # only the front end that sent it
+            self._abort(msg.request_id)
 
     def _admit(self, identity: bytes, msg: GenerateRequest) -> None:
         assert self._loop_engine is not None and self.engine is not None
@@ -212,7 +231,7 @@ class WorkerService(Service):
             self._loop_engine.abort(request_id)
 
     def _fail(self, identity: bytes, request_id: str, kind: ErrorKind, message: str) -> None:
-        self._outbox.put_nowait((identity, RequestFailed(request_id, kind.value, message)))
+        self._send(identity, RequestFailed(request_id, kind.value, message))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Runs on the event loop: turn engine outputs into deltas for their front ends."""
@@ -235,7 +254,7 @@ class WorkerService(Service):
             )
             if out.finished:
                 del self._routes[out.request_id]
-            self._outbox.put_nowait((identity, delta))
+            self._send(identity, delta)
 
     def _on_error(self, request_id: str, exc: BaseException) -> None:
         """A request failed (its kind from the error), or, with no id, the engine is broken."""
@@ -262,17 +281,16 @@ class WorkerService(Service):
             reasons.append(f"engine broken: {self.broken}")
         return reasons
 
-    async def _send(self) -> None:
-        assert self._sock is not None
-        while True:
-            identity, msg = await self._outbox.get()
-            try:
-                await self._sock.send_multipart([identity, CHANNEL.encode(msg)])
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._abort(msg.request_id)  # its front end is gone
-                log.info("front end of %s is gone; aborted it", msg.request_id)
+    def _send(self, identity: bytes, msg: TokenDelta | RequestFailed) -> None:
+        """Send a reply about a request; if its front end is gone, abort the request (frees its blocks)."""
+        if self._peer_send(identity, msg) is Sent.UNROUTABLE:
+            self._abort(msg.request_id)
+            log.info("front end of %s is gone; aborted it", msg.request_id)
+
+    def _peer_send(self, identity: bytes, msg: Any) -> Sent:
+        if self._peer is None:
+            return Sent.CLOSED
+        return self._peer.send(msg, to=identity)
 
     # -- registry, admin -------------------------------------------------------------------------
 
@@ -291,11 +309,10 @@ class WorkerService(Service):
             "broken": self.broken,
         }
 
-    async def _refresh_meta(self) -> None:
-        while True:
-            await asyncio.sleep(_META_REFRESH_S)
-            if self._registration is not None:
-                self._registration.update_meta(**self._meta())
+    def _refresh_meta(self) -> None:
+        """One step of the ``worker-meta`` loop: the next heartbeat writes the current load."""
+        if self._registration is not None:
+            self._registration.update_meta(**self._meta())
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"kind": self.kind, "instance_id": self.settings.instance_id}

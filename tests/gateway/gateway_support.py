@@ -20,7 +20,7 @@ import httpx
 import redis
 import zmq
 import zmq.asyncio
-from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest
+from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, Ping, Pong
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import bind, context
 from yutu.service import HttpServer
@@ -57,6 +57,8 @@ class FakeWorker:
         self.requests: asyncio.Queue[tuple[bytes, GenerateRequest]] = asyncio.Queue()
         self.aborts: list[str] = []
         self._abort_seen = asyncio.Event()
+        self.answer_pings = True  # False: frozen, as far as the gateway's heartbeats can tell
+        self.pings = 0
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> FakeWorker:
@@ -73,6 +75,10 @@ class FakeWorker:
             elif isinstance(msg, AbortRequest):
                 self.aborts.append(msg.request_id)
                 self._abort_seen.set()
+            elif isinstance(msg, Ping):
+                self.pings += 1
+                if self.answer_pings:
+                    await self.sock.send_multipart([identity, CHANNEL.encode(Pong(msg.seq))])
 
     async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest]:
         return await asyncio.wait_for(self.requests.get(), timeout_s)
@@ -119,6 +125,7 @@ def gateway_settings(model: Path, redis_url: str, prefix: str, **overrides: Any)
         registry_prefix=prefix,
         registry_ttl_s=10.0,
         registry_poll_s=0.2,
+        worker_liveness_timeout_s=3.0,
         instance_id=f"gw-{uuid.uuid4().hex[:6]}",
         log_level="warning",
     )
@@ -130,7 +137,7 @@ def gateway_settings(model: Path, redis_url: str, prefix: str, **overrides: Any)
 async def running_gateway(
     settings: GatewaySettings, connected_workers: int = 1
 ) -> AsyncIterator[tuple[str, GatewayService]]:
-    """A gateway in this event loop, once ``connected_workers`` workers are connected: (base URL, service)."""
+    """A gateway in this event loop, once ``connected_workers`` workers are live: (base URL, service)."""
     service = GatewayService(settings)
     http = HttpServer(build_app(service), settings.host, settings.port, settings.advertise_host)
     service.http_url = http.url  # as serve() does
@@ -138,7 +145,7 @@ async def running_gateway(
         await service.startup()
         await http.start()
         for _ in range(100):
-            if sum(w.connected for w in service.pool.workers.values()) >= connected_workers:
+            if len(service.pool.live()) >= connected_workers:
                 break
             await asyncio.sleep(0.05)
         else:
