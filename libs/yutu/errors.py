@@ -41,3 +41,13 @@ class YutuError(Exception):
         super().__init__(message)
         if kind is not None:
             self.kind = kind
+
+
+class OverloadedError(YutuError):
+    """Too much load to take the request now (HTTP 429); ``retry_after_s`` says when to try again."""
+
+    kind = ErrorKind.OVERLOADED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1.0, retry_after_s)

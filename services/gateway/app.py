@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from yutu.service import admin_app
@@ -59,6 +61,41 @@ class RequestCounter:
             self.gateway.metrics_counter_requests(route, status)
 
 
+REQUEST_ID = "x-request-id"
+_MAX_REQUEST_ID = 200  # longer client ids are replaced (they end up in logs and headers)
+
+
+class RequestId:
+    """Every response carries ``x-request-id``: the client's (if it sent a sane one) or a new one.
+
+    The id is in ``scope["state"]["request_id"]`` for the routes (pure ASGI: streaming unbuffered).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = ""
+        for name, value in scope.get("headers", []):
+            if name == REQUEST_ID.encode():
+                text = value.decode("latin-1").strip()
+                if 0 < len(text) <= _MAX_REQUEST_ID and text.isprintable():
+                    request_id = text
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID.encode(), request_id.encode("latin-1"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(gateway: GatewayService) -> FastAPI:
     app = admin_app(gateway)
     app.title = "yutu gateway (OpenAI-compatible API)"
@@ -69,5 +106,6 @@ def build_app(gateway: GatewayService) -> FastAPI:
     install_openapi(app, extra_models=(CompletionResponse, ChatCompletionChunk))
     app.add_middleware(ReleaseAfterLargeBodies, releaser=gateway.memory)  # inside BodyLimit: accepted bodies
     app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_request_bytes)
+    app.add_middleware(RequestId)
     app.add_middleware(RequestCounter, gateway=gateway)  # added last: outermost, so it counts the 413s
     return app

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from yutu.errors import ErrorKind, YutuError
+from yutu.errors import ErrorKind, OverloadedError, YutuError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ class ApiError(Exception):
 
     @classmethod
     def from_yutu(cls, exc: YutuError) -> ApiError:
-        return cls.of_kind(exc.kind, str(exc))
+        err = cls.of_kind(exc.kind, str(exc))
+        if isinstance(exc, OverloadedError):  # 429: say when to come back
+            err.headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
+        return err
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

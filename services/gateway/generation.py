@@ -26,8 +26,8 @@ from yutu.protocol.generate import GenerateRequest, TokenDelta
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ChoiceSpec
+from services.gateway.routing import Handle, Route, Router
 from services.gateway.stop import StopMatcher
-from services.gateway.workers import GenerationHandle, WorkerPool
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,11 @@ _ids = itertools.count()
 
 
 class Generation:
-    """The choices of one API request, running on the workers of ``pool``."""
+    """The choices of one API request, placed and run by ``router``."""
 
     def __init__(
         self,
-        pool: WorkerPool,
+        router: Router,
         tokenizer: Tokenizer,
         specs: list[ChoiceSpec],
         request_id: str,
@@ -88,7 +88,7 @@ class Generation:
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        self.pool = pool
+        self.router = router
         self.max_in_flight = max_in_flight
         self.tokenizer = tokenizer
         self.request_id = request_id
@@ -98,12 +98,16 @@ class Generation:
         self.choices = {spec.index: ChoiceState(spec) for spec in specs}
         self._waiting = deque(self.choices[i] for i in sorted(self.choices))  # not submitted yet
         self._running = 0  # choices submitted and not ended
-        self._handles: dict[int, GenerationHandle] = {}
+        self._handles: dict[int, Handle] = {}
+        self.routes: dict[int, Route] = {}  # where each started choice runs (the x-yutu-* headers)
         self._tasks: list[asyncio.Task[None]] = []
         self._events: asyncio.Queue[ChoiceUpdate | YutuError | None] = asyncio.Queue()
         self._started = False
+        self._placed: list[tuple[ChoiceState, GenerateRequest, Route]] = []  # placed, not yet run
 
     async def __aenter__(self) -> Generation:
+        if not self._placed:
+            await self.place()
         self.start()
         return self
 
@@ -112,33 +116,54 @@ class Generation:
     ) -> None:
         self.close()
 
+    async def place(self) -> None:
+        """Place the first choices (nothing runs yet); raises YutuError (429, 503) so that a route
+        can still answer with that status, and name the instances in its headers, before a
+        response starts. ``start`` (or ``async with``) then runs them."""
+        assert not self._placed and not self._started
+        self._placed = await self._place_waiting()
+
     def start(self) -> None:
-        """Submit the first choices; raises YutuError (503) when no worker is available."""
+        """Run the placed choices (``place`` first); later ones are placed as earlier ones end."""
         assert not self._started
         self._started = True
         self.metrics.in_flight.labels(self.metrics.model).inc()
+        placed, self._placed = self._placed, []
         try:
-            self._submit_waiting()
+            self._run_placed(placed)
         except BaseException:
             self.close()
             raise
 
-    def _submit_waiting(self) -> None:
-        """Submit waiting choices, lowest index first, while fewer than max_in_flight run."""
-        while self._waiting and self._running < self.max_in_flight:
+    @property
+    def first_routes(self) -> list[Route]:
+        """Where the first choices run (after ``place``), in index order."""
+        if self._placed:
+            return [route for _, _, route in self._placed]
+        return [self.routes[i] for i in sorted(self.routes)]
+
+    async def _place_waiting(self) -> list[tuple[ChoiceState, GenerateRequest, Route]]:
+        """Take waiting choices, lowest index first, while fewer than max_in_flight run, and place them."""
+        batch: list[tuple[ChoiceState, GenerateRequest]] = []
+        while self._waiting and self._running + len(batch) < self.max_in_flight:
             state = self._waiting.popleft()
             spec = state.spec
-            worker = self.pool.pick()
-            handle = worker.submit(
-                GenerateRequest(
-                    request_id=f"{self.request_id}-{spec.index}-{next(_ids)}",
-                    prompt_token_ids=spec.prompt_ids,
-                    sampling=_sampling_dict(spec),
-                    arrival_time=self.arrival,
-                )
+            request = GenerateRequest(
+                request_id=f"{self.request_id}-{spec.index}-{next(_ids)}",
+                prompt_token_ids=spec.prompt_ids,
+                sampling=_sampling_dict(spec),
+                arrival_time=self.arrival,
             )
+            batch.append((state, request))
+        routes = await asyncio.gather(*(self.router.place(request) for _, request in batch))
+        return [(state, request, route) for (state, request), route in zip(batch, routes, strict=True)]
+
+    def _run_placed(self, placed: list[tuple[ChoiceState, GenerateRequest, Route]]) -> None:
+        for state, request, route in placed:
+            handle = self.router.start(request, route)
             self._running += 1
-            self._handles[spec.index] = handle
+            self._handles[state.spec.index] = handle
+            self.routes[state.spec.index] = route
             self._tasks.append(asyncio.create_task(self._run(state, handle)))
 
     def close(self) -> None:
@@ -182,7 +207,7 @@ class Generation:
                 cached += state.num_cached_tokens
         return UsageCount(prompt, completion, cached)
 
-    async def _run(self, state: ChoiceState, handle: GenerationHandle) -> None:
+    async def _run(self, state: ChoiceState, handle: Handle) -> None:
         failed = False
         try:
             await self._consume(state, handle)
@@ -201,12 +226,15 @@ class Generation:
             if failed:
                 self._waiting.clear()  # the response fails: run no more of its choices
             self._events.put_nowait(None)
-        self._submit_next()
+        if self._waiting and self._started:
+            await self._submit_next()
 
-    def _submit_next(self) -> None:
-        """A choice ended: submit the next waiting ones; a failure to do so fails the response."""
+    async def _submit_next(self) -> None:
+        """A choice ended: place and run the next waiting ones; a failure to do so fails the response."""
         try:
-            self._submit_waiting()
+            placed = await self._place_waiting()
+            if self._started:  # not closed meanwhile (the client went away)
+                self._run_placed(placed)
         except YutuError as exc:
             self._waiting.clear()
             self._events.put_nowait(exc)
@@ -214,7 +242,7 @@ class Generation:
             self._waiting.clear()
             self._events.put_nowait(_internal(exc))
 
-    async def _consume(self, state: ChoiceState, handle: GenerationHandle) -> None:
+    async def _consume(self, state: ChoiceState, handle: Handle) -> None:
         spec = state.spec
         detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
         matcher = StopMatcher(spec.stops)

@@ -70,6 +70,25 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self.conductor_fallbacks = Counter(
+            "yutu_gateway_conductor_fallbacks",
+            "Requests placed by the gateway itself (least loaded) because the conductor did not answer",
+            ["model"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "yutu_gateway_rejected",
+            "Requests the conductor rejected early (429: predicted to miss an SLO)",
+            ["model"],
+            registry=registry,
+        )
+        self.migrations = Counter(
+            "yutu_gateway_migrations",
+            "Requests moved to another decode instance after theirs was lost mid-stream",
+            ["model"],
+            registry=registry,
+        )
+
     def observe_tokens(self, arrival: float, last: float | None, now: float, count: int) -> None:
         """Record ``count`` tokens that arrived at ``now`` (``last``: when the previous ones came)."""
         if count <= 0:

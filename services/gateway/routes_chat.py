@@ -17,6 +17,7 @@ from services.gateway.logprobs import chat_logprobs
 from services.gateway.openapi import generation_responses
 from services.gateway.prompts import chat_prompt, check_cost_before_tokenizing, check_model, choice_specs
 from services.gateway.routes_completions import usage_of
+from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -64,19 +65,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         body, [prompt], max_model_len, requested, None, logprobs, limits=limits, max_tokens_param=param
     )
     gen = Generation(
-        gw.pool,
+        gw.router,
         gw.tokenizer,
         specs,
         f"chatcmpl-{uuid.uuid4().hex}",
         gw.gateway_metrics,
         limits.max_choices_in_flight,
     )
+    await gen.place()  # a 429 or 503 is answered here, as a status, before any response starts
+    headers = instance_headers(gen.first_routes)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
             _stream(gen, gw, body, include_usage),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **headers},
         )
     try:
         async with gen:
@@ -90,7 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         choices=[_choice(choices[i], gw, body) for i in sorted(choices)],
         usage=usage_of(gen),
     )
-    return Response(response.model_dump_json(), media_type="application/json")
+    return Response(response.model_dump_json(), media_type="application/json", headers=headers)
 
 
 def _choice(state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest) -> ChatChoice:

@@ -22,6 +22,7 @@ from services.gateway.prompts import (
     completion_prompts,
     num_prompts,
 )
+from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     CompletionChoice,
     CompletionRequest,
@@ -71,17 +72,21 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         limits=limits,
     )
     gen = Generation(
-        gw.pool,
+        gw.router,
         gw.tokenizer,
         specs,
         f"cmpl-{uuid.uuid4().hex}",
         gw.gateway_metrics,
         limits.max_choices_in_flight,
     )
+    await gen.place()  # a 429 or 503 is answered here, as a status, before any response starts
+    headers = instance_headers(gen.first_routes)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _stream(gen, gw, body, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+            _stream(gen, gw, body, include_usage),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **headers},
         )
     try:
         async with gen:
@@ -98,7 +103,7 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         ],
         usage=usage_of(gen),
     )
-    return Response(response.model_dump_json(), media_type="application/json")
+    return Response(response.model_dump_json(), media_type="application/json", headers=headers)
 
 
 def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool, as_ids: bool) -> CompletionChoice:

@@ -25,6 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer, default_threads
 from services.gateway.tokens import TokenText
+from services.gateway.routing import MixedRouter, Router
 from services.gateway.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class GatewayService(Service):
         self._prompts: PromptTokenizer | None = None
         self.memory = MemoryReleaser()
         self._pool: WorkerPool | None = None
+        self._router: Router | None = None
         self._metrics: GatewayMetrics | None = None
         self._registry: Registry | None = None
         self._registration: Registration | None = None
@@ -164,6 +166,14 @@ class GatewayService(Service):
     def pool(self) -> WorkerPool:
         assert self._pool is not None, "used before startup"
         return self._pool
+
+    @property
+    def router(self) -> Router:
+        """Where requests go: the disaggregated path when the gateway runs with prefill/decode
+        instances, else straight to mixed workers."""
+        if self._router is None:
+            self._router = MixedRouter(self.pool)
+        return self._router
 
     @property
     def gateway_metrics(self) -> GatewayMetrics:

@@ -79,6 +79,8 @@ class PrefillRole:
             return p.Released(msg.request_id, self.release(msg.request_id))
         if isinstance(msg, p.RenewKV):
             return p.Released(msg.request_id, self.holds.renew(msg.request_id, time.monotonic()))
+        if isinstance(msg, p.Ping):
+            return p.Pong(msg.seq, len(self._pending), len(self.holds))
         raise YutuError(f"unexpected {type(msg).__name__} on the prefill channel", ErrorKind.INVALID_REQUEST)
 
     def _prefill(self, msg: p.PrefillRequest) -> asyncio.Future[p.PrefillResult]:

@@ -11,6 +11,9 @@ Request/reply over :mod:`yutu.rpc` (DEALER -> ROUTER)::
                     <-------------   Released
     RenewKV         ------------->   the decode needs the blocks longer: the lease restarts
                     <-------------   Released (held=False if the hold was already gone)
+    gateway
+    Ping            ------------->   a heartbeat (an instance that stops answering gets no requests,
+                    <-------------   Pong              and the calls in flight to it fail)
 
 A :class:`KVHandle` names the blocks: segment + region of the prefill's KV cache, and the block ids
 in token order; block ``b`` is ``[b * block_bytes, (b + 1) * block_bytes)`` of that region.
@@ -108,3 +111,17 @@ class RenewKV:
 class Released:
     request_id: str
     held: bool  # whether a hold existed (False: it had expired or was never there)
+
+
+@CHANNEL.message("ping")
+@dataclass
+class Ping:
+    seq: int
+
+
+@CHANNEL.message("pong")
+@dataclass
+class Pong:
+    seq: int
+    in_flight: int  # prefills running or queued there
+    held: int  # requests whose blocks wait for their decode

@@ -1,0 +1,306 @@
+"""Where each choice runs, and the disaggregated request path.
+
+A :class:`Router` does two things for every choice: ``place`` (decide the instances: may raise a
+429 or 503 before anything runs, so the HTTP status and the ``x-yutu-*`` headers are known before
+a response starts) and ``start`` (run it; the returned handle yields TokenDeltas like a worker's).
+
+- :class:`MixedRouter`: one mixed worker does everything (``yutu up --workers K``).
+- :class:`DisaggRouter`: the conductor places the request (``Place``); the prefill instance
+  computes the first token and holds the KV; the gateway streams that token at once and hands the
+  request with the KV handle to the decode instance, which pulls the blocks and streams the rest::
+
+      place ----> conductor: Placement (prefill p | none, decode d, store_blocks)
+      prefill --> p: PrefillRequest            <- PrefillResult (first token, KV handle)
+      first token to the client
+      decode ---> d: GenerateRequest(generated=[first], kv=handle)  <- TokenDelta* (d releases p's hold)
+
+  Failures: a prefill instance lost mid-prefill -> the request is placed again without it (or
+  fails with a clear 503 when none is left). A decode instance lost mid-stream -> the request moves
+  to another decode instance with every token streamed so far (``generated``); it fetches the
+  prompt's and generated blocks from the store and recomputes only what is missing, so the client's
+  stream goes on with no token duplicated or missing. While the conductor is unreachable the gateway
+  places requests itself (least loaded) and counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from yutu.errors import ErrorKind, OverloadedError, YutuError
+from yutu.kv.hashing import block_key_digests
+from yutu.protocol import conductor as c
+from yutu.protocol import prefill as p
+from yutu.protocol.generate import GenerateRequest, TokenDelta
+
+from services.gateway.conductor_client import ConductorClient
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefill_pool import PrefillClient, PrefillPool
+from services.gateway.workers import GenerationHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILL_ATTEMPTS = 3  # placements of one request after prefill instances failed it
+MAX_MIGRATIONS = 3  # decode instances one request may move through
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one choice runs: ``prefill`` None means the decode instance (or mixed worker) prefills."""
+
+    prefill: str | None
+    decode: str
+    store_blocks: int = 0  # leading blocks to take from the KV store
+    by_conductor: bool = False
+
+
+def instance_headers(routes: list[Route]) -> dict[str, str]:
+    """``x-yutu-prefill`` / ``x-yutu-decode``: the instances serving a response (its first choices;
+    the prefill header says ``none`` where the decode instance or a mixed worker prefilled)."""
+    if not routes:
+        return {}
+    prefills = dict.fromkeys(r.prefill or "none" for r in routes)
+    decodes = dict.fromkeys(r.decode for r in routes)
+    return {"x-yutu-prefill": ",".join(prefills), "x-yutu-decode": ",".join(decodes)}
+
+
+class Handle(Protocol):
+    async def next(self) -> TokenDelta: ...
+
+    def close(self) -> None: ...
+
+
+class Router(Protocol):
+    async def place(self, request: GenerateRequest) -> Route: ...
+
+    def start(self, request: GenerateRequest, route: Route) -> Handle: ...
+
+
+class MixedRouter:
+    """Every choice on one mixed worker, the least loaded."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    async def place(self, request: GenerateRequest) -> Route:
+        return Route(None, self.pool.pick().info.instance_id)
+
+    def start(self, request: GenerateRequest, route: Route) -> Handle:
+        worker = self.pool.workers.get(route.decode)
+        if worker is None or not worker.usable:
+            worker = self.pool.pick()
+        return worker.submit(request)
+
+
+@dataclass
+class DisaggRouter:
+    decodes: WorkerPool
+    prefills: PrefillPool
+    conductor: ConductorClient
+    root_key: bytes
+    block_size: int
+    metrics: GatewayMetrics
+    handles: set[DisaggHandle] = field(default_factory=set)
+
+    def keys(self, token_ids: list[int]) -> list[str]:
+        return [k.hex() for k in block_key_digests(self.root_key, token_ids, self.block_size)]
+
+    async def place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Route:
+        """Ask the conductor; place here (least loaded) when it cannot answer. Raises 429/503."""
+        keys = self.keys(request.prompt_token_ids)
+        max_tokens = int(request.sampling.get("max_tokens", 16))
+        msg = c.Place(request.request_id, keys, len(request.prompt_token_ids), max_tokens, sorted(exclude))
+        reply = await self.conductor.place(msg)
+        if isinstance(reply, c.Rejected):
+            kind = ErrorKind(reply.kind)
+            if kind is ErrorKind.OVERLOADED:
+                self.metrics.rejected.labels(self.metrics.model).inc()
+                raise OverloadedError(
+                    f"the service is overloaded: {reply.message}; retry later", reply.retry_after_s
+                )
+            raise YutuError(f"no instance can take the request: {reply.message}", kind)
+        if reply is not None:
+            return Route(reply.prefill, reply.decode, reply.store_blocks, by_conductor=True)
+        self.metrics.conductor_fallbacks.labels(self.metrics.model).inc()
+        prefill = self.prefills.pick(exclude)
+        decode = self.decodes.pick()
+        return Route(None if prefill is None else prefill.instance_id, decode.info.instance_id, len(keys))
+
+    def start(self, request: GenerateRequest, route: Route) -> Handle:
+        handle = DisaggHandle(self, request, route)
+        self.handles.add(handle)
+        handle.task.add_done_callback(lambda _: self.handles.discard(handle))
+        return handle
+
+
+class DisaggHandle:
+    """One choice on the disaggregated path; ``next()`` yields its deltas like a worker's handle."""
+
+    def __init__(self, router: DisaggRouter, request: GenerateRequest, route: Route) -> None:
+        self.router = router
+        self.request = request
+        self.route = route
+        self.tokens: list[int] = []  # every token streamed to the client so far
+        self.cached_tokens = 0
+        self.prefill_time_s: float | None = None
+        self._queue: asyncio.Queue[TokenDelta | YutuError] = asyncio.Queue()
+        self._prefill: PrefillClient | None = None  # while a prefill may be running or holding KV
+        self._decode: GenerationHandle | None = None
+        self._closed = False
+        self.task = asyncio.create_task(self._run(), name=f"disagg-{request.request_id}")
+
+    async def next(self) -> TokenDelta:
+        reply = await self._queue.get()
+        if isinstance(reply, YutuError):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        """Stop the choice wherever it is: abort the decode, drop the prefill's request or hold."""
+        if self._closed:
+            return
+        self._closed = True
+        self.task.cancel()
+        if self._decode is not None:
+            self._decode.close()
+        if self._prefill is not None:
+            self._prefill.release(self.request.request_id)
+            self._prefill = None
+
+    async def _run(self) -> None:
+        try:
+            ended, kv = await self._prefill_phase()
+            if not ended:
+                await self._decode_phase(kv)
+        except YutuError as exc:
+            self._queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced as a 500, never a hang
+            log.exception("disaggregated request %s failed", self.request.request_id)
+            self._queue.put_nowait(YutuError(f"{type(exc).__name__}: {exc}", ErrorKind.INTERNAL))
+
+    async def _prefill_phase(self) -> tuple[bool, list[Any] | None]:
+        """Run the prefill; returns (the first token ended the request, the KV handle in wire form
+        -- None when there was no prefill instance: the decode prefills)."""
+        route, exclude = self.route, set[str]()
+        for _ in range(MAX_PREFILL_ATTEMPTS):
+            prefill_id = route.prefill
+            if prefill_id is None:
+                return False, None
+            client = self.router.prefills.get(prefill_id)
+            if client is None:
+                exclude.add(prefill_id)
+                route = await self.router.place(self.request, frozenset(exclude))
+                continue
+            req = self.request
+            msg = p.PrefillRequest(
+                req.request_id, req.prompt_token_ids, req.sampling, route.store_blocks, req.arrival_time
+            )
+            self._prefill = client
+            try:
+                result: p.PrefillResult = await client.call(msg)
+            except YutuError as exc:
+                self._prefill = None
+                if exc.kind is not ErrorKind.UNAVAILABLE:
+                    raise
+                log.warning(
+                    "prefill of %s on %s failed (%s): placing it again", req.request_id, prefill_id, exc
+                )
+                exclude.add(prefill_id)
+                route = await self.router.place(self.request, frozenset(exclude))
+                continue
+            self.route = route
+            self._first_token(result)
+            if result.finish_reason is not None:
+                self._prefill = None
+                return True, None
+            return False, result.kv
+        raise YutuError(
+            f"request {self.request.request_id} failed on {MAX_PREFILL_ATTEMPTS} prefill instances: retry later",
+            ErrorKind.UNAVAILABLE,
+        )
+
+    def _first_token(self, result: p.PrefillResult) -> None:
+        self.tokens.append(result.token_id)
+        self.cached_tokens = result.num_cached_tokens
+        self.prefill_time_s = time.time() - self.request.arrival_time
+        self._queue.put_nowait(
+            TokenDelta(
+                self.request.request_id,
+                [result.token_id],
+                None if result.logprobs is None else [result.logprobs],
+                result.finish_reason,
+                result.num_prompt_tokens,
+                result.num_cached_tokens,
+            )
+        )
+        self.router.conductor.observed(
+            c.Observed(
+                self.request.request_id,
+                self.prefill_time_s,
+                self.route.prefill,
+                self.route.decode,
+                self.cached_tokens,
+            )
+        )
+
+    async def _decode_phase(self, kv: list[Any] | None) -> None:
+        route, dead = self.route, set[str]()
+        for attempt in range(MAX_MIGRATIONS + 1):
+            worker = self.router.decodes.workers.get(route.decode)
+            if worker is None or not worker.usable or route.decode in dead:
+                worker = self.router.decodes.pick()  # raises 503 when none is left
+            suffix = "" if attempt == 0 else f"-m{attempt}"
+            store_blocks = (
+                route.store_blocks
+                if attempt == 0
+                else len(self.router.keys(self.request.prompt_token_ids + self.tokens))
+            )
+            request = replace(
+                self.request,
+                request_id=self.request.request_id + suffix,
+                generated=list(self.tokens),
+                kv=kv,
+                store_blocks=0 if kv is not None else store_blocks,
+            )
+            self._decode = worker.submit(request)
+            self._prefill = None  # the decode releases the hold it pulls; a hold it never pulls expires
+            kv = None  # a migrated request takes its KV from the store
+            try:
+                while True:
+                    delta = await self._decode.next()
+                    self._deliver(delta)
+                    if delta.finish_reason is not None:
+                        return
+            except YutuError as exc:
+                if exc.kind is not ErrorKind.UNAVAILABLE or attempt == MAX_MIGRATIONS or self._closed:
+                    raise
+                dead.add(worker.info.instance_id)
+                self.router.metrics.migrations.labels(self.router.metrics.model).inc()
+                log.warning(
+                    "decode instance %s lost request %s after %d token(s) (%s): moving it",
+                    worker.info.instance_id, self.request.request_id, len(self.tokens), exc,
+                )  # fmt: skip
+                route = Route(None, worker.info.instance_id)  # not that one again
+            finally:
+                self._decode.close()
+                self._decode = None
+
+    def _deliver(self, delta: TokenDelta) -> None:
+        if self.prefill_time_s is None and delta.token_ids:  # the decode prefilled it itself
+            self.prefill_time_s = time.time() - self.request.arrival_time
+            self.cached_tokens = delta.num_cached_tokens
+            self.router.conductor.observed(
+                c.Observed(
+                    self.request.request_id, self.prefill_time_s, None, self.route.decode, self.cached_tokens
+                )
+            )
+        self.tokens.extend(delta.token_ids)
+        # one request id and the first placement's reuse, whatever decode instance streams it
+        self._queue.put_nowait(
+            replace(delta, request_id=self.request.request_id, num_cached_tokens=self.cached_tokens)
+        )
