@@ -332,12 +332,22 @@ class RpcServer(Endpoint):
 
 
 class RpcClient(Endpoint):
-    """Calls an :class:`RpcServer`; many calls may be in flight at once on one socket."""
+    """Calls an :class:`RpcServer`; many calls may be in flight at once on one socket.
 
-    def __init__(self, channel: Channel, endpoint: str, timeout_s: float = 10.0) -> None:
+    ``on_connection(up)`` (optional) is told when the TCP connection comes up or drops; it is
+    watched from the first :meth:`call` or :meth:`start` on (both need the running loop).
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        endpoint: str,
+        timeout_s: float = 10.0,
+        on_connection: OnConnection | None = None,
+    ) -> None:
         super().__init__(channel, zmq.DEALER, f"rpc-client-{channel.name}")
         self.timeout_s = timeout_s
-        self._connect(endpoint, None)
+        self._connect(endpoint, on_connection)
         self._ids = itertools.count(1)
         self._pending: dict[bytes, asyncio.Future[Any]] = {}
 

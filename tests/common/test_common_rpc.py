@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -100,3 +101,29 @@ async def test_registry_register_list_expire(redis_url: str, registry_prefix: st
         await registration.close()
     assert await registry.list("worker") == []
     await registry.close()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_rpc_client_reports_its_connection() -> None:
+    events: list[bool] = []
+    server = RpcServer(ECHO, lambda msg: Answer(msg.text))
+    server.start()
+    client = RpcClient(ECHO, server.endpoint, timeout_s=5, on_connection=events.append)
+    try:
+        assert (await client.call(Ask("hi"))).text == "hi"
+        await until(lambda: events == [True])  # the monitor's event may come after the reply
+        await server.close()
+        await until(lambda: events == [True, False])
+        with pytest.raises(YutuError, match="got no answer in time") as info:
+            await client.call(Ask("nobody there"), timeout_s=0.2)
+        assert info.value.kind is ErrorKind.UNAVAILABLE
+    finally:
+        await client.close()
+        await server.close()
