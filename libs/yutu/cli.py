@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -17,13 +18,16 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from yutu.config import DEFAULT_REDIS_URL, option
+from yutu.config import DEFAULT_REDIS_URL, add_policy_options, option
 from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
 SERVICES: dict[str, tuple[str, str]] = {
     "gateway": ("services.gateway.main", "OpenAI-compatible HTTP gateway"),
     "worker": ("services.worker.main", "model engine worker (mixed prefill + decode)"),
+    "conductor": ("services.conductor.main", "KV-cache-aware global scheduler (places requests)"),
+    "prefill": ("services.prefill.main", "prefill instance (first tokens; KV held for the decode)"),
+    "decode": ("services.decode.main", "decode instance (pulls the KV, streams the tokens)"),
     "store-master": ("services.store_master.main", "KV store metadata master"),
     "store-node": ("services.store_node.main", "KV store memory node"),
 }
@@ -88,7 +92,33 @@ def up_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REDIS_URL,
         help="Redis registry; started locally if unreachable",
     )
-    option(parser, "--workers", type=int, default=1, help="number of engine workers")
+    topology = parser.add_argument_group(
+        "topology (disaggregated by default: a conductor, prefill and decode pools)"
+    )
+    option(topology, "--prefill", type=int, default=1, help="prefill instances (disaggregated stack)")
+    option(topology, "--decode", type=int, default=1, help="decode instances (disaggregated stack)")
+    option(
+        topology,
+        "--workers",
+        type=int,
+        default=None,
+        help="run K mixed workers (prefill + decode in one process) instead: no conductor, prefill or decode instances",
+    )
+    option(
+        topology,
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch threads per engine process (0: the CPUs left after one for the front ends, shared by the engines)",
+    )
+    conductor = parser.add_argument_group("conductor (disaggregated stack)")
+    add_policy_options(conductor, scope="")
+    option(
+        conductor,
+        "--admin-token",
+        default=None,
+        help="bearer token for the conductor's PUT /policy (none: the policy is fixed while it runs)",
+    )
     option(
         parser,
         "--store-nodes",
@@ -157,8 +187,12 @@ def up(argv: list[str]) -> int:
     args = up_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s yutu up: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polls are not news
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")
+    if args.workers is None and (args.prefill < 1 or args.decode < 1):
+        raise SystemExit(
+            "error: --prefill and --decode must be at least 1 (or run mixed workers with --workers K)"
+        )
     if args.store_nodes < 0:
         raise SystemExit("error: --store-nodes must be 0 or more")
     try:
@@ -190,7 +224,15 @@ def up(argv: list[str]) -> int:
             log.info("stopping before the stack was ready")
             return 0
         ready_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        _banner(f"http://{ready_host}:{args.port}/v1", served, model_dir, args.model is None)
+        conductor = next((c for c in group.children if c.spec.name == "conductor"), None)
+        conductor_url = (
+            None
+            if conductor is None or conductor.ready_url is None
+            else conductor.ready_url.removesuffix("/ready")
+        )
+        _banner(
+            f"http://{ready_host}:{args.port}/v1", served, model_dir, args.model is None, conductor_url, args
+        )
         while not stop_requested:
             fatal = group.supervise()
             if fatal is not None:
@@ -209,7 +251,8 @@ def up(argv: list[str]) -> int:
 
 
 def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[ChildSpec]:
-    """The services of the stack in start order: store master, store nodes, workers, gateway.
+    """The services of the stack in start order: store master, store nodes, then the conductor,
+    prefill and decode instances (or the mixed workers with ``--workers``), then the gateway.
 
     All but the gateway are restarted after a crash, with the same arguments and a fresh admin
     port (they register their endpoints; the launcher polls the new ready URL).
@@ -229,12 +272,29 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
         specs.append(service("store-master", "store-master"))
     for i in range(args.store_nodes):
         specs.append(service(f"store-node-{i}", "store-node", "--segment-size", args.store_segment_size))
-    for i in range(args.workers):
-        flags = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
-                 "--kv-cache-memory-mib", str(args.kv_cache_memory_mib)]  # fmt: skip
-        if args.max_model_len:
-            flags += ["--max-model-len", str(args.max_model_len)]
-        specs.append(service(f"worker-{i}", "worker", *flags))
+    engine = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
+              "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
+              "--torch-threads", str(args.torch_threads or engine_threads(engine_processes(args)))]  # fmt: skip
+    if args.max_model_len:
+        engine += ["--max-model-len", str(args.max_model_len)]
+    if args.workers is not None:
+        for i in range(args.workers):
+            specs.append(service(f"worker-{i}", "worker", *engine))
+    else:
+        policy = ["--policy", args.policy, "--disagg-threshold", str(args.disagg_threshold),
+                  "--balancing-threshold", str(args.balancing_threshold), "--block-size", str(args.block_size)]  # fmt: skip
+        for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tbt-ms", args.slo_tbt_ms)):
+            if value is not None:
+                policy += [flag, str(value)]
+        conductor = service("conductor", "conductor", *policy)
+        if args.admin_token:  # through the environment, not argv (ps shows argv to every user)
+            conductor = ChildSpec(conductor.name, conductor.argv, {**env, "YUTU_ADMIN_TOKEN": args.admin_token},
+                                  conductor.ready_url, restart=True)  # fmt: skip
+        specs.append(conductor)
+        for i in range(args.prefill):
+            specs.append(service(f"prefill-{i}", "prefill", *engine))
+        for i in range(args.decode):
+            specs.append(service(f"decode-{i}", "decode", *engine))
     gateway_env = dict(env)
     if args.api_key:  # through the environment, not argv: other users can read a command line in ps
         gateway_env["YUTU_API_KEY"] = args.api_key
@@ -245,9 +305,30 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
     return specs
 
 
-def _banner(url: str, served: str, model_dir: Path, demo: bool) -> None:
+def engine_processes(args: argparse.Namespace) -> int:
+    return int(args.workers) if args.workers is not None else int(args.prefill) + int(args.decode)
+
+
+def engine_threads(engines: int, cpus: int | None = None) -> int:
+    """Torch threads per engine process: the CPUs left after one for the front ends (gateway,
+    event loops), shared by the engines, at least one each. Oversubscribing a small machine (torch
+    on every core while the event loops need CPU too) doubles the time per token."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, (cpus - 1) // max(1, engines))
+
+
+def _banner(
+    url: str, served: str, model_dir: Path, demo: bool, conductor_url: str | None, args: argparse.Namespace
+) -> None:
     lines = [f"Yutu is up: {url}  (model: {served})", f"  try: curl {url}/completions -H 'Content-Type: application/json' "
              f"-d '{{\"model\": \"{served}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'"]  # fmt: skip
+    if conductor_url is not None:
+        lines.append(
+            f"  disaggregated: {args.prefill} prefill + {args.decode} decode instance(s); conductor ({args.policy}):"
+            f" {conductor_url}/instances, {conductor_url}/placements/recent"
+        )
+    else:
+        lines.append(f"  mixed: {args.workers} worker(s), no conductor")
     if demo:
         lines += [
             f"  NOTE: {served} is the built-in demo model: random weights, so its text is meaningless.",

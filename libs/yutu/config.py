@@ -16,6 +16,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -152,3 +153,45 @@ class ServiceSettings:
             "instance_id": args.instance_id or default_instance_id(kind),
             "log_level": args.log_level,
         }
+
+
+DEFAULT_POLICY = "kvcentric"
+# Uncached prompt tokens at or below which the decode instance prefills a request itself instead of
+# handing it over (0: always hand over). Chosen from loadtests/bench_disagg.py (docs/architecture.md).
+DEFAULT_DISAGG_THRESHOLD = 64
+
+
+def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str) -> None:
+    """The placement options ``yutu conductor`` takes and ``yutu up`` passes on (same names)."""
+    from yutu.sched import POLICIES  # local: yutu.sched is only needed by the commands that place
+
+    opt = partial(option, scope=scope)
+    opt(parser, "--policy", default=DEFAULT_POLICY, help=f"placement policy: {', '.join(sorted(POLICIES))}")
+    opt(
+        parser,
+        "--disagg-threshold",
+        type=int,
+        default=DEFAULT_DISAGG_THRESHOLD,
+        help="uncached prompt tokens at or below which the decode instance prefills itself (0: never)",
+    )
+    opt(
+        parser,
+        "--balancing-threshold",
+        type=float,
+        default=1.0,
+        help="fetch a longer prefix from the store only when it is this many times the local one",
+    )
+    opt(
+        parser,
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="reject (429) requests predicted to miss this TTFT",
+    )
+    opt(
+        parser,
+        "--slo-tbt-ms",
+        type=float,
+        default=None,
+        help="reject (429) requests predicted to miss this TBT",
+    )

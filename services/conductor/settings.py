@@ -6,15 +6,10 @@ import argparse
 from dataclasses import dataclass
 from functools import partial
 
-from yutu.config import ServiceSettings, add_common_options, option
+from yutu.config import ServiceSettings, add_common_options, add_policy_options, option
 from yutu.sched import POLICIES, PolicyOptions
 
 own = partial(option, scope="conductor")  # this service's own options: YUTU_CONDUCTOR_<OPTION>
-
-DEFAULT_POLICY = "kvcentric"
-# Uncached prompt tokens at or below which the decode instance prefills a request itself instead of
-# handing it over (0: always hand over). Chosen from loadtests/bench_disagg.py (docs/architecture.md).
-DEFAULT_DISAGG_THRESHOLD = 64
 
 
 @dataclass(frozen=True)
@@ -56,40 +51,6 @@ class ConductorSettings(ServiceSettings):
             block_size=args.block_size,
             recent=args.recent,
         )
-
-
-def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str) -> None:
-    """The placement options ``yutu conductor`` takes and ``yutu up`` passes on (same names)."""
-    opt = partial(option, scope=scope)
-    opt(parser, "--policy", default=DEFAULT_POLICY, help=f"placement policy: {', '.join(sorted(POLICIES))}")
-    opt(
-        parser,
-        "--disagg-threshold",
-        type=int,
-        default=DEFAULT_DISAGG_THRESHOLD,
-        help="uncached prompt tokens at or below which the decode instance prefills itself (0: never)",
-    )
-    opt(
-        parser,
-        "--balancing-threshold",
-        type=float,
-        default=1.0,
-        help="fetch a longer prefix from the store only when it is this many times the local one",
-    )
-    opt(
-        parser,
-        "--slo-ttft-ms",
-        type=float,
-        default=None,
-        help="reject (429) requests predicted to miss this TTFT",
-    )
-    opt(
-        parser,
-        "--slo-tbt-ms",
-        type=float,
-        default=None,
-        help="reject (429) requests predicted to miss this TBT",
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -101,9 +101,19 @@ class DisaggRouter:
     prefills: PrefillPool
     conductor: ConductorClient
     root_key: bytes
-    block_size: int
     metrics: GatewayMetrics
     handles: set[DisaggHandle] = field(default_factory=set)
+
+    @property
+    def block_size(self) -> int:
+        """The decode instances' block size (every instance of a deployment must use the same)."""
+        sizes = {w.info.block_size for w in self.decodes.workers.values()}
+        if len(sizes) > 1:
+            raise YutuError(
+                f"decode instances disagree on the KV block size {sorted(sizes)}: restart them alike",
+                ErrorKind.INTERNAL,
+            )
+        return sizes.pop() if sizes else 16
 
     def keys(self, token_ids: list[int]) -> list[str]:
         return [k.hex() for k in block_key_digests(self.root_key, token_ids, self.block_size)]

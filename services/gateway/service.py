@@ -17,15 +17,18 @@ from typing import Any
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
+from yutu.kv.hashing import root_key
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 
+from services.gateway.conductor_client import ConductorClient
 from services.gateway.memory import MemoryReleaser, rss_bytes
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefill_pool import PrefillPool
+from services.gateway.routing import DisaggRouter, MixedRouter, Router
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer, default_threads
 from services.gateway.tokens import TokenText
-from services.gateway.routing import MixedRouter, Router
 from services.gateway.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -51,8 +54,12 @@ class GatewayService(Service):
         self._token_text: TokenText | None = None
         self._prompts: PromptTokenizer | None = None
         self.memory = MemoryReleaser()
-        self._pool: WorkerPool | None = None
-        self._router: Router | None = None
+        self._pool: WorkerPool | None = None  # mixed workers
+        self._decodes: WorkerPool | None = None  # decode instances (disaggregated deployment)
+        self._prefills: PrefillPool | None = None
+        self._conductor: ConductorClient | None = None
+        self._mixed: MixedRouter | None = None
+        self._disagg: DisaggRouter | None = None
         self._metrics: GatewayMetrics | None = None
         self._registry: Registry | None = None
         self._registration: Registration | None = None
@@ -85,6 +92,26 @@ class GatewayService(Service):
             liveness_timeout_s=s.worker_liveness_timeout_s,
         )
         await self._pool.start()
+        self._decodes = WorkerPool(
+            self._registry,
+            self.model_name,
+            self.loops,
+            poll_s=s.registry_poll_s,
+            grace_s=s.registry_ttl_s,
+            liveness_timeout_s=s.worker_liveness_timeout_s,
+            kind="decode",
+        )
+        await self._decodes.start()
+        self._prefills = PrefillPool(
+            self._registry, self.model_name, self.loops, s.registry_poll_s, s.worker_liveness_timeout_s
+        )
+        await self._prefills.start()
+        self._conductor = ConductorClient(self._registry, self.loops, s.registry_poll_s)
+        await self._conductor.start()
+        self._mixed = MixedRouter(self._pool)
+        # Block keys as the workers compute them: salted with the model directory's name.
+        root = root_key(model_dir.name)
+        self._disagg = DisaggRouter(self._decodes, self._prefills, self._conductor, root, self._metrics)
         record = ServiceRecord(
             kind=self.kind,
             instance_id=s.instance_id,
@@ -94,12 +121,14 @@ class GatewayService(Service):
         self._registration = Registration(self._registry, record, s.registry_ttl_s, supervisor=self.loops)
         await self._registration.start()
         log.info(
-            "gateway %s serving %r (tokenizer from %s) on %s; %d worker(s) so far",
+            "gateway %s serving %r (tokenizer from %s) on %s; so far %d worker(s), %d prefill and %d decode instance(s)",
             s.instance_id,
             self.model_name,
             self.model_dir,
             self.http_url,
             len(self._pool.workers),
+            len(self._prefills.instances),
+            len(self._decodes.workers),
         )
 
     async def drain(self) -> None:
@@ -111,8 +140,9 @@ class GatewayService(Service):
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
-        if self._pool is not None:
-            await self._pool.close()
+        for pool in (self._pool, self._decodes, self._prefills, self._conductor):
+            if pool is not None:
+                await pool.close()
         if self._registry is not None:
             await self._registry.close()
         if self._prompts is not None:
@@ -124,15 +154,17 @@ class GatewayService(Service):
     def problems(self) -> list[str]:
         """The supervisor's, plus "no live worker" (none registered, or none answering heartbeats)."""
         problems = super().problems()
-        if self._pool is not None and not self._pool.live():
+        if self._pool is not None and not self.pool.live():
             problems.append(
-                f"no live worker serving model {self.model_name!r}: none is registered, connected"
-                " and answering heartbeats"
+                f"no live worker or decode instance serving model {self.model_name!r}: none is"
+                " registered, connected and answering heartbeats"
             )
         return problems
 
     def info(self) -> dict[str, Any]:
         workers = [] if self._pool is None else list(self._pool.workers.values())
+        decodes = [] if self._decodes is None else list(self._decodes.workers.values())
+        prefills = [] if self._prefills is None else list(self._prefills.instances.values())
         return {
             "kind": self.kind,
             "instance_id": self.settings.instance_id,
@@ -140,6 +172,14 @@ class GatewayService(Service):
             "model_dir": str(self.model_dir),
             "auth": bool(self.settings.api_keys),
             "workers": [w.info_dict() for w in workers],
+            "decode": [w.info_dict() for w in decodes],
+            "prefill": [
+                {"instance_id": c.instance_id, "usable": c.usable, "in_flight": c.in_flight} for c in prefills
+            ],
+            "conductor": None
+            if self._conductor is None
+            else {"instance_id": self._conductor.instance_id, "endpoint": self._conductor.endpoint},
+            "disaggregated": self.disaggregated,
             "limits": asdict(self.settings.limits),
             "tokenizer": None if self._prompts is None else self._prompts.info(),
             "memory": {"rss_bytes": rss_bytes(), "trims": self.memory.trims},
@@ -163,17 +203,23 @@ class GatewayService(Service):
         return self._token_text
 
     @property
+    def disaggregated(self) -> bool:
+        """Whether requests take the disaggregated path: decode instances are registered for the
+        model (a deployment runs mixed workers, or prefill and decode instances)."""
+        return self._decodes is not None and bool(self._decodes.usable())
+
+    @property
     def pool(self) -> WorkerPool:
-        assert self._pool is not None, "used before startup"
-        return self._pool
+        """The pool that streams tokens: decode instances when there are any, else mixed workers."""
+        assert self._pool is not None and self._decodes is not None, "used before startup"
+        return self._decodes if self.disaggregated else self._pool
 
     @property
     def router(self) -> Router:
-        """Where requests go: the disaggregated path when the gateway runs with prefill/decode
-        instances, else straight to mixed workers."""
-        if self._router is None:
-            self._router = MixedRouter(self.pool)
-        return self._router
+        """Where requests go: the disaggregated path when decode instances serve the model, else
+        straight to mixed workers."""
+        assert self._mixed is not None and self._disagg is not None, "used before startup"
+        return self._disagg if self.disaggregated else self._mixed
 
     @property
     def gateway_metrics(self) -> GatewayMetrics:

@@ -55,7 +55,9 @@ class WorkerPool:
         poll_s: float = 1.0,
         grace_s: float = 10.0,
         liveness_timeout_s: float = 3.0,
+        kind: str = WORKER_KIND,
     ) -> None:
+        self.kind = kind  # "worker" (mixed workers) or "decode" (decode instances)
         self.registry = registry
         self.model = model
         self.loops = loops
@@ -73,8 +75,8 @@ class WorkerPool:
         """Read the registry once (raising if Redis is unreachable), then start the loops."""
         await self.refresh()
         self._tasks = [
-            self.loops.every("worker-pool", self.poll_s, self._poll),
-            self.loops.every("worker-liveness", self.ping_interval_s, self.check_liveness),
+            self.loops.every(f"{self.kind}-pool", self.poll_s, self._poll),
+            self.loops.every(f"{self.kind}-liveness", self.ping_interval_s, self.check_liveness),
         ]
 
     async def _poll(self) -> None:
@@ -94,7 +96,7 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         """Re-read the registry: connect new workers, retire unlisted ones, update the others' info."""
-        seen = self._usable_records(await self.registry.list(WORKER_KIND))
+        seen = self._usable_records(await self.registry.list(self.kind))
         now = time.monotonic()
         for instance_id, worker in list(self.workers.items()):
             if instance_id in seen:
@@ -148,18 +150,19 @@ class WorkerPool:
         """Usable workers known to answer their heartbeats."""
         return [w for w in self.workers.values() if w.live]
 
-    def pick(self) -> WorkerClient:
+    def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerClient:
         """The usable worker with the fewest in-flight requests (ties: the least recently picked).
 
         Listed workers come before unlisted ones, and workers that answered before ones still
         connecting (a registered worker whose process is gone never answers; it turns silent
         within the liveness window).
         """
-        candidates = self.usable()
+        candidates = [w for w in self.usable() if w.info.instance_id not in exclude]
         if not candidates:
+            what = "worker" if self.kind == WORKER_KIND else f"{self.kind} instance"
             raise YutuError(
-                f"no worker serving model {self.model!r} is available: start one with "
-                f"`yutu worker --served-model-name {self.model}` (same --redis-url and --registry-prefix)",
+                f"no {what} serving model {self.model!r} is available: start one with "
+                f"`yutu {self.kind} --served-model-name {self.model}` (same --redis-url and --registry-prefix)",
                 ErrorKind.UNAVAILABLE,
             )
         best = min(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from yutu.engine.engine import RequestOutput
@@ -45,8 +46,7 @@ class PrefillRole:
         host: str,
         port: int,
         advertise_host: str,
-        has_store: bool,
-        check: Any,  # (prompt ids) -> error message or None: the worker's own request checks
+        check: Callable[[Any], str | None],  # prompt ids -> what is wrong with them, or None
     ) -> None:
         self.engine_loop = engine_loop
         self.imports = imports
@@ -54,7 +54,6 @@ class PrefillRole:
         self.instance_id = instance_id
         self.root_key = root_key
         self.block_size = block_size
-        self.has_store = has_store
         self._check = check
         self.holds = Holds(lease_s, engine_loop.release)
         self._pending: dict[str, asyncio.Future[p.PrefillResult]] = {}
@@ -98,7 +97,7 @@ class PrefillRole:
             raise YutuError(f"invalid sampling parameters: {exc}", ErrorKind.INVALID_REQUEST) from None
         ids = msg.prompt_token_ids
         import_tokens = 0
-        if self.has_store and isinstance(msg.store_blocks, int) and msg.store_blocks > 0:
+        if self.imports.store is not None and type(msg.store_blocks) is int and msg.store_blocks > 0:
             usable = min(msg.store_blocks, (len(ids) - 1) // self.block_size)
             if usable > 0:
                 keys = [

@@ -1,18 +1,27 @@
-"""The worker service: an engine (mixed prefill + decode role) behind the generate channel.
+"""The worker core: one engine behind its channel, in the mixed, prefill or decode role.
 
-Front ends (the gateway) connect a DEALER to our ROUTER and multiplex requests by id. A request's
-replies go back to the identity that sent it. If that front end is gone (ZeroMQ cannot route to it),
-the request is aborted so its KV blocks are freed at once; so are the requests of a front end that
-pinged and then went quiet past the window its Pings declare (frozen: its TCP connection stays up),
-each answered with an UNAVAILABLE RequestFailed in case it wakes up.
+    role     channel    what a request does here
+    mixed    generate   prefill + decode, streamed back as TokenDeltas (``yutu worker``)
+    prefill  prefill    first token + KV handle; blocks held until the decode pulls them
+    decode   generate   pull the KV (or prefill locally, or take over a migrated request), stream
 
-Registry record meta (refreshed every second, written on the next heartbeat): ``model``,
-``model_dir``, ``max_model_len``, ``block_size``, ``demo``, the load (``num_running``,
-``num_waiting``, ``kv_usage``) and ``broken``: None while the engine serves, else the reason it
-cannot (see ``services.worker.engine_loop``: steps kept failing, or a failure outside a step). A
-broken worker stays up so it can say so: ``/ready`` answers 503 naming the reason, requests in
-flight fail with ``internal_error`` and new ones with ``service_unavailable``; front ends should
-skip a worker whose ``broken`` is set.
+Every role keeps its KV cache in a region of its transfer engine (:mod:`yutu.worker.kv_region`),
+publishes its prefix cache as KV events, and -- when the deployment has a KV store -- writes new
+full blocks behind the requests (:mod:`yutu.worker.write_behind`) and fetches planned prefixes
+from the store (:mod:`services.worker.imports`). Prefill and decode instances send load reports to
+the conductor (:mod:`services.worker.reporting`).
+
+The generate channel: front ends (gateways) connect a DEALER to our ROUTER and multiplex requests
+by id; replies go back to the identity that sent the request. If that front end is gone (ZeroMQ
+cannot route to it), or pinged and then went quiet past the window its Pings declare, its
+requests are aborted so their KV blocks are freed at once.
+
+Registry record: endpoints ``generate`` or ``prefill``, ``load``, ``kv_events``,
+``kv_events_replay``, ``admin``; meta (refreshed every second): ``model``, ``model_dir``,
+``role``, ``max_model_len``, ``block_size``, ``block_bytes``, ``max_num_seqs``, ``segment``,
+``demo``, the load, and ``broken``: None while the engine serves, else the reason it cannot (see
+:mod:`services.worker.engine_loop`). A broken worker stays up to say so: ``/ready`` is 503 naming
+it, requests in flight fail with ``internal_error``, new ones with ``service_unavailable``.
 """
 
 from __future__ import annotations
@@ -24,46 +33,41 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 import torch
 from fastapi import APIRouter
+from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
-from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
-from yutu.liveness import Liveness
-from yutu.protocol.generate import (
-    CHANNEL,
-    AbortRequest,
-    GenerateRequest,
-    Ping,
-    Pong,
-    RequestFailed,
-    TokenDelta,
-)
+from yutu.kv.block_manager import CacheEvent
+from yutu.protocol import prefill as p
+from yutu.protocol.prefill import KVHandle
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.rpc import Peer, Sent
+from yutu.rpc import RpcClient
 from yutu.service import Service
+from yutu.store.client import StoreClient, StoreClientConfig
+from yutu.transfer import SegmentDirectory, TransferEngine
+from yutu.worker.kv_region import KVRegion
+from yutu.worker.write_behind import WriteBehind
 
 from services.worker.engine_loop import EngineLoop
+from services.worker.generate_role import GenerateRole
+from services.worker.imports import FromPeer, KVImports
 from services.worker.metrics import EngineCollector
+from services.worker.prefill_role import PrefillRole
+from services.worker.reporting import CacheEvents, LoadReporter
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 _META_REFRESH_S = 1.0
-_FRONT_END_CHECK_S = 0.5  # how often front ends' heartbeats are judged (each declares its window)
-_SHUTDOWN_LINGER_S = 1.0  # the last deltas still go out this long after the socket closes
-
-
-def error_kind(exc: BaseException) -> ErrorKind:
-    """The kind of an engine input error (PromptTooLongError is a ValueError too)."""
-    return ErrorKind.TOO_LARGE if type(exc).__name__ == "PromptTooLongError" else ErrorKind.INVALID_REQUEST
+_STORE_ATTACH_S = 2.0  # how often a worker without the KV store looks for a store master
 
 
 class WorkerService(Service):
-    kind = "worker"
-
     def __init__(self, settings: WorkerSettings) -> None:
+        self.kind = settings.kind  # before Service.__init__: its supervisor is named after it
         super().__init__()
         self.settings = settings
         self.engine: LLMEngine | None = None
@@ -71,9 +75,17 @@ class WorkerService(Service):
         self.served_model_name = ""
         self.demo = False
         self._loop_engine: EngineLoop | None = None
-        self._peer: Peer | None = None  # the generate channel's ROUTER
-        self._routes: dict[str, bytes] = {}  # request id -> front-end identity
-        self._front_ends = Liveness[bytes](timeout_s=3.0)  # front ends that ping, by identity
+        self._redis: aioredis.Redis | None = None
+        self._transfer: TransferEngine | None = None
+        self._region: KVRegion | None = None
+        self.store: StoreClient | None = None
+        self.write_behind: WriteBehind | None = None
+        self.imports: KVImports | None = None
+        self.cache_events: CacheEvents | None = None
+        self.reporter: LoadReporter | None = None
+        self.generate: GenerateRole | None = None
+        self.prefill: PrefillRole | None = None
+        self._release_clients: dict[str, RpcClient] = {}  # prefill control endpoint -> client
         self._registry: Registry | None = None
         self._registration: Registration | None = None
         self._accepting = False
@@ -86,6 +98,13 @@ class WorkerService(Service):
         if s.torch_threads > 0:
             torch.set_num_threads(s.torch_threads)
         self.model_dir = await asyncio.to_thread(resolve_model, s.model)
+        self._redis = aioredis.from_url(s.redis_url)
+        self._registry = Registry(self._redis, s.registry_prefix)
+        self._transfer = TransferEngine(
+            s.instance_id, SegmentDirectory(self._redis, s.registry_prefix), s.host, s.transfer_port,
+            advertise_host=s.advertise_host,
+        )  # fmt: skip
+        self._region = KVRegion(self._transfer)
         config = EngineConfig(
             model_dir=self.model_dir,
             block_size=s.block_size,
@@ -95,9 +114,11 @@ class WorkerService(Service):
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
+            kv_cache_factory=self._region.factory,
         )
-        log.info("loading model from %s", self.model_dir)
+        log.info("loading model from %s (%s role)", self.model_dir, s.role)
         self.engine = await asyncio.to_thread(LLMEngine, config)
+        await self._transfer.start()  # publishes the segment with the KV cache region
         self.demo = bool(self.engine.model_config.yutu_demo)
         self.served_model_name = s.served_model_name or served_model_name(s.model, self.model_dir)
         if self.demo:
@@ -107,168 +128,216 @@ class WorkerService(Service):
                 self.served_model_name,
             )
         self.metrics.register(EngineCollector(self))
-
-        loop = asyncio.get_running_loop()
-        self._loop_engine = EngineLoop(self.engine, loop, self._on_outputs, self._on_error)
-        self._loop_engine.start()
-
-        self._peer = Peer.router(
-            CHANNEL,
-            {GenerateRequest: self._admit, AbortRequest: self._on_abort, Ping: self._on_ping},
-            s.host,
-            s.zmq_port,
-            name="generate",
-        )
-        endpoint = self._peer.endpoint.replace(s.host, s.advertise_host, 1)
+        self._start_engine_loop()
+        endpoints = self._start_channel()
+        if s.role != "mixed":
+            assert self._loop_engine is not None
+            self.reporter = LoadReporter(
+                s.host, s.instance_id, s.role, self._loop_engine, s.block_size, self._report_extra, self.loops
+            )
+            endpoints["load"] = self._advertise(self.reporter.endpoint)
+        assert self.cache_events is not None
+        endpoints["kv_events"] = self._advertise(self.cache_events.publisher.endpoint)
+        if self.cache_events.publisher.replay_endpoint is not None:
+            endpoints["kv_events_replay"] = self._advertise(self.cache_events.publisher.replay_endpoint)
+        endpoints["admin"] = self.http_url
         self._accepting = True
-        self.loops.every("front-end-liveness", _FRONT_END_CHECK_S, self._check_front_ends)
-
-        self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
-        record = ServiceRecord(
-            kind=self.kind,
-            instance_id=s.instance_id,
-            endpoints={"generate": endpoint, "admin": self.http_url},
-            meta=self._meta(),
-        )
+        if s.kv_store:
+            await self._attach_store()
+            if self.store is None:
+                self.loops.every("kv-store-attach", _STORE_ATTACH_S, self._attach_store)
+        record = ServiceRecord(self.kind, s.instance_id, endpoints, self._meta())
         self._registration = Registration(self._registry, record, s.registry_ttl_s, supervisor=self.loops)
         await self._registration.start()
         self.loops.every("worker-meta", _META_REFRESH_S, self._refresh_meta)
-        log.info("worker %s serving %r on %s", s.instance_id, self.served_model_name, endpoint)
+        log.info("%s %s serving %r: %s", s.role, s.instance_id, self.served_model_name, endpoints)
+
+    def _start_engine_loop(self) -> None:
+        s = self.settings
+        assert self.engine is not None and self._transfer is not None and self._region is not None
+        loop = asyncio.get_running_loop()
+        self.cache_events = CacheEvents(s.host, s.block_size, "CPU", self.loops, None)
+        self._loop_engine = EngineLoop(
+            self.engine,
+            loop,
+            self._on_outputs,
+            self._on_error,
+            on_loads=self._on_loads,
+            on_cache=self._on_cache,
+            pin_stored=s.kv_store and s.write_behind_blocks > 0,
+        )
+        self.imports = KVImports(
+            self._loop_engine, self._transfer, self._region, None, None, s.block_size, self._release_remote
+        )
+        self._loop_engine.start()
+
+    def _start_channel(self) -> dict[str, str]:
+        s = self.settings
+        assert self._loop_engine is not None and self.engine is not None and self.imports is not None
+        assert self._region is not None
+        if s.role == "prefill":
+            self.prefill = PrefillRole(
+                self._loop_engine, self.imports, self._region, s.instance_id, self.engine.root_key,
+                s.block_size, s.kv_lease_s, s.host, s.zmq_port, s.advertise_host, self._check_prompt,
+            )  # fmt: skip
+            self.prefill.start()
+            self.loops.every("kv-holds", 1.0, self.prefill.expire)
+            return {"prefill": self.prefill.endpoint}
+        self.generate = GenerateRole(
+            self._loop_engine, self.imports, self.engine.root_key, s.block_size, s.host, s.zmq_port,
+            self._check_prompt, self.loops,
+        )  # fmt: skip
+        return {"generate": self._advertise(self.generate.endpoint)}
+
+    def _advertise(self, endpoint: str) -> str:
+        return endpoint.replace(self.settings.host, self.settings.advertise_host, 1)
+
+    async def _attach_store(self) -> None:
+        """Use the KV store once a store master is registered (write-behind, fetches)."""
+        if self.store is not None or self._registry is None or self._transfer is None:
+            return
+        try:
+            if not await self._registry.list("store-master"):
+                if not self.loops.tasks.get("kv-store-attach"):
+                    log.info("no KV store master registered (yet): running without the store for now")
+                return
+        except (RedisError, OSError) as exc:
+            log.warning("cannot look for the KV store master: %s", exc)
+            return
+        s = self.settings
+        store = StoreClient(
+            StoreClientConfig(s.redis_url, s.registry_prefix, client_id=s.instance_id), self._transfer
+        )
+        try:
+            await store.start()
+        except (YutuError, OSError, RedisError) as exc:
+            log.warning("the KV store is not usable yet (%s); retrying", exc)
+            await store.close()
+            return
+        assert self._region is not None and self._loop_engine is not None and self.imports is not None
+        self.store = store
+        if s.write_behind_blocks > 0:
+            self.write_behind = WriteBehind(
+                store, self._region.name, self._region.block_bytes, self._loop_engine.unpin, self.loops,
+                max_in_flight=s.write_behind_blocks,
+            )  # fmt: skip
+        self.imports.store = store
+        self.imports.write_behind = self.write_behind
+        task = self.loops.tasks.get("kv-store-attach")
+        if task is not None:
+            task.cancel()
+        log.info("using the KV store (write-behind %s)", "on" if self.write_behind else "off")
 
     async def drain(self) -> None:
         self._accepting = False
+        if self.generate is not None:
+            self.generate.accepting = False
+        if self.prefill is not None:
+            self.prefill.accepting = False
         if self._registration is not None:
             await self._registration.close()  # front ends stop picking us first
             self._registration = None
         # Polling is fine here: drain happens once, and it keeps the hot path free of bookkeeping.
-        while self._routes:  # noqa: ASYNC110
+        while self.in_flight:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+        if self.write_behind is not None:
+            await self.write_behind.flush(5.0)
 
     async def shutdown(self) -> None:
         self._accepting = False
         if self._registration is not None:
             await self._registration.close()
+        if self.prefill is not None:
+            await self.prefill.close()
+        if self.generate is not None:
+            self.generate.close()
         if self._loop_engine is not None:
             await self._loop_engine.stop()
-        if self._peer is not None:
-            self._peer.close(_SHUTDOWN_LINGER_S)
-        if self._registry is not None:
-            await self._registry.close()
+        if self.imports is not None:
+            await self.imports.close()
+        if self.write_behind is not None:
+            self.write_behind.close()
+        for client in self._release_clients.values():
+            await client.close()
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.cache_events is not None:
+            await self.cache_events.close()
+        if self.store is not None:
+            await self.store.close()
+        if self._transfer is not None:
+            await self._transfer.close()  # unlinks the KV cache region
+        if self._redis is not None:
+            await self._redis.aclose()
 
     def is_ready(self) -> bool:
         return self._accepting and self._loop_engine is not None and self._loop_engine.alive
 
-    # -- generate channel ------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        held = 0 if self.prefill is None else len(self.prefill.holds)
+        running = self.generate.in_flight if self.generate is not None else 0
+        return running + (0 if self.prefill is None else self.prefill.in_flight) + held
 
-    def _on_ping(self, identity: bytes, msg: Ping) -> None:
-        """Answer at once; from its first Ping on, a front end silent past its window is given up on."""
-        timeout_s = msg.timeout_s
-        if type(timeout_s) not in (int, float) or not 0 < timeout_s < 3600:
-            raise ValueError(f"ping with a liveness window of {timeout_s!r} s: expected (0, 3600)")
-        self._front_ends.heard(identity, float(timeout_s))
-        self._peer_send(identity, Pong(msg.seq))
-
-    def _check_front_ends(self) -> None:
-        """Abort the requests of front ends that stopped pinging (frozen or gone), freeing their blocks."""
-        for silent in self._front_ends.expired():
-            identity = silent.key
-            self._front_ends.forget(identity)  # if it comes back, its next Ping watches it anew
-            request_ids = [rid for rid, owner in self._routes.items() if owner == identity]
-            log.warning(
-                "front end %s sent no ping for %.1f s: aborting its %d request(s)",
-                identity.hex(),
-                silent.silence_s,
-                len(request_ids),
-            )
-            for rid in request_ids:
-                self._abort(rid)
-                message = (
-                    f"the worker heard no heartbeat from this front end for {silent.silence_s:.1f} s"
-                    " and aborted the request: retry it"
-                )
-                self._peer_send(identity, RequestFailed(rid, ErrorKind.UNAVAILABLE.value, message))
-
-    def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
-        if self._routes.get(msg.request_id) == identity:  # only the front end that sent it
-            self._abort(msg.request_id)
-
-    def _admit(self, identity: bytes, msg: GenerateRequest) -> None:
-        assert self._loop_engine is not None and self.engine is not None
-        rid = msg.request_id
-        if not self._accepting:
-            self._fail(
-                identity, rid, ErrorKind.UNAVAILABLE, "worker is shutting down; retry on another worker"
-            )
-            return
-        if not isinstance(rid, str) or not rid or rid in self._routes:
-            self._fail(
-                identity,
-                str(rid),
-                ErrorKind.INVALID_REQUEST,
-                f"request id {rid!r} is empty or already in use",
-            )
-            return
-        vocab = self.engine.model_config.vocab_size
-        ids = msg.prompt_token_ids
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-            self._fail(
-                identity,
-                rid,
-                ErrorKind.INVALID_REQUEST,
-                f"prompt must be a non-empty list of token ids in [0, {vocab})",
-            )
-            return
-        try:
-            params = SamplingParams(**msg.sampling)
-        except (TypeError, ValueError) as exc:
-            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"invalid sampling parameters: {exc}")
-            return
-        self._routes[rid] = identity
-        self._loop_engine.add(rid, ids, params)
-
-    def _abort(self, request_id: str) -> None:
-        if self._routes.pop(request_id, None) is not None and self._loop_engine is not None:
-            self._loop_engine.abort(request_id)
-
-    def _fail(self, identity: bytes, request_id: str, kind: ErrorKind, message: str) -> None:
-        self._send(identity, RequestFailed(request_id, kind.value, message))
+    # -- from the engine thread ------------------------------------------------------------------
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the event loop: turn engine outputs into deltas for their front ends."""
         for out in outputs:
-            identity = self._routes.get(out.request_id)
-            if identity is None:
-                continue  # aborted by its front end meanwhile
-            logprobs = None
-            if out.new_logprobs is not None:
-                logprobs = [
-                    [lp.token_id, lp.logprob, [list(alt) for alt in lp.top]] for lp in out.new_logprobs
-                ]
-            delta = TokenDelta(
-                request_id=out.request_id,
-                token_ids=list(out.new_token_ids),
-                logprobs=logprobs,
-                finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
-                num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens,
-            )
-            if out.finished:
-                del self._routes[out.request_id]
-            self._send(identity, delta)
+            if self.prefill is not None:
+                self.prefill.on_output(out)
+            elif self.generate is not None:
+                self.generate.on_output(out)
 
     def _on_error(self, request_id: str, exc: BaseException) -> None:
         """A request failed (its kind from the error), or, with no id, the engine is broken."""
-        if not request_id:  # broken: nothing in flight will finish; the worker stays up to say why
-            for rid, identity in list(self._routes.items()):
-                self._fail(identity, rid, ErrorKind.INTERNAL, f"worker engine failed: {exc}")
-            self._routes.clear()
+        if not request_id:
+            error = YutuError(f"worker engine failed: {exc}", ErrorKind.INTERNAL)
+            if self.prefill is not None:
+                self.prefill.fail_all(error)
+            if self.generate is not None:
+                self.generate.fail_all(error)
             if self._registration is not None:
                 self._registration.update_meta(**self._meta())
             return
-        front_end = self._routes.pop(request_id, None)
-        if front_end is not None:
-            kind = exc.kind if isinstance(exc, YutuError) else error_kind(exc)
-            self._fail(front_end, request_id, kind, str(exc))
+        source = self.imports.forget(request_id) if self.imports is not None else None
+        if isinstance(source, FromPeer):
+            self._release_remote(source.handle, request_id)
+        if self.prefill is not None:
+            self.prefill.on_error(request_id, _as_yutu(exc))
+        elif self.generate is not None:
+            self.generate.on_error(request_id, _as_yutu(exc))
+
+    def _on_loads(self, loads: Any) -> None:
+        assert self.imports is not None
+        self.imports.on_loads(loads)
+
+    def _on_cache(self, events: list[CacheEvent], pinned: list[tuple[bytes, int]]) -> None:
+        assert self.cache_events is not None and self._loop_engine is not None
+        self.cache_events.write_behind = self.write_behind
+        if pinned and self.write_behind is None:  # no store (yet): nothing copies them
+            self._loop_engine.unpin([block_id for _, block_id in pinned])
+            pinned = []
+        self.cache_events.on_cache(events, pinned)
+
+    def _release_remote(self, handle: KVHandle, request_id: str) -> None:
+        """Tell a prefill instance we are done with its hold (best effort: its lease ends it anyway)."""
+        client = self._release_clients.get(handle.control)
+        if client is None:
+            client = self._release_clients[handle.control] = RpcClient(p.CHANNEL, handle.control, 5.0)
+        task = asyncio.ensure_future(client.call(p.ReleaseKV(request_id)))
+        task.add_done_callback(_log_release_failure)
+
+    def _check_prompt(self, ids: Any) -> str | None:
+        assert self.engine is not None
+        vocab = self.engine.model_config.vocab_size
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            return f"prompt must be a non-empty list of token ids in [0, {vocab})"
+        return None
+
+    def _report_extra(self) -> tuple[int, list[list[float]]]:
+        held = 0 if self.prefill is None else len(self.prefill.holds)
+        transfers = [] if self.imports is None else self.imports.take_transfers()
+        return held, transfers
 
     @property
     def broken(self) -> str | None:
@@ -281,27 +350,21 @@ class WorkerService(Service):
             reasons.append(f"engine broken: {self.broken}")
         return reasons
 
-    def _send(self, identity: bytes, msg: TokenDelta | RequestFailed) -> None:
-        """Send a reply about a request; if its front end is gone, abort the request (frees its blocks)."""
-        if self._peer_send(identity, msg) is Sent.UNROUTABLE:
-            self._abort(msg.request_id)
-            log.info("front end of %s is gone; aborted it", msg.request_id)
-
-    def _peer_send(self, identity: bytes, msg: Any) -> Sent:
-        if self._peer is None:
-            return Sent.CLOSED
-        return self._peer.send(msg, to=identity)
-
     # -- registry, admin -------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
-        assert self.engine is not None
+        assert self.engine is not None and self._region is not None
         stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
         return {
             "model": self.served_model_name,
             "model_dir": str(self.model_dir),
+            "role": self.settings.role,
             "max_model_len": self.engine.max_model_len,
             "block_size": self.settings.block_size,
+            "block_bytes": self._region.block_bytes,
+            "max_num_seqs": self.settings.max_num_seqs,
+            "segment": self.settings.instance_id,
+            "kv_store": self.store is not None,
             "demo": self.demo,
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
@@ -315,7 +378,11 @@ class WorkerService(Service):
             self._registration.update_meta(**self._meta())
 
     def info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"kind": self.kind, "instance_id": self.settings.instance_id}
+        info: dict[str, Any] = {
+            "kind": self.kind,
+            "role": self.settings.role,
+            "instance_id": self.settings.instance_id,
+        }
         if self.engine is not None:
             stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
             info |= {
@@ -324,11 +391,25 @@ class WorkerService(Service):
                 "demo": self.demo,
                 "max_model_len": self.engine.max_model_len,
                 "block_size": self.settings.block_size,
-                "in_flight": len(self._routes),
+                "in_flight": self.in_flight,
                 "broken": self.broken,
                 "engine": asdict(stats),
+                "kv_store": self.store is not None,
                 "uptime_s": round(time.time() - self.started_at, 3),
             }
+            if self.write_behind is not None:
+                info["write_behind"] = asdict(self.write_behind.stats) | {
+                    "in_flight": self.write_behind.in_flight
+                }
+            if self.imports is not None:
+                info["imports"] = {
+                    "pulled_blocks": self.imports.pulled_blocks,
+                    "fetched_blocks": self.imports.fetched_blocks,
+                    "short": self.imports.failed,
+                }
+            if self.prefill is not None:
+                holds = self.prefill.holds
+                info["holds"] = {"held": len(holds), "released": holds.released, "expired": holds.expired}
         return info
 
     def admin_router(self) -> APIRouter:
@@ -340,6 +421,22 @@ class WorkerService(Service):
             # with a step, so tests call it only when the worker is idle.
             assert self.engine is not None
             self.engine.block_manager.check_integrity()
-            return {"ok": True}
+            return {
+                "ok": True,
+                "used_blocks": self.engine.block_manager.num_used_blocks,
+                "held": self.engine.num_held,
+            }
 
         return router
+
+
+def _as_yutu(exc: BaseException) -> YutuError:
+    if isinstance(exc, YutuError):
+        return exc
+    kind = ErrorKind.TOO_LARGE if type(exc).__name__ == "PromptTooLongError" else ErrorKind.INVALID_REQUEST
+    return YutuError(str(exc), kind)
+
+
+def _log_release_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.info("releasing a prefill hold failed (its lease will end it): %s", task.exception())

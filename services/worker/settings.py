@@ -1,4 +1,13 @@
-"""The worker's settings: built once from the command line in ``main`` and passed down frozen."""
+"""The settings of an engine instance (``yutu worker | prefill | decode``): built once from the
+command line in ``main`` and passed down frozen. One worker core serves the three roles:
+
+- ``mixed`` (``yutu worker``): prefill and decode on the generate channel, as a single process;
+- ``prefill`` (``yutu prefill``): first tokens on the prefill channel; the KV stays held for a decode;
+- ``decode`` (``yutu decode``): the generate channel, pulling each request's KV from its prefill
+  instance (or prefilling a short request itself).
+
+Each role reads its own options from ``YUTU_<ROLE>_<OPTION>`` (``YUTU_WORKER_*`` for the mixed one).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,13 @@ from functools import partial
 
 from yutu.config import ServiceSettings, add_common_options, add_model_options, option
 
-own = partial(option, scope="worker")  # this service's own options: YUTU_WORKER_<OPTION>
+ROLES = ("mixed", "prefill", "decode")
+SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
 
 
 @dataclass(frozen=True)
 class WorkerSettings(ServiceSettings):
+    role: str  # "mixed" | "prefill" | "decode"
     model: str | None  # checkpoint dir or hub id; None: the built-in demo model
     served_model_name: str | None  # name clients use; None: derived from the model
     block_size: int  # tokens per KV block (paging, hashing and store objects)
@@ -23,16 +34,32 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
-    zmq_port: int  # 0: any free port
+    zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
     admin_port: int  # 0: any free port
+    kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
+    kv_lease_s: float  # prefill: how long a request's KV stays held for its decode
+    write_behind_blocks: int  # most blocks being written to the store at once (0: no write-behind)
+    transfer_port: int  # the transfer engine's TCP data server (peers read the KV cache there)
+
+    @property
+    def kind(self) -> str:
+        """The registry kind of this instance."""
+        return SCOPES[self.role]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> WorkerSettings:
+    def from_args(cls, args: argparse.Namespace, role: str = "mixed") -> WorkerSettings:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mib"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if args.kv_lease <= 0:
+            raise ValueError(f"--kv-lease must be positive, got {args.kv_lease}")
+        if args.write_behind_blocks < 0:
+            raise ValueError(f"--write-behind-blocks must be 0 or more, got {args.write_behind_blocks}")
         return cls(
-            **ServiceSettings.common(args, "worker"),
+            **ServiceSettings.common(args, SCOPES[role]),
+            role=role,
             model=args.model,
             served_model_name=args.served_model_name,
             block_size=args.block_size,
@@ -45,10 +72,15 @@ class WorkerSettings(ServiceSettings):
             torch_threads=args.torch_threads,
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
+            kv_store=args.kv_store,
+            kv_lease_s=args.kv_lease,
+            write_behind_blocks=args.write_behind_blocks,
+            transfer_port=args.transfer_port,
         )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
+    own = partial(option, scope=SCOPES[role])
     add_model_options(parser)
     engine = parser.add_argument_group("engine")
     own(engine, "--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -71,7 +103,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     own(engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)")
+    kv = parser.add_argument_group("KV cache sharing")
+    own(
+        kv,
+        "--kv-store",
+        type=bool,
+        default=True,
+        help="use the KV store when a store master is registered: new full blocks are written behind"
+        " the requests, planned prefixes are fetched from it",
+    )
+    own(
+        kv,
+        "--write-behind-blocks",
+        type=int,
+        default=512,
+        help="most KV blocks being written to the store at once",
+    )
+    if role == "prefill":
+        own(
+            kv,
+            "--kv-lease",
+            type=float,
+            default=30.0,
+            help="seconds a request's KV stays held for its decode",
+        )
+    else:
+        parser.set_defaults(kv_lease=30.0)
     net = parser.add_argument_group("network")
-    own(net, "--zmq-port", type=int, default=0, help="port of the generate channel (0: any free port)")
+    channel = "prefill" if role == "prefill" else "generate"
+    own(net, "--zmq-port", type=int, default=0, help=f"port of the {channel} channel (0: any free port)")
     own(net, "--admin-port", type=int, default=0, help="port of the admin REST app (0: any free port)")
+    own(
+        net,
+        "--transfer-port",
+        type=int,
+        default=0,
+        help="port peers read this instance's KV cache on (0: any)",
+    )
     add_common_options(parser)

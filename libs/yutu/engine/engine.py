@@ -39,7 +39,7 @@ import torch
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import default_device_and_dtype, load_model
 from yutu.engine.model_config import ModelConfig
-from yutu.engine.model_runner import ModelRunner, kv_block_bytes
+from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
 from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
@@ -82,6 +82,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: torch.device | str | None = None  # None -> CUDA if available, else CPU
     dtype: torch.dtype | str | None = None  # None -> bfloat16 on CUDA, float32 on CPU
+    # Builds the KV cache tensor (a view over registered memory, so peers can read its blocks);
+    # None: plain device memory. See ModelRunner.
+    kv_cache_factory: KVCacheFactory | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -128,7 +131,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(
-            model, self.model_config, self.num_kv_blocks, config.block_size, self.device, self.dtype
+            model,
+            self.model_config,
+            self.num_kv_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.kv_cache_factory,
         )
         self.sampler = Sampler()
         self._root_key = root_key(self.model_id)
@@ -268,6 +277,11 @@ class LLMEngine:
             return False
         self.scheduler.release(seq)
         return True
+
+    @property
+    def root_key(self) -> bytes:
+        """The parent of block 0's key for this model (peers must compute the same keys)."""
+        return self._root_key
 
     @property
     def num_held(self) -> int:

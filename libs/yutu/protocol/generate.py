@@ -1,4 +1,4 @@
-"""The generate channel: a front end (gateway, later the conductor) and an engine worker.
+"""The generate channel: a front end (the gateway) and an engine instance (mixed worker or decode).
 
 Flow over one DEALER (front end) -> ROUTER (worker) connection::
 
@@ -14,6 +14,13 @@ Flow over one DEALER (front end) -> ROUTER (worker) connection::
 
 Every reply about a request (TokenDelta, RequestFailed) carries its id; the front end routes by it.
 
+Disaggregation (version 3). A request may arrive with part of its work done elsewhere:
+``generated`` holds tokens already streamed to the client (the prefill's first token; every token so
+far when a request moves from a lost decode instance); ``kv`` is the KV handle of a prefill instance
+holding the prompt's KV (:class:`yutu.protocol.prefill.KVHandle`, wire form): the worker pulls those
+blocks and releases the hold; ``store_blocks`` says how many leading blocks the KV store may hold
+(fetched past the worker's own prefix cache). Only new tokens come back as deltas.
+
 Liveness, both ways. The front end counts any message from a worker as a sign of life; a worker
 silent for longer than the front end's window (a frozen or wedged process keeps its TCP connection
 up) gets no new requests and its in-flight ones fail UNAVAILABLE, until it answers again. Each Ping
@@ -24,12 +31,12 @@ opt-in: a front end that never pings (a test's raw socket) is never timed out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("generate", version=2)  # 2: Ping/Pong
+CHANNEL = Channel("generate", version=3)  # 2: Ping/Pong; 3: generated, kv, store_blocks
 
 
 @CHANNEL.message("generate")
@@ -39,6 +46,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # SamplingParams fields (yutu.engine.sampling)
     arrival_time: float  # wall clock (time.time()) at the gateway
+    generated: list[int] = field(default_factory=list)  # tokens already streamed (count as output)
+    kv: list[Any] | None = None  # KVHandle.to_wire() of the prefill holding the prompt's KV
+    store_blocks: int = 0  # leading blocks to try from the KV store (when kv is None)
 
 
 @CHANNEL.message("abort")

@@ -1,0 +1,224 @@
+"""The generate channel of a mixed worker or a decode instance.
+
+Front ends (gateways) connect a DEALER to our ROUTER and multiplex requests by id; every reply goes
+back to the identity that sent the request. A request may carry work done elsewhere (see
+:mod:`yutu.protocol.generate`): tokens already ``generated`` (streamed to the client), the ``kv``
+handle of a prefill instance holding its prompt's KV (pulled, then released), or ``store_blocks``
+to try from the KV store. Only new tokens are sent back.
+
+A front end that is gone (ZeroMQ cannot route to it), or that pinged and then went quiet past the
+window its Pings declare (frozen: its TCP connection stays up), has its requests aborted so their
+KV blocks are freed at once, each answered with an UNAVAILABLE RequestFailed in case it wakes up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from yutu.engine.engine import RequestOutput
+from yutu.engine.sampling import SamplingParams
+from yutu.errors import ErrorKind, YutuError
+from yutu.kv.hashing import block_key_digests
+from yutu.liveness import Liveness
+from yutu.protocol.codec import ProtocolError
+from yutu.protocol.generate import (
+    CHANNEL,
+    AbortRequest,
+    GenerateRequest,
+    Ping,
+    Pong,
+    RequestFailed,
+    TokenDelta,
+)
+from yutu.protocol.prefill import KVHandle
+from yutu.rpc import Peer, Sent
+from yutu.supervise import Supervisor
+
+from services.worker.engine_loop import EngineLoop
+from services.worker.imports import FromPeer, FromStore, KVImports
+
+log = logging.getLogger(__name__)
+
+_FRONT_END_CHECK_S = 0.5  # how often front ends' heartbeats are judged (each declares its window)
+_SHUTDOWN_LINGER_S = 1.0  # the last deltas still go out this long after the socket closes
+
+
+class GenerateRole:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        imports: KVImports,
+        root_key: bytes,
+        block_size: int,
+        host: str,
+        port: int,
+        check_prompt: Callable[[Any], str | None],
+        loops: Supervisor,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.imports = imports
+        self.root_key = root_key
+        self.block_size = block_size
+        self._check_prompt = check_prompt
+        self._routes: dict[str, bytes] = {}  # request id -> front-end identity
+        self._front_ends = Liveness[bytes](timeout_s=3.0)  # front ends that ping, by identity
+        self._peer = Peer.router(
+            CHANNEL,
+            {GenerateRequest: self._admit, AbortRequest: self._on_abort, Ping: self._on_ping},
+            host,
+            port,
+            name="generate",
+        )
+        self.endpoint = self._peer.endpoint
+        self.accepting = True
+        loops.every("front-end-liveness", _FRONT_END_CHECK_S, self._check_front_ends)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._routes)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _admit(self, identity: bytes, msg: GenerateRequest) -> None:
+        rid = msg.request_id
+        if not self.accepting:
+            self._fail(
+                identity, rid, ErrorKind.UNAVAILABLE, "worker is shutting down; retry on another worker"
+            )
+            return
+        if not isinstance(rid, str) or not rid or rid in self._routes:
+            self._fail(
+                identity,
+                str(rid),
+                ErrorKind.INVALID_REQUEST,
+                f"request id {rid!r} is empty or already in use",
+            )
+            return
+        problem = self._check_prompt(msg.prompt_token_ids)
+        if problem is None and msg.generated:
+            problem = self._check_prompt(msg.generated)
+            problem = None if problem is None else "generated " + problem.removeprefix("prompt ")
+        if problem is not None:
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, problem)
+            return
+        try:
+            params = SamplingParams(**msg.sampling)
+        except (TypeError, ValueError) as exc:
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"invalid sampling parameters: {exc}")
+            return
+        try:
+            import_tokens = self._plan_import(rid, msg)
+        except ProtocolError as exc:
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"malformed KV handle: {exc}")
+            return
+        self._routes[rid] = identity
+        self.engine_loop.add(
+            rid, msg.prompt_token_ids, params, generated=tuple(msg.generated), import_tokens=import_tokens
+        )
+
+    def _plan_import(self, rid: str, msg: GenerateRequest) -> int:
+        """Where the request's leading KV comes from (told to the importer); returns its tokens."""
+        tokens = msg.prompt_token_ids + list(msg.generated)
+        if msg.kv is not None:
+            handle = KVHandle.from_wire(msg.kv)
+            self.imports.expect(rid, FromPeer(handle))
+            return min(handle.num_tokens, len(tokens) - 1)
+        usable = (
+            min(msg.store_blocks, (len(tokens) - 1) // self.block_size)
+            if type(msg.store_blocks) is int
+            else 0
+        )
+        if usable <= 0 or self.imports.store is None:
+            return 0
+        digests = block_key_digests(self.root_key, tokens[: usable * self.block_size], self.block_size)
+        self.imports.expect(rid, FromStore([k.hex() for k in digests]))
+        return usable * self.block_size
+
+    def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
+        if self._routes.get(msg.request_id) == identity:  # only the front end that sent it
+            self._abort(msg.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self._routes.pop(request_id, None) is not None:
+            self.engine_loop.abort(request_id)
+
+    # -- from the engine -------------------------------------------------------------------------
+
+    def on_output(self, out: RequestOutput) -> None:
+        identity = self._routes.get(out.request_id)
+        if identity is None:
+            return  # aborted by its front end meanwhile
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = [[lp.token_id, lp.logprob, [list(alt) for alt in lp.top]] for lp in out.new_logprobs]
+        delta = TokenDelta(
+            request_id=out.request_id,
+            token_ids=list(out.new_token_ids),
+            logprobs=logprobs,
+            finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        if out.finished:
+            del self._routes[out.request_id]
+        self._send(identity, delta)
+
+    def on_error(self, request_id: str, error: YutuError) -> None:
+        front_end = self._routes.pop(request_id, None)
+        if front_end is not None:
+            self._fail(front_end, request_id, error.kind, str(error))
+
+    def fail_all(self, error: YutuError) -> None:
+        for rid, identity in list(self._routes.items()):
+            self._fail(identity, rid, error.kind, str(error))
+        self._routes.clear()
+
+    # -- liveness --------------------------------------------------------------------------------
+
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        """Answer at once; from its first Ping on, a front end silent past its window is given up on."""
+        timeout_s = msg.timeout_s
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s < 3600:
+            raise ValueError(f"ping with a liveness window of {timeout_s!r} s: expected (0, 3600)")
+        self._front_ends.heard(identity, float(timeout_s))
+        self._peer_send(identity, Pong(msg.seq))
+
+    def _check_front_ends(self) -> None:
+        """Abort the requests of front ends that stopped pinging (frozen or gone), freeing their blocks."""
+        for silent in self._front_ends.expired():
+            identity = silent.key
+            self._front_ends.forget(identity)  # if it comes back, its next Ping watches it anew
+            request_ids = [rid for rid, owner in self._routes.items() if owner == identity]
+            log.warning(
+                "front end %s sent no ping for %.1f s: aborting its %d request(s)",
+                identity.hex(),
+                silent.silence_s,
+                len(request_ids),
+            )
+            for rid in request_ids:
+                self._abort(rid)
+                message = (
+                    f"the worker heard no heartbeat from this front end for {silent.silence_s:.1f} s"
+                    " and aborted the request: retry it"
+                )
+                self._peer_send(identity, RequestFailed(rid, ErrorKind.UNAVAILABLE.value, message))
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def _fail(self, identity: bytes, request_id: str, kind: ErrorKind, message: str) -> None:
+        self._send(identity, RequestFailed(request_id, kind.value, message))
+
+    def _send(self, identity: bytes, msg: TokenDelta | RequestFailed) -> None:
+        """Send a reply about a request; if its front end is gone, abort the request (frees its blocks)."""
+        if self._peer_send(identity, msg) is Sent.UNROUTABLE:
+            self._abort(msg.request_id)
+            log.info("front end of %s is gone; aborted it", msg.request_id)
+
+    def _peer_send(self, identity: bytes, msg: Any) -> Sent:
+        return self._peer.send(msg, to=identity)
+
+    def close(self) -> None:
+        self.accepting = False
+        self._peer.close(_SHUTDOWN_LINGER_S)
