@@ -53,6 +53,7 @@ class Supervisor:
     async def _every(
         self, name: str, interval_s: float, step: Callable[[], Awaitable[object] | None]
     ) -> None:
+        task = asyncio.current_task()
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -61,6 +62,10 @@ class Supervisor:
                     await result
             except Exception:  # noqa: BLE001 - logged; the loop must outlive one bad step
                 log.exception("%s: a step of %s failed (the loop goes on)", self.owner, name)
+            if task is not None and task.cancelling():
+                # Cancelled during the step, and something in it swallowed the CancelledError
+                # (redis-py's asyncio client can): stop anyway, or close() would wait forever.
+                raise asyncio.CancelledError
 
     def watch(self, name: str, task: asyncio.Task[Any]) -> None:
         """Watch a task someone else created (a library object's loop)."""
