@@ -73,7 +73,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert f"Yutu is up: http://127.0.0.1:{port}/v1" in banner
         assert "demo model" not in banner  # a real checkpoint was given
         children = children_of(proc.pid)
-        assert len(children) == 5  # redis-server, store-master, store-node-0, worker-0, gateway
+        # redis-server, store-master, store-node-0, conductor, prefill-0, decode-0, gateway
+        assert len(children) == 7
         assert redis_reachable(redis_url)
 
         for pid in children:  # the key reaches the gateway through its environment, not its argv
@@ -119,7 +120,7 @@ def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
     try:
         read_until(proc, "Ctrl-C stops everything", timeout_s=240)
         children = children_of(proc.pid)
-        assert len(children) == 3  # redis-server, worker-0, gateway: no store
+        assert len(children) == 5  # redis-server, conductor, prefill-0, decode-0, gateway: no store
         proc.kill()  # no chance to clean up: the children must notice on their own
         proc.wait()
         deadline = time.monotonic() + 30

@@ -233,7 +233,8 @@ def test_ctrl_c_from_the_terminal_stops_everything_cleanly(tmp_path: Path, shm: 
     try:
         up.wait_for("Ctrl-C stops everything", timeout_s=240)
         children = up.children()
-        assert len(children) == 5  # redis-server, store-master, store-node-0, worker-0, gateway
+        # redis-server, store-master, store-node-0, conductor, prefill-0, decode-0, gateway
+        assert len(children) == 7
         node = up.pid_of("store-node-0")
         assert len(up.region_files(node)) == 1
         redis_pid = up.pid_of("redis")

@@ -156,8 +156,8 @@ class GatewayService(Service):
         problems = super().problems()
         if self._pool is not None and not self.pool.live():
             problems.append(
-                f"no live worker or decode instance serving model {self.model_name!r}: none is"
-                " registered, connected and answering heartbeats"
+                f"no live worker serving model {self.model_name!r}: no mixed worker or decode instance"
+                " is registered, connected and answering heartbeats"
             )
         return problems
 

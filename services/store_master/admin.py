@@ -18,6 +18,15 @@ def build_router(service: StoreMasterService) -> APIRouter:
     async def stats() -> dict[str, Any]:
         return service.stats()
 
+    @router.post("/debug/check_integrity")
+    async def check_integrity() -> dict[str, Any]:
+        """Assert that allocations, replicas and the LRU agree (a read-only check; tests call it)."""
+        try:
+            state.check()
+        except AssertionError as exc:
+            raise HTTPException(500, f"store metadata integrity: {exc}") from None
+        return {"ok": True, "objects": sum(1 for e in state.objects.values() if e.readable)}
+
     @router.get("/segments")
     async def segments() -> list[dict[str, Any]]:
         return [state.segments.describe(n) for n in sorted(state.segments.segments)]

@@ -95,6 +95,10 @@ class KVImports:
 
     async def _load(self, load: KVLoad) -> None:
         source = self._sources.pop(load.seq_id, None)
+        if not load.needed:  # the prefix cache covered it: the request runs already
+            if isinstance(source, FromPeer):
+                self._release_remote(source.handle, load.seq_id)
+            return
         loaded = load.num_cached_tokens
         started = time.perf_counter()
         try:

@@ -353,7 +353,7 @@ class WorkerService(Service):
     # -- registry, admin -------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
-        assert self.engine is not None and self._region is not None
+        assert self.engine is not None
         stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
         return {
             "model": self.served_model_name,
@@ -361,7 +361,7 @@ class WorkerService(Service):
             "role": self.settings.role,
             "max_model_len": self.engine.max_model_len,
             "block_size": self.settings.block_size,
-            "block_bytes": self._region.block_bytes,
+            "block_bytes": 0 if self._region is None else self._region.block_bytes,
             "max_num_seqs": self.settings.max_num_seqs,
             "segment": self.settings.instance_id,
             "kv_store": self.store is not None,

@@ -222,3 +222,16 @@ def test_bad_disaggregation_arguments_are_refused(ckpt: Path) -> None:
         engine.add_request("c", ids, params, generated=[5], prefill_only=True)
     with pytest.raises(InvalidRequestError, match=r"generated token ids must be integers in \[0, 512\)"):
         engine.add_request("d", ids, params, generated=[9999])
+
+
+def test_an_import_the_prefix_cache_covers_runs_at_once_and_says_so(ckpt: Path) -> None:
+    ids = prompt(48, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = make_engine(ckpt)
+    engine.add_request("warm", ids + [9], SamplingParams(temperature=0, max_tokens=1))
+    drain(engine)
+    engine.add_request("x", ids, params, import_tokens=32)  # 3 blocks cached >= 2 blocks to import
+    out = drain(engine)["x"]
+    (load,) = engine.take_loads()
+    assert not load.needed and load.block_ids == [] and load.num_cached_tokens == 32
+    assert tokens(out) == tokens(reference(ckpt, ids, params))

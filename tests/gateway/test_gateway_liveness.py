@@ -158,7 +158,7 @@ def test_a_frozen_worker_fails_its_requests_gets_none_new_and_returns_when_it_an
         # The failed request was aborted on the worker too: nothing left, no block leaked.
         info = wait_idle(admin)
         assert info["engine"]["num_free_blocks"] == info["engine"]["num_kv_blocks"]
-        assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json() == {"ok": True}
+        assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True
 
 
 def test_with_two_workers_requests_after_a_freeze_go_to_the_live_one(
@@ -203,7 +203,7 @@ def test_with_two_workers_requests_after_a_freeze_go_to_the_live_one(
         assert worker_info(frozen_admin)["engine"]["generation_tokens_total"] == served + 200
         for admin in (frozen_admin, other_admin):
             wait_idle(admin)
-            assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json() == {"ok": True}
+            assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True
 
 
 def test_a_frozen_gateway_has_its_requests_aborted_by_the_worker(
@@ -232,7 +232,7 @@ def test_a_frozen_gateway_has_its_requests_aborted_by_the_worker(
             info = wait_idle(admin)  # the worker gave up on the silent front end
             assert info["engine"]["generation_tokens_total"] - before < n * 200  # aborted, not finished
             assert info["engine"]["num_free_blocks"] == info["engine"]["num_kv_blocks"]
-            assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json() == {"ok": True}
+            assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True
         finally:
             gateway.send_signal(signal.SIGCONT)
         results = [f.result(timeout=60) for f in streams]

@@ -102,7 +102,8 @@ async def test_malformed_and_broken_records_are_skipped_once_and_a_real_worker_s
                     assert time.monotonic() < deadline, "the real worker never joined"
                     await asyncio.sleep(0.1)
                 assert failures == 0
-                assert logged_after(caplog, "a step of worker-pool failed (the loop goes on)") == 2
+                # the registry is shared by every pool of the gateway: whichever polled got the errors
+                assert logged_after(caplog, "failed (the loop goes on)") == 2
                 assert gw.loops.problems == {}
                 assert [w.info.instance_id for w in gw.pool.live()] != [broken.instance_id]
 

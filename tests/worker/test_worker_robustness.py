@@ -35,6 +35,7 @@ from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import admin_app
 
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
+from services.worker.generate_role import GenerateRole
 from services.worker.service import WorkerService
 from services.worker.settings import WorkerSettings
 
@@ -262,10 +263,21 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
         failed.append((identity, request_id, kind, message))
         failed_event.set()
 
-    service._fail = record_fail  # type: ignore[method-assign]
     service._loop_engine = EngineLoop(
         engine, asyncio.get_running_loop(), service._on_outputs, service._on_error
     )  # type: ignore[arg-type]
+    # The generate channel as startup builds it (a real ROUTER on loopback), its sends recorded.
+    service.generate = GenerateRole(
+        service._loop_engine,
+        None,
+        b"\0" * 16,
+        16,
+        "127.0.0.1",
+        0,
+        lambda ids: None,
+        service.loops,  # type: ignore[arg-type]
+    )
+    service.generate._fail = record_fail  # type: ignore[method-assign]
     service._accepting = True  # as after startup
     registry = Registry.from_url(redis_url, registry_prefix)
     record = ServiceRecord(kind="worker", instance_id="w-broken", endpoints={}, meta=service._meta())
@@ -275,7 +287,7 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
     try:
         assert service.readiness() == (True, []) and record.meta["broken"] is None
 
-        service._routes["r1"] = b"front-end"
+        service.generate._routes["r1"] = b"front-end"
         service._loop_engine.add("r1", [1, 2], PARAMS)
         await asyncio.wait_for(failed_event.wait(), 30)
 
@@ -297,7 +309,7 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
 
         failed.clear()
         failed_event.clear()
-        service._routes["r2"] = b"front-end"
+        service.generate._routes["r2"] = b"front-end"
         service._loop_engine.add("r2", [1, 2], PARAMS)
         await asyncio.wait_for(failed_event.wait(), 30)
         ((identity, rid, kind, message),) = failed
@@ -306,6 +318,8 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
         assert not service.stopping.is_set()  # the worker does not exit
     finally:
         await service._loop_engine.stop()
+        service.generate.close()
+        await service.loops.close()
         await service._registration.close()
         await registry.close()
 
@@ -342,4 +356,9 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         torch_threads=1,
         zmq_port=0,
         admin_port=0,
+        role="mixed",
+        kv_store=False,
+        kv_lease_s=30.0,
+        write_behind_blocks=0,
+        transfer_port=0,
     )

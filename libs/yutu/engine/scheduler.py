@@ -68,6 +68,12 @@ class KVLoad:
     num_cached_tokens: int
     num_tokens: int  # the sequence's kv_import_tokens
 
+    @property
+    def needed(self) -> bool:
+        """False when the prefix cache already covered the import: the sequence runs at once, and
+        the load only tells the caller its source is not needed (no ``finish_load`` then)."""
+        return bool(self.block_ids)
+
 
 @dataclass
 class ScheduledBatch:
@@ -171,6 +177,17 @@ class Scheduler:
             if seq.kv_import_tokens > num_cached:
                 batch.loads.append(self._load(seq, num_cached))
                 continue
+            if seq.kv_import_tokens:  # covered by the prefix cache: nothing to copy
+                batch.loads.append(
+                    KVLoad(
+                        seq.seq_id,
+                        num_cached // self.block_manager.block_size,
+                        [],
+                        num_cached,
+                        seq.kv_import_tokens,
+                    )
+                )
+                seq.kv_import_tokens = 0
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
