@@ -82,6 +82,14 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.handoff = Histogram(
+            "yutu_gateway_handoff_seconds",
+            "Disaggregated requests: the prefill's first token received -> the decode's first delta"
+            " (the KV pull, the release of the hold and one decode step)",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
         self.migrations = Counter(
             "yutu_gateway_migrations",
             "Requests moved to another decode instance after theirs was lost mid-stream",

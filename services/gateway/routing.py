@@ -156,6 +156,7 @@ class DisaggHandle:
         self.tokens: list[int] = []  # every token streamed to the client so far
         self.cached_tokens = 0
         self.prefill_time_s: float | None = None
+        self._handed_at: float | None = None  # monotonic: the prefill's result came (handoff starts)
         self._queue: asyncio.Queue[TokenDelta | YutuError] = asyncio.Queue()
         self._prefill: PrefillClient | None = None  # while a prefill may be running or holding KV
         self._decode: GenerationHandle | None = None
@@ -235,6 +236,7 @@ class DisaggHandle:
         )
 
     def _first_token(self, result: p.PrefillResult) -> None:
+        self._handed_at = time.monotonic()
         self.tokens.append(result.token_id)
         self.cached_tokens = result.num_cached_tokens
         self.prefill_time_s = time.time() - self.request.arrival_time
@@ -301,6 +303,10 @@ class DisaggHandle:
                 self._decode = None
 
     def _deliver(self, delta: TokenDelta) -> None:
+        if self._handed_at is not None and delta.token_ids:
+            m = self.router.metrics
+            m.handoff.labels(m.model).observe(time.monotonic() - self._handed_at)
+            self._handed_at = None
         if self.prefill_time_s is None and delta.token_ids:  # the decode prefilled it itself
             self.prefill_time_s = time.time() - self.request.arrival_time
             self.cached_tokens = delta.num_cached_tokens
