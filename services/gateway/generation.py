@@ -142,6 +142,16 @@ class Generation:
             return [route for _, _, route in self._placed]
         return [self.routes[i] for i in sorted(self.routes)]
 
+    def current_routes(self) -> list[Route]:
+        """Where the choices ran in the end (a request placed again after a lost prefill instance
+        reports the one that served it), in index order."""
+        out = []
+        for index in sorted(self.routes):
+            handle = self._handles.get(index)
+            route = getattr(handle, "route", None)
+            out.append(route if isinstance(route, Route) else self.routes[index])
+        return out
+
     async def _place_waiting(self) -> list[tuple[ChoiceState, GenerateRequest, Route]]:
         """Take waiting choices, lowest index first, while fewer than max_in_flight run, and place them."""
         batch: list[tuple[ChoiceState, GenerateRequest]] = []

@@ -74,8 +74,11 @@ class PrefillClient:
                 task.cancel()
 
     def release(self, request_id: str) -> None:
-        """Tell the instance to drop the request (prefilling or held); best effort, in the background."""
-        task = asyncio.ensure_future(self.call(p.ReleaseKV(request_id), 2.0))
+        """Tell the instance to drop the request (prefilling or held); best effort, in the background.
+
+        Sent even to an instance judged lost: a frozen one that wakes up reads it and frees the KV.
+        """
+        task = asyncio.ensure_future(self.rpc.call(p.ReleaseKV(request_id), 2.0))
         task.add_done_callback(_log_failure(f"releasing {request_id} on {self.instance_id}"))
 
     def ping(self) -> None:

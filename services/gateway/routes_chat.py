@@ -73,8 +73,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         limits.max_choices_in_flight,
     )
     await gen.place()  # a 429 or 503 is answered here, as a status, before any response starts
-    headers = instance_headers(gen.first_routes)
-    if body.stream:
+    if body.stream:  # the headers go out now: they name the instances placed at the start
+        headers = instance_headers(gen.first_routes)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
             _stream(gen, gw, body, include_usage),
@@ -93,7 +93,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         choices=[_choice(choices[i], gw, body) for i in sorted(choices)],
         usage=usage_of(gen),
     )
-    return Response(response.model_dump_json(), media_type="application/json", headers=headers)
+    return Response(
+        response.model_dump_json(),
+        media_type="application/json",
+        headers=instance_headers(gen.current_routes()),
+    )
 
 
 def _choice(state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest) -> ChatChoice:

@@ -201,6 +201,7 @@ class DisaggHandle:
         for _ in range(MAX_PREFILL_ATTEMPTS):
             prefill_id = route.prefill
             if prefill_id is None:
+                self.route = route  # the decode instance prefills (perhaps after a re-placement)
                 return False, None
             client = self.router.prefills.get(prefill_id)
             if client is None:
@@ -216,6 +217,7 @@ class DisaggHandle:
                 result: p.PrefillResult = await client.call(msg)
             except YutuError as exc:
                 self._prefill = None
+                client.release(req.request_id)  # a frozen instance that wakes up drops it (best effort)
                 if exc.kind is not ErrorKind.UNAVAILABLE:
                     raise
                 log.warning(
@@ -280,6 +282,7 @@ class DisaggHandle:
                 store_blocks=0 if kv is not None else store_blocks,
             )
             self._decode = worker.submit(request)
+            self.route = replace(self.route, decode=worker.info.instance_id)
             self._prefill = None  # the decode releases the hold it pulls; a hold it never pulls expires
             kv = None  # a migrated request takes its KV from the store
             try:

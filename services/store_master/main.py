@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(
         g,
         "--kv-events-replay-port",
-        default=None,
+        default=0,
         type=int,
-        help="KV events replay ROUTER port (0: any; unset: off)",
+        help="KV events replay ROUTER port, for subscribers that start late (0: any free port; -1: off)",
     )
     own(g, "--kv-events-topic", default="", help="topic frame of every KV event message")
     own(g, "--data-parallel-rank", default=0, type=int, help="rank written into KV event batches")
@@ -68,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
         admin_port=args.admin_port,
         kv_events=args.kv_events,
         kv_events_port=args.kv_events_port,
-        kv_events_replay_port=args.kv_events_replay_port,
+        kv_events_replay_port=None if args.kv_events_replay_port < 0 else args.kv_events_replay_port,
         kv_events_topic=args.kv_events_topic,
         data_parallel_rank=args.data_parallel_rank,
         policy=policy,

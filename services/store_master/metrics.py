@@ -11,7 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from services.store_master.events import KVEventPublisher
+    from yutu.events import KVEventPublisher
+
     from services.store_master.persistence import Persister
     from services.store_master.service import StoreMasterService
     from services.store_master.state import MasterState

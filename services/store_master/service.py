@@ -22,14 +22,15 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import APIRouter
 from yutu.errors import ErrorKind, YutuError
+from yutu.events import KVEventPublisher
 from yutu.protocol import store as p
+from yutu.protocol.kv_events import AllBlocksCleared, BlockStored, KVEvent, key_to_hash
 from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcServer
 from yutu.service import Service
 
 from services.store_master.admin import build_router
-from services.store_master.events import KVEventPublisher
 from services.store_master.handlers import RpcHandlers
 from services.store_master.metrics import StoreMetrics, collect_stats
 from services.store_master.persistence import MetadataStore, Persister
@@ -104,9 +105,12 @@ class StoreMasterService(Service, RpcHandlers):
             await self._watch.arm()
         if s.kv_events:
             self._events = KVEventPublisher(
-                s.host, s.kv_events_port, s.kv_events_topic, s.data_parallel_rank, s.kv_events_replay_port
-            )
-            self._events.start()
+                s.host, s.kv_events_port, s.kv_events_topic, s.data_parallel_rank, s.kv_events_replay_port,
+                snapshot=self._events_snapshot,
+            )  # fmt: skip
+            replay = self._events.start()
+            if replay is not None:
+                self.loops.watch("kv-events-replay", replay)
         self._rpc = RpcServer(p.CHANNEL, self._handle, s.host, s.port)
         self._rpc.start()
         self._sweeper = self.loops.spawn("store-sweeper", self._sweep_loop())
@@ -213,6 +217,14 @@ class StoreMasterService(Service, RpcHandlers):
     def stats(self) -> dict[str, Any]:
         rewrites = 0 if self._watch is None else self._watch.rewrites
         return {**collect_stats(self.state, self._persister, self._events), "metadata_rewrites": rewrites}
+
+    def _events_snapshot(self) -> list[KVEvent]:
+        """What a KV-event replay from the start sends: every readable object, as one batch."""
+        keys = [key_to_hash(k) for k, e in self.state.objects.items() if e.readable]
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if keys:
+            events.append(BlockStored(keys, block_size=self.state.policy.block_size))
+        return events
 
     def _record_names(self) -> tuple[set[str], set[str]]:
         """Every object and segment the master holds (what a full metadata rewrite writes)."""

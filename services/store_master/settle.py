@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import msgpack
 from yutu.errors import YutuError
+from yutu.events import KVEventPublisher
 
-from services.store_master.events import KVEventPublisher
 from services.store_master.objects import NodeTask
 from services.store_master.persistence import Persister
 from services.store_master.settings import MasterSettings

@@ -395,6 +395,7 @@ class WorkerService(Service):
                 "broken": self.broken,
                 "engine": asdict(stats),
                 "kv_store": self.store is not None,
+                "cached_blocks": 0 if self.cache_events is None else len(self.cache_events.keys),
                 "uptime_s": round(time.time() - self.started_at, 3),
             }
             if self.write_behind is not None:

@@ -28,6 +28,7 @@ import torch
 from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.sampling import SamplingParams
 from yutu.launcher import ADMIN_PORT, Child, ChildSpec, ProcessGroup, free_port, python_module
+from yutu.transfer.region import sweep_stale_region_files
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
@@ -92,6 +93,7 @@ class DisaggStack:
             "YUTU_SHM_DIR": str(self.shm_dir),
         }
         self.specs: dict[str, ChildSpec] = {}
+        self.killed_pids: list[int] = []
         common = ("--redis-url", redis_url, "--registry-prefix", self.prefix, "--registry-ttl", "3")
         model_flags = ("--model", str(model), "--served-model-name", MODEL_NAME)
         engine = (*model_flags, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
@@ -141,8 +143,14 @@ class DisaggStack:
             raise
         finally:
             self.group.stop()
+        # A SIGKILLed instance cannot unlink its regions; the next start of any service reclaims
+        # them (as yutu up does at start). Anything else left is a leak.
+        killed = {str(pid) for pid in self.killed_pids}
         leftover = sorted(p.name for p in self.shm_dir.iterdir())
-        assert not leftover, f"region files left behind after the stack stopped: {leftover}"
+        leaked = [name for name in leftover if name.split("-")[2] not in killed]
+        assert not leaked, f"region files left behind after the stack stopped: {leaked}"
+        sweep_stale_region_files(str(self.shm_dir))
+        assert not list(self.shm_dir.iterdir()), "the killed instances' regions were not reclaimed"
 
     def dump_logs(self) -> None:
         for log in sorted((self.tmp / "logs").glob("*.log")):
@@ -150,8 +158,15 @@ class DisaggStack:
 
     @staticmethod
     def wait_for(cond: Any, timeout_s: float, what: str) -> None:
+        """Poll ``cond`` until true; a record not (yet) in the registry or an admin app not answering
+        counts as not yet."""
         deadline = time.monotonic() + timeout_s
-        while not cond():
+        while True:
+            try:
+                if cond():
+                    return
+            except (KeyError, httpx.HTTPError):
+                pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}")
             time.sleep(0.1)
@@ -163,6 +178,7 @@ class DisaggStack:
         proc = self.child(name).proc
         proc.send_signal(sig)
         if sig == signal.SIGKILL:
+            self.killed_pids.append(proc.pid)
             proc.wait(10)
 
     def restart(self, name: str) -> None:
