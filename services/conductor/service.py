@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Header, HTTPException
@@ -33,6 +34,7 @@ from yutu.rpc import RpcServer
 from yutu.sched import CostModels, Placement, Placer, PolicyOptions, Rejection, RequestView, policy_by_name
 from yutu.service import Service
 
+from services.conductor.correction import TTFTCorrection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.recent import PlacementRecord, RecentPlacements
 from services.conductor.settings import ConductorSettings
@@ -60,6 +62,7 @@ class ConductorService(Service):
         self.options = settings.options
         self.policy: Placer = policy_by_name(settings.policy, costs=self.costs, **_options(settings.options))
         self.recent = RecentPlacements(settings.recent)
+        self.correction = TTFTCorrection()
         self.stats = ConductorMetrics(self.metrics)
         self._rpc: RpcServer | None = None
         self._loads: Subscriber | None = None
@@ -169,9 +172,12 @@ class ConductorService(Service):
         if isinstance(msg, c.Place):
             return self._place(msg)
         if isinstance(msg, c.Observed):
+            self.view.prefill_done(msg.request_id, time.monotonic())
             record = self.recent.observe(msg.request_id, msg.ttft_s, msg.cached_tokens)
             if record is not None:
                 self.stats.ttft_error.observe(msg.ttft_s - record.predicted_ttft_s)
+                self.correction.observe(record.predicted_ttft_s, msg.ttft_s)
+                self._apply_correction()
             return c.Ack(msg.request_id)
         raise YutuError(
             f"unexpected {type(msg).__name__} on the conductor channel", ErrorKind.INVALID_REQUEST
@@ -224,6 +230,12 @@ class ConductorService(Service):
 
     # -- admin --------------------------------------------------------------------------------------
 
+    def _apply_correction(self) -> None:
+        """Hold the policy to the TTFT SLO divided by how much measured TTFTs exceed predictions."""
+        slo = self.options.slo_ttft_s
+        if slo is not None:
+            self.policy.options = replace(self.options, slo_ttft_s=slo / self.correction.factor)
+
     def set_policy(self, change: PolicyChange) -> None:
         o = self.options
         options = PolicyOptions(
@@ -238,6 +250,7 @@ class ConductorService(Service):
         )
         self.policy = policy_by_name(change.policy, costs=self.costs, **_options(options))
         self.options = options
+        self._apply_correction()
         log.info("policy changed to %s (%s)", change.policy, options)
 
     def describe_policy(self) -> dict[str, Any]:
@@ -248,6 +261,7 @@ class ConductorService(Service):
             "disagg_threshold": o.disagg_threshold,
             "slo_ttft_ms": None if o.slo_ttft_s is None else o.slo_ttft_s * 1000,
             "slo_tbt_ms": None if o.slo_tbt_s is None else o.slo_tbt_s * 1000,
+            "ttft_correction": round(self.correction.factor, 3),  # measured / predicted TTFT, smoothed
         }
 
     def describe_instances(self) -> list[dict[str, Any]]:

@@ -49,6 +49,7 @@ class Pending:
     blocks: int  # KV blocks it will take there
     placed_at: float
     ready_at: float  # predicted end of its prefill (when a decode instance gets it)
+    handed_at: float | None = None  # its first token came: the decode instance has it from now on
 
 
 @dataclass
@@ -119,12 +120,17 @@ class GlobalView:
             return True  # an old report arriving late
         instance.report = report
         instance.report_at = now
-        instance.pending = [
-            p
-            for p in instance.pending
-            if p.placed_at > now - REPORT_LAG_S or (instance.role == "decode" and p.ready_at > now)
-        ]
+        instance.pending = [p for p in instance.pending if self._unreported(instance, p, now)]
         return True
+
+    @staticmethod
+    def _unreported(instance: Instance, p: Pending, now: float) -> bool:
+        """Whether a report received at ``now`` may not count ``p`` yet (so the view must)."""
+        if instance.role == "prefill":
+            return p.placed_at > now - REPORT_LAG_S
+        if p.handed_at is not None:  # at the decode instance since then
+            return p.handed_at > now - REPORT_LAG_S
+        return p.ready_at > now or p.placed_at > now - REPORT_LAG_S
 
     def on_kv_events(self, source: str, batch: KVEventBatch) -> None:
         keys = self.store_keys if source == STORE else self._cached(source)
@@ -163,6 +169,19 @@ class GlobalView:
             instance = self.instances.get(str(instance_id))
             if instance is not None:
                 instance.pending.append(pending)
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        """A request's first token came (the gateway said so): its prefill no longer queues anywhere,
+        and its decode instance has it (its next report counts it)."""
+        for instance in self.instances.values():
+            if not instance.pending:
+                continue
+            if instance.role == "prefill":
+                instance.pending = [p for p in instance.pending if p.request_id != request_id]
+            else:
+                for p in instance.pending:
+                    if p.request_id == request_id and p.handed_at is None:
+                        p.handed_at = now
 
     def live(self, role: str, now: float, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Instances of ``role`` that may take work: listed, reporting, not broken, not excluded."""

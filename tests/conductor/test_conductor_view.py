@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from yutu.protocol.load import LoadReport
 from yutu.registry import ServiceRecord
@@ -82,14 +83,18 @@ def test_pending_placements_count_until_a_later_report() -> None:
     (d,) = snap.decodes
     assert [(i.arrival_s, i.prompt_len) for i in d.incoming] == [(10.5, 40)]
     assert d.batch_size == 1 and d.kv_tokens == 80 and d.max_batch == 8
+    view.prefill_done("someone-else", now=10.1)
+    assert len(view.snapshot(now=10.1).prefills[0].queue) == 2
     view.on_report(report("p0", 2, "prefill"), now=10.12)  # too soon after the placement to include it
     assert len(view.snapshot(now=10.12).prefills[0].queue) == 1
+    view.prefill_done("r1", now=10.12)  # its first token came: the prefill queues nowhere any more
+    assert view.snapshot(now=10.12).prefills[0].queue == ()
     view.on_report(report("p0", 3, "prefill"), now=10.3)
     assert view.snapshot(now=10.3).prefills[0].queue == ()
-    view.on_report(report("d0", 2, "decode"), now=10.3)  # its prefill is not over (ready at 10.5)
-    assert len(view.snapshot(now=10.3).decodes[0].incoming) == 1
-    view.on_report(report("d0", 3, "decode"), now=10.6)
-    assert view.snapshot(now=10.6).decodes[0].incoming == ()
+    view.on_report(report("d0", 2, "decode"), now=10.15)  # handed over just now: not reported yet
+    assert len(view.snapshot(now=10.15).decodes[0].incoming) == 1
+    view.on_report(report("d0", 3, "decode"), now=10.3)  # a report made after the handoff counts it
+    assert view.snapshot(now=10.3).decodes[0].incoming == ()
     assert view.snapshot(now=10.6, exclude=frozenset({"d0"})).decodes == ()
 
 
@@ -106,3 +111,37 @@ def test_a_policy_places_on_the_snapshot() -> None:
     outcome = KVCentric().place(view.snapshot(now=1.0), RequestView("r", keys, 8 * BS + 5, 4), now=1.0)
     assert isinstance(outcome, Placement)
     assert (outcome.prefill_id, outcome.decode_id, outcome.plan.local_blocks) == ("p1", "d0", 8)
+
+
+def test_a_decode_counts_an_unobserved_placement_until_its_predicted_prefill_end() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("decode", "d0", pid=101)])
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    request = RequestView("r9", (), 40, 8)
+    view.note_placement(
+        Placement("r9", None, "d0", PrefixPlan(0, 0, 40), 0.4, 0.01, 1.5, "p", "t"), request, now=1.1
+    )
+    view.on_report(report("d0", 2, "decode"), now=1.3)  # nobody said its first token came
+    assert len(view.snapshot(now=1.3).decodes[0].incoming) == 1
+    view.on_report(report("d0", 3, "decode"), now=1.6)  # past its predicted ready time
+    assert view.snapshot(now=1.6).decodes[0].incoming == ()
+
+
+def test_the_ttft_correction_tracks_measured_over_predicted_and_never_loosens() -> None:
+    from services.conductor.correction import MAX_FACTOR, TTFTCorrection
+
+    c = TTFTCorrection(alpha=0.5)
+    assert c.factor == 1.0
+    c.observe(0.1, 0.4)  # 4x slower than predicted
+    assert c.factor == pytest.approx(2.0)  # halfway there in log space
+    for _ in range(20):
+        c.observe(0.1, 0.4)
+    assert c.factor == pytest.approx(4.0, rel=1e-3)
+    for _ in range(40):
+        c.observe(0.1, 0.01)  # faster than predicted: the SLO is never loosened
+    assert c.factor == 1.0
+    for _ in range(40):
+        c.observe(0.1, 1000.0)
+    assert c.factor == pytest.approx(MAX_FACTOR)
+    c.observe(0.0, 1.0)  # a zero prediction carries no information
+    assert c.samples == 101

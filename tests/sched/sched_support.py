@@ -36,9 +36,9 @@ PROMPT = 161  # 10 full blocks and 1 token: 10 usable prefix blocks, at least 1 
 
 def costs() -> CostModels:
     return CostModels(
-        prefill=PrefillCostModel((0.0, PREFILL_PER_TOKEN, 0.0)),
+        prefill=PrefillCostModel((0.0, PREFILL_PER_TOKEN, 0.0), trusted=True),
         transfer=TransferCostModel(BYTES_PER_BLOCK / TRANSFER_PER_BLOCK, latency_s=TRANSFER_LATENCY),
-        decode=DecodeCostModel((STEP_BASE, STEP_PER_SEQ, 0.0)),
+        decode=DecodeCostModel((STEP_BASE, STEP_PER_SEQ, 0.0), trusted=True),
     )
 
 

@@ -17,8 +17,11 @@ from yutu.sched import (
 from tests.sched.sched_support import cluster, costs, decode, prefill, request, step
 
 
-def place(view: ClusterView, name: str = "kvcentric") -> Placement | Rejection:
-    return policy_by_name(name, costs=costs()).place(view, request(), 0.0)
+def place(view: ClusterView, name: str = "kvcentric", **options: object) -> Placement | Rejection:
+    return policy_by_name(name, costs=costs(), **options).place(view, request(), 0.0)
+
+
+SLO = {"slo_ttft_s": 1e6}  # an SLO is set (never missed here): capacity shortfalls are rejected
 
 
 @pytest.mark.parametrize(("free", "chosen"), [(1, "cold"), (2, "warm")])
@@ -55,7 +58,7 @@ def test_a_batch_full_when_the_prefill_ends_is_excluded(remaining: int, chosen: 
 def test_no_decode_with_free_blocks_is_overloaded_until_the_first_departure() -> None:
     # One sequence with 1000 tokens left at step(1) s per token.
     d0 = decode("d0", free=10, running=(RunningDecode(10, 1000),))
-    out = place(cluster((prefill("p0"),), (d0,)))
+    out = place(cluster((prefill("p0"),), (d0,)), **SLO)
     assert isinstance(out, Rejection)
     assert out.cause is RejectCause.NO_CAPACITY
     assert out.error_kind is ErrorKind.OVERLOADED
@@ -67,7 +70,7 @@ def test_no_decode_with_free_blocks_is_overloaded_until_the_first_departure() ->
 
 def test_every_batch_full_is_overloaded_with_a_clamped_retry() -> None:
     d0 = decode("d0", max_batch=1, running=(RunningDecode(10, 100_000),))
-    out = place(cluster((prefill("p0"),), (d0,)), name="round_robin")
+    out = place(cluster((prefill("p0"),), (d0,)), name="round_robin", **SLO)
     assert isinstance(out, Rejection)
     assert out.cause is RejectCause.NO_CAPACITY
     assert (
@@ -75,3 +78,13 @@ def test_every_batch_full_is_overloaded_with_a_clamped_retry() -> None:
         == "round_robin: every decode instance with free KV blocks has a full batch when the prefill ends"
     )
     assert out.retry_after_s == 30.0  # 100000 steps away: clamped
+
+
+def test_without_an_slo_a_full_cluster_queues_the_request_instead_of_refusing_it() -> None:
+    blocks_short = decode("d0", free=10, running=(RunningDecode(10, 1000),))
+    batch_full = decode("d1", max_batch=1, running=(RunningDecode(10, 100_000),))
+    for d in (blocks_short, batch_full):
+        out = place(cluster((prefill("p0"),), (d,)))
+        assert isinstance(out, Placement) and out.decode_id == d.instance_id
+    local = place(cluster((), (batch_full,)))  # no prefill instance: the decode prefills, and queues
+    assert isinstance(local, Placement) and local.prefill_id is None

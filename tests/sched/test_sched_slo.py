@@ -94,3 +94,23 @@ def test_kvcentric_picks_the_decode_that_meets_the_slo() -> None:
     assert isinstance(out, Placement)
     assert out.decode_id == "d1"
     assert out.tbt_s == step(2)
+
+
+def test_no_early_rejection_before_the_models_are_calibrated() -> None:
+    """A prior describes no real machine: until measured, requests are placed, not turned away."""
+    from yutu.sched import CostModels, DecodeCostModel, KVCentric, PolicyOptions, PrefillCostModel
+
+    from tests.sched.sched_support import cluster, decode, prefill, request
+
+    guess = CostModels(prefill=PrefillCostModel((10.0, 0.0, 0.0)), decode=DecodeCostModel((10.0, 0.0, 0.0)))
+    policy = KVCentric(PolicyOptions(slo_ttft_s=0.5, slo_tbt_s=0.1), guess)
+    view = cluster([prefill("p0")], [decode("d0")])
+    assert not guess.prefill.calibrated and not guess.decode.calibrated
+    placed = policy.place(view, request(), now=0.0)
+    assert placed.__class__.__name__ == "Placement"  # predicted 10 s on an uncalibrated guess
+    for i in range(8):  # measurements that agree with the guess: now it is believed
+        guess.prefill.observe(64 + i, 0, 10.0)
+        guess.decode.observe(1 + i, 100, 10.0)
+    assert guess.prefill.calibrated and guess.decode.calibrated
+    rejected = policy.place(view, request(), now=0.0)
+    assert rejected.__class__.__name__ == "Rejection"

@@ -3,7 +3,10 @@
 Each model is a plain object: the caller feeds measurements with ``observe(...)`` (durations it timed,
 in seconds) and the policies call ``predict(...)``. No clock, no I/O; deterministic: the same
 observations in the same order give the same predictions. Before enough data a model predicts from
-its prior; predictions are always finite and >= 0. Invalid measurements (negative, NaN, infinite)
+its prior; predictions are always finite and >= 0. A model is *calibrated* once it has
+``min_samples`` measurements, or when its prior is trusted (``trusted=True``: measured elsewhere,
+e.g. a calibration profile); early rejection only believes calibrated models, since an untrusted
+prior describes no real machine. Invalid measurements (negative, NaN, infinite)
 raise ValueError: they are bugs in the caller, not data.
 
 - Prefill (Mooncake FAST'25 §4.1 fits a polynomial in the prompt and prefix lengths): computing
@@ -47,9 +50,20 @@ class PrefillCostModel:
     """Predicts the compute time of a prefill from (prompt length, reused prefix tokens)."""
 
     def __init__(
-        self, prior: tuple[float, float, float] = PREFILL_PRIOR, *, window: int = 256, min_samples: int = 8
+        self,
+        prior: tuple[float, float, float] = PREFILL_PRIOR,
+        *,
+        window: int = 256,
+        min_samples: int = 8,
+        trusted: bool = False,
     ) -> None:
         self._fit = WindowFit(prior, window=window, min_samples=min_samples)
+        self.trusted = trusted  # the prior is a measurement (a profile), not a guess
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether predictions rest on measurements (enough samples, or a trusted prior)."""
+        return self.trusted or self._fit.num_samples >= self._fit.min_samples
 
     @staticmethod
     def features(prompt_len: int, reused_tokens: int) -> tuple[float, float, float]:
@@ -130,9 +144,20 @@ class DecodeCostModel:
     """Predicts one decode step's duration (the TBT) from batch size and total KV tokens."""
 
     def __init__(
-        self, prior: tuple[float, float, float] = DECODE_PRIOR, *, window: int = 256, min_samples: int = 8
+        self,
+        prior: tuple[float, float, float] = DECODE_PRIOR,
+        *,
+        window: int = 256,
+        min_samples: int = 8,
+        trusted: bool = False,
     ) -> None:
         self._fit = WindowFit(prior, window=window, min_samples=min_samples)
+        self.trusted = trusted  # the prior is a measurement (a profile), not a guess
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether predictions rest on measurements (enough samples, or a trusted prior)."""
+        return self.trusted or self._fit.num_samples >= self._fit.min_samples
 
     @staticmethod
     def features(batch_size: int, kv_tokens: int) -> tuple[float, float, float]:

@@ -4,7 +4,8 @@
 
 1. No decode instance live: Rejection NO_DECODE (503).
 2. Decode capacity: drop decode instances without ``ceil((L + 1) / bs)`` free blocks after their
-   incoming requests take theirs; none left: Rejection NO_CAPACITY.
+   incoming requests take theirs; none left: Rejection NO_CAPACITY -- with an SLO set. Without one,
+   nothing is turned away: the request goes where it would wait least (it queues there).
 3. Prefill: estimate every prefill instance (prefix plan with fetch-or-recompute, queue, TTFT:
    ``yutu.sched.estimate``), drop those without free blocks for the blocks they would allocate, and
    let the policy choose (``choose_prefill``). None live or none with room: the decode prefills.
@@ -13,7 +14,8 @@
 5. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
    the chosen decode's own cache and the store, that decode prefills them itself.
 6. Early rejection: a predicted TTFT above ``slo_ttft_s`` or TBT (on the forecast load, the request
-   included) above ``slo_tbt_s`` rejects the request with a ``retry_after_s`` estimate.
+   included) above ``slo_tbt_s`` rejects the request with a ``retry_after_s`` estimate -- once the
+   cost model behind the prediction is calibrated (measured, or a trusted prior).
 
 Candidates reach the policy sorted by instance id, so the outcome never depends on snapshot order.
 Deterministic: the same policy state, view, request and ``now`` give the same answer.
@@ -99,6 +101,9 @@ class Placer(ABC):
             )
         need = decode_blocks(request.prompt_len, view.block_size)
         roomy = [d for d in _by_id(view.decodes) if free_blocks_after_incoming(d, view.block_size) >= need]
+        queue_when_full = self.options.slo_ttft_s is None and self.options.slo_tbt_s is None
+        if not roomy and queue_when_full:
+            roomy = _by_id(view.decodes)  # every one is full: wait on one rather than refuse
         if not roomy:
             most = max(free_blocks_after_incoming(d, view.block_size) for d in view.decodes)
             return self._reject(
@@ -116,6 +121,15 @@ class Placer(ABC):
             cands = [
                 c for d in roomy if (c := self._candidate(d, ready, now, request.prompt_len)) is not None
             ]
+        if not cands and queue_when_full:  # every batch is full: join the queue of one
+            if prefill is None:
+                maybe = [self._local(view, request, d, now, full_ok=True) for d in roomy]
+            else:
+                maybe = [
+                    self._candidate(d, now + prefill.ttft_s, now, request.prompt_len, full_ok=True)
+                    for d in roomy
+                ]
+            cands = [c for c in maybe if c is not None]
         if not cands:
             return self._reject(
                 request,
@@ -158,16 +172,22 @@ class Placer(ABC):
         return self.choose_prefill(fits), "prefill and decode disaggregated"
 
     def _candidate(
-        self, d: DecodeView, ready: float, now: float, prompt_len: int, local: Estimate | None = None
+        self,
+        d: DecodeView,
+        ready: float,
+        now: float,
+        prompt_len: int,
+        local: Estimate | None = None,
+        full_ok: bool = False,
     ) -> DecodeCandidate | None:
         step = step_now(d, self.costs.decode)
         load = load_at(d, max(ready, now), now, step)
-        if load.batch_size >= d.max_batch:
+        if load.batch_size >= d.max_batch and not full_ok:
             return None
         return DecodeCandidate(d, ready, load, tbt_with(load, prompt_len, self.costs.decode), step, local)
 
     def _local(
-        self, view: ClusterView, request: RequestView, d: DecodeView, now: float
+        self, view: ClusterView, request: RequestView, d: DecodeView, now: float, full_ok: bool = False
     ) -> DecodeCandidate | None:
         """``d`` prefilling the request itself: the step it runs now is its queue."""
         wait = step_now(d, self.costs.decode) if d.running else 0.0
@@ -181,7 +201,7 @@ class Placer(ABC):
             self.costs,
             self.options.balancing_threshold,
         )
-        return self._candidate(d, now + est.ttft_s, now, request.prompt_len, est)
+        return self._candidate(d, now + est.ttft_s, now, request.prompt_len, est, full_ok)
 
     def _judge(
         self, request: RequestView, prefill: Estimate | None, decode: DecodeCandidate, now: float, note: str
@@ -195,6 +215,10 @@ class Placer(ABC):
             else f"local prefill on {decode.instance_id}"
         )
         slo_ttft, slo_tbt = self.options.slo_ttft_s, self.options.slo_tbt_s
+        if not self.costs.prefill.calibrated:
+            slo_ttft = None  # no measurements yet: a guess must not turn requests away
+        if not self.costs.decode.calibrated:
+            slo_tbt = None
         if slo_ttft is not None and ttft > slo_ttft:
             floor = chosen.transfer_s + chosen.prefill_s
             retry = RETRY_MAX_S if floor > slo_ttft else ttft - slo_ttft  # the queue drains in real time
