@@ -23,14 +23,12 @@ from fastapi import APIRouter, Header, HTTPException
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 from yutu.errors import ErrorKind, YutuError
-from yutu.events import KVEventSubscriber
 from yutu.protocol import conductor as c
 from yutu.protocol.kv_events import KVEventBatch
 from yutu.protocol.load import CHANNEL as LOAD
 from yutu.protocol.load import LoadReport
-from yutu.pubsub import Subscriber
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.rpc import RpcServer
+from yutu.rpc import KVEventSubscriber, RpcServer, Subscriber
 from yutu.sched import CostModels, Placement, Placer, PolicyOptions, Rejection, RequestView, policy_by_name
 from yutu.service import Service
 

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from yutu.events import KVEventPublisher
+    from yutu.rpc import KVEventPublisher
 
     from services.store_master.persistence import Persister
     from services.store_master.service import StoreMasterService

@@ -22,12 +22,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import APIRouter
 from yutu.errors import ErrorKind, YutuError
-from yutu.events import KVEventPublisher
 from yutu.protocol import store as p
-from yutu.protocol.kv_events import AllBlocksCleared, BlockStored, KVEvent, key_to_hash
+from yutu.protocol.kv_events import AllBlocksCleared, BlockHash, BlockStored, KVEvent, key_to_hash
 from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.rpc import RpcServer
+from yutu.rpc import KVEventPublisher, RpcServer
 from yutu.service import Service
 
 from services.store_master.admin import build_router
@@ -220,7 +219,7 @@ class StoreMasterService(Service, RpcHandlers):
 
     def _events_snapshot(self) -> list[KVEvent]:
         """What a KV-event replay from the start sends: every readable object, as one batch."""
-        keys = [key_to_hash(k) for k, e in self.state.objects.items() if e.readable]
+        keys: list[BlockHash] = [key_to_hash(k) for k, e in self.state.objects.items() if e.readable]
         events: list[KVEvent] = [AllBlocksCleared()]
         if keys:
             events.append(BlockStored(keys, block_size=self.state.policy.block_size))

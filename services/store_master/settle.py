@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgpack
 from yutu.errors import YutuError
-from yutu.events import KVEventPublisher
+from yutu.rpc import KVEventPublisher
 
 from services.store_master.objects import NodeTask
 from services.store_master.persistence import Persister

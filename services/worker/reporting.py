@@ -1,6 +1,6 @@
 """What a prefill or decode instance tells the conductor: its prefix cache and its load.
 
-- KV events (vLLM's shape, :mod:`yutu.events`): every key the engine's prefix cache stores or
+- KV events (vLLM's shape, :mod:`yutu.rpc.kv_events`): every key the engine's prefix cache stores or
   evicts, published in order; a replay from the start gets a snapshot of the cache (kept here as a
   mirror of the keys, on the event loop). Blocks pinned for write-behind are handed on.
 - Load reports (:mod:`yutu.protocol.load`): every ``interval_s``, the queue, the running batch, free
@@ -14,12 +14,11 @@ import itertools
 import time
 from collections.abc import Callable
 
-from yutu.events import KVEventPublisher
 from yutu.kv.block_manager import CacheEvent
 from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from yutu.protocol.load import CHANNEL as LOAD
 from yutu.protocol.load import LoadReport
-from yutu.pubsub import Publisher
+from yutu.rpc import KVEventPublisher, Publisher
 from yutu.supervise import Supervisor
 from yutu.worker.write_behind import WriteBehind
 

@@ -35,7 +35,8 @@ from yutu.protocol.kv_events import (
     decode_batch,
     encode_batch,
 )
-from yutu.rpc import bind, context
+from yutu.pump import Pump
+from yutu.rpc.sockets import bind, context, plain_socket
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,8 @@ class KVEventSubscriber:
         self._on_reset = on_reset
         self._replay_timeout_s = replay_timeout_s
         self._sources: dict[str, _Source] = {}
-        self._socks: dict[str, zmq.asyncio.Socket] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._pumps: dict[str, Pump] = {}  # one SUB socket per source, read from the event loop
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # replays in progress
         self.gaps = 0  # sequence gaps seen (each answered by a replay)
 
     @property
@@ -171,38 +172,35 @@ class KVEventSubscriber:
             self.unfollow(name)
         source = _Source(name, endpoint, replay_endpoint)
         self._sources[name] = source
-        sock = context().socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = plain_socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
-        self._socks[name] = sock
-        self._tasks[name] = asyncio.create_task(self._read(source, sock), name=f"kv-events-{name}")
+        pump = Pump(sock, lambda frames: self._on_frames(source, frames), f"kv-events-{name}")
+        self._pumps[name] = pump
+        pump.attach()
         self._start_replay(source, 0)
 
     def unfollow(self, name: str) -> None:
         self._sources.pop(name, None)
-        for key in (name, f"{name}/replay"):
-            task = self._tasks.pop(key, None)
-            if task is not None:
-                task.cancel()
-        sock = self._socks.pop(name, None)
-        if sock is not None:
-            sock.close(linger=0)
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        pump = self._pumps.pop(name, None)
+        if pump is not None:
+            pump.close()
 
-    async def _read(self, source: _Source, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning("KV events from %s: dropping a message of %d frames", source.name, len(frames))
-                continue
-            seq = int.from_bytes(frames[1], "big")
-            try:
-                batch = decode_batch(frames[2])
-            except KVEventDecodeError as exc:
-                log.warning("KV events from %s: dropping batch %d: %s", source.name, seq, exc)
-                source.next_seq = max(source.next_seq, seq + 1)
-                continue
-            self._live(source, seq, batch)
+    def _on_frames(self, source: _Source, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.warning("KV events from %s: dropping a message of %d frames", source.name, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        try:
+            batch = decode_batch(frames[2])
+        except KVEventDecodeError as exc:
+            log.warning("KV events from %s: dropping batch %d: %s", source.name, seq, exc)
+            source.next_seq = max(source.next_seq, seq + 1)
+            return
+        self._live(source, seq, batch)
 
     def _live(self, source: _Source, seq: int, batch: KVEventBatch) -> None:
         if source.replaying:
@@ -239,7 +237,7 @@ class KVEventSubscriber:
         source.replaying = True
         source.pending = []
         task = asyncio.create_task(self._replay(source, start), name=f"kv-events-replay-{source.name}")
-        self._tasks[f"{source.name}/replay"] = task
+        self._tasks[source.name] = task
 
     async def _replay(self, source: _Source, start: int) -> None:
         assert source.replay_endpoint is not None

@@ -1,4 +1,4 @@
-"""Typed PUB/SUB on ZeroMQ: one publisher, any number of subscribers, messages of one channel.
+"""Typed PUB/SUB (:mod:`yutu.rpc`) on ZeroMQ: one publisher, any number of subscribers, messages of one channel.
 
 For reports that only the latest matters of (load reports to the conductor): a publisher never
 blocks and never queues for a subscriber that is not there; a subscriber that (re)connects simply
@@ -21,21 +21,15 @@ import zmq
 
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.pump import Pump
-from yutu.rpc import bind, context
+from yutu.rpc.sockets import bind, plain_socket
 
 log = logging.getLogger(__name__)
-
-
-def _plain(kind: int) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = zmq.Context.shadow(context().underlying).socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    return sock
 
 
 class Publisher:
     def __init__(self, channel: Channel, host: str, port: int = 0, high_water_mark: int = 100) -> None:
         self.channel = channel
-        self._sock = _plain(zmq.PUB)
+        self._sock = plain_socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, high_water_mark)
         self.endpoint = bind(self._sock, host, port)
         self.dropped = 0  # messages not sent (queue full)
@@ -70,7 +64,7 @@ class Subscriber:
     def follow(self, source: str, endpoint: str) -> None:
         """Receive ``source``'s messages from ``endpoint`` (replacing an older endpoint of it)."""
         self.unfollow(source)
-        sock = _plain(zmq.SUB)
+        sock = plain_socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
         pump = Pump(sock, lambda frames: self._on_frames(source, frames), f"sub-{self.channel.name}-{source}")
