@@ -7,45 +7,17 @@ between two workers' registered regions); the reference is one engine running th
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from yutu.engine.engine import LLMEngine, RequestOutput
 from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.sequence import RequestStatus
-from yutu.engine.testing import make_tiny_checkpoint
 
-VOCAB = 512
+from tests.engine.engine_support import make_engine, prompt
+
 BS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", arch="llama", seed=0)
-
-
-def make_engine(ckpt: Path, **overrides: Any) -> LLMEngine:
-    kwargs: dict[str, Any] = {"model_dir": ckpt, "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
-    kwargs.update(overrides)
-    return LLMEngine(EngineConfig(**kwargs))
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, VOCAB) for _ in range(n)]
 
 
 def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:

@@ -5,43 +5,19 @@ Faults are injected by wrapping the real runner, scheduler and block manager of 
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from yutu.engine.engine import NONFINITE_LOGITS, EngineConfig, FinishReason, LLMEngine, RequestOutput
+from yutu.engine.engine import NONFINITE_LOGITS, FinishReason, LLMEngine, RequestOutput
 from yutu.engine.errors import EngineBrokenError
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.testing import make_tiny_checkpoint
 
-VOCAB = 512
+from tests.engine.engine_support import make_engine, prompt
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", arch="llama", seed=0)
-
-
-def make_engine(ckpt: Path, **overrides: Any) -> LLMEngine:
-    kwargs: dict[str, Any] = {"model_dir": ckpt, "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
-    return LLMEngine(EngineConfig(**{**kwargs, **overrides}))
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, VOCAB) for _ in range(n)]
 
 
 A, B, C, D = prompt(40, 1), prompt(40, 2), prompt(40, 3), prompt(40, 4)  # 2 full blocks of 16 each

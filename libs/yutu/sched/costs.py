@@ -46,7 +46,22 @@ def _check_seconds(seconds: float) -> None:
         raise ValueError(f"a measured duration must be finite and >= 0, got {seconds!r}")
 
 
-class PrefillCostModel:
+class _FittedModel:
+    """A model fitted online on three features (``WindowFit``), from a prior until calibrated."""
+
+    def __init__(
+        self, prior: tuple[float, float, float], window: int, min_samples: int, trusted: bool
+    ) -> None:
+        self._fit = WindowFit(prior, window=window, min_samples=min_samples)
+        self.trusted = trusted  # the prior is a measurement (a profile), not a guess
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether predictions rest on measurements (enough samples, or a trusted prior)."""
+        return self.trusted or self._fit.num_samples >= self._fit.min_samples
+
+
+class PrefillCostModel(_FittedModel):
     """Predicts the compute time of a prefill from (prompt length, reused prefix tokens)."""
 
     def __init__(
@@ -57,13 +72,7 @@ class PrefillCostModel:
         min_samples: int = 8,
         trusted: bool = False,
     ) -> None:
-        self._fit = WindowFit(prior, window=window, min_samples=min_samples)
-        self.trusted = trusted  # the prior is a measurement (a profile), not a guess
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether predictions rest on measurements (enough samples, or a trusted prior)."""
-        return self.trusted or self._fit.num_samples >= self._fit.min_samples
+        super().__init__(prior, window, min_samples, trusted)
 
     @staticmethod
     def features(prompt_len: int, reused_tokens: int) -> tuple[float, float, float]:
@@ -140,7 +149,7 @@ class TransferCostModel:
         return self.latency_s + nbytes / bw
 
 
-class DecodeCostModel:
+class DecodeCostModel(_FittedModel):
     """Predicts one decode step's duration (the TBT) from batch size and total KV tokens."""
 
     def __init__(
@@ -151,13 +160,7 @@ class DecodeCostModel:
         min_samples: int = 8,
         trusted: bool = False,
     ) -> None:
-        self._fit = WindowFit(prior, window=window, min_samples=min_samples)
-        self.trusted = trusted  # the prior is a measurement (a profile), not a guess
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether predictions rest on measurements (enough samples, or a trusted prior)."""
-        return self.trusted or self._fit.num_samples >= self._fit.min_samples
+        super().__init__(prior, window, min_samples, trusted)
 
     @staticmethod
     def features(batch_size: int, kv_tokens: int) -> tuple[float, float, float]:
