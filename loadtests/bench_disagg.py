@@ -19,12 +19,13 @@ and stops them; every number in a comparison comes from the same run. Scenarios:
    slice: mean / p99 TTFT and cached ratio, ordered, against the paper's order.
 ``sweep`` (not in the default set): the trace stacks at several time scales, to find saturation.
 
-The load. The default slice (the first 900 s of the trace, 1 conversation in 8: ~350 requests,
-~21% of prompt tokens reusable) at x12 is ~4.7 requests/s for ~75 s. ``--only sweep`` on a 2-core
-host: 1P+1D (its one prefill thread is the bottleneck) keeps up at x8 and falls behind from x16
-(completed 5.3/s of 6.4 offered, TTFT p99 ~4 s); the mixed worker (2 threads) keeps up to x16 and
-falls behind at x24. x12 is the highest scale of the sweep both stacks still follow: near
-saturation for 1P+1D (TTFT p99 ~2 s), below it for the mixed worker. Whole run: ~10-12 minutes.
+The load. The default slice (the first 900 s of the trace, 1 conversation in 8: 349 requests,
+21% of prompt tokens reusable) at x12 is 4.7 requests/s for ~75 s. ``--only sweep`` on a 2-core
+host (two sweeps): 1P+1D, whose one prefill thread is its bottleneck, follows the offered rate up
+to x12 (TTFT p99 ~1.1 s) and falls behind from x16 (5.3-5.8 of 6.4 requests/s done, TTFT p99
+2-4 s, goodput share down to 66-75%); the mixed worker (2 threads) follows up to x16 and falls
+behind at x24. x12 is the highest scale of the sweep both stacks still follow: near saturation for
+1P+1D, below it for the mixed worker. The default scenarios take ~10 minutes.
 
 Isolation and cleanup (``disagg_stack``): each stack has its own Redis, free ports and logs in a
 temp dir, region files in a private /dev/shm folder; every stack is stopped on every way out
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO of goodput")
     g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="TBT SLO of goodput")
     g.add_argument("--policies", default="round_robin,least_loaded,cache_aware,kvcentric")
+    g.add_argument("--policy-rounds", type=int, default=1, help="runs of every policy, interleaved"
+                   " (~6 minutes a round; one round's order is within the noise of a shared 2-core host)")  # fmt: skip
     g.add_argument("--sweep-scales", default="8,12,16,24", help="time scales of the sweep")
     g.add_argument("--sweep-duration", type=float, default=20.0, help="replay seconds of each sweep point")
     return p
@@ -121,12 +124,14 @@ def configs(args: argparse.Namespace) -> tuple[list[str], ProbeConfig, TraceConf
         raise SystemExit("bench_disagg: error: --lengths must be multiples of 16 in [32, 4080]; --reps >= 1")
     if args.handoff_tokens < 3 or args.max_tokens < 1:
         raise SystemExit("bench_disagg: error: --handoff-tokens must be >= 3 and --max-tokens >= 1")
+    if args.policy_rounds < 1:
+        raise SystemExit("bench_disagg: error: --policy-rounds must be >= 1")
     if not args.trace.is_file() and {"trace", "policies", "sweep"} & set(only):
         raise SystemExit(f"bench_disagg: error: no trace at {args.trace}: pass --trace")
     probe = ProbeConfig(lengths, args.reps, args.max_tokens, args.handoff_tokens, args.transfer_repeat)
     trace = TraceConfig(args.trace, args.trace_start, args.trace_window, args.trace_sample, args.block_tokens,
                         args.output_scale, args.time_scale, args.slo_ttft_ms, args.slo_tbt_ms,
-                        policies=tuple(x for x in args.policies.split(",") if x),
+                        policies=tuple(x for x in args.policies.split(",") if x), policy_rounds=args.policy_rounds,
                         sweep_scales=_floats(args.sweep_scales), sweep_duration_s=args.sweep_duration)  # fmt: skip
     return only, probe, trace
 
