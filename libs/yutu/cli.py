@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -220,6 +221,7 @@ def up(argv: list[str]) -> int:
         served = args.served_model_name or served_model_name(args.model, model_dir)
         for spec in stack_specs(args, model_dir, served):
             group.start(spec)
+        deadline = time.monotonic() + args.ready_timeout
         if not group.wait_ready(args.ready_timeout, lambda: stop_requested):
             log.info("stopping before the stack was ready")
             return 0
@@ -230,6 +232,13 @@ def up(argv: list[str]) -> int:
             if conductor is None or conductor.ready_url is None
             else conductor.ready_url.removesuffix("/ready")
         )
+        engines = [
+            c.spec.name for c in group.children if c.spec.name.startswith(("worker-", "prefill-", "decode-"))
+        ]
+        if not wait_serving(f"http://{ready_host}:{args.port}", conductor_url, engines,
+                            deadline - time.monotonic(), lambda: stop_requested):  # fmt: skip
+            log.info("stopping before the stack was ready")
+            return 0
         _banner(
             f"http://{ready_host}:{args.port}/v1", served, model_dir, args.model is None, conductor_url, args
         )
@@ -248,6 +257,48 @@ def up(argv: list[str]) -> int:
         group.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def wait_serving(
+    gateway_url: str,
+    conductor_url: str | None,
+    engines: list[str],
+    timeout_s: float,
+    should_stop: Callable[[], bool],
+) -> bool:
+    """Block until a request would be served: the gateway uses every engine instance (its /info) and
+    the conductor places on every one (its /instances). Each service is ready on its own before
+    they have found each other through the registry; without this wait the first requests after
+    the banner could meet "no decode instance is live". False if ``should_stop()``; TimeoutError
+    names what is still missing when time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    missing: list[str] = []
+    with httpx.Client(timeout=2.0) as http:
+        while True:
+            if should_stop():
+                return False
+            try:
+                info = http.get(f"{gateway_url}/info").json()
+                usable = {
+                    w["instance_id"]
+                    for kind in ("workers", "decode", "prefill")
+                    for w in info[kind]
+                    if w["usable"]
+                }
+                missing = [f"{name} (gateway)" for name in engines if name not in usable]
+                if conductor_url is not None:
+                    rows = http.get(f"{conductor_url}/instances").json()["instances"]
+                    live = {row["instance_id"] for row in rows if row["live"]}
+                    missing += [f"{name} (conductor)" for name in engines if name not in live]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                missing = [f"answers from the gateway and conductor ({exc})"]
+            if not missing:
+                return True
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the services are ready but not yet connected: {', '.join(missing)}")
+            time.sleep(0.1)
 
 
 def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[ChildSpec]:
