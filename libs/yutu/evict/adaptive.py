@@ -25,7 +25,8 @@ The rules, exactly:
   has no unprotected key left.
 - ``remove(k)`` of a key that a ``victims`` answer proposed since its last insert or access is an
   eviction: ``k`` becomes the newest ghost of B1 (from T1) or B2 (from T2). Any other ``remove``
-  (a delete) leaves no ghost.
+  (a delete) leaves no ghost. A cache evicts before it inserts, so the eviction that makes room
+  for a key can push that key's own ghost out of a full ghost list (then it comes back as new).
 """
 
 from __future__ import annotations
