@@ -31,6 +31,8 @@ SERVICES: dict[str, tuple[str, str]] = {
     "decode": ("services.decode.main", "decode instance (pulls the KV, streams the tokens)"),
     "store-master": ("services.store_master.main", "KV store metadata master"),
     "store-node": ("services.store_node.main", "KV store memory node"),
+    "simulate": ("yutu.sim.main", "replay a Mooncake trace through a simulated cluster (docs/simulation.md)"),
+    "calibrate": ("yutu.sim.calibrate", "measure our engine and write a simulator profile"),
 }
 
 USAGE = """usage: yutu <command> [options]

@@ -33,6 +33,10 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def keys(self) -> frozenset[str]:
+        """The resident keys (a copy)."""
+        return frozenset(self._keys)
+
     def prefix_hits(self, keys: Sequence[str], limit: int | None = None) -> int:
         """Leading keys of ``keys`` resident here (at most ``limit``), stopping at the first miss."""
         end = len(keys) if limit is None else min(limit, len(keys))

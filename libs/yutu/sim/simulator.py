@@ -83,6 +83,9 @@ class Simulation:
         self._rng = random.Random(config.seed)
         self.wasted_prefill_s = 0.0  # prefill compute of requests refused after it
         self.events = 0
+        self._started = False
+        self._arrived = 0
+        self._next_replicas = 0.0
 
     def _push(self, at: float, kind: int, payload: int = 0) -> None:
         heapq.heappush(self._events, (at, self._order, kind, payload))
@@ -92,23 +95,26 @@ class Simulation:
         j = self.config.jitter
         return 1.0 if j == 0 else math.exp(self._rng.gauss(0.0, j))
 
-    def run(self, progress: Progress | None = None) -> dict[int, RequestRecord]:
-        """Run to the end (every request finished or rejected); returns the records by index."""
-        for r in self.requests:
-            self._push(r.arrival_s, ARRIVAL, r.index)
+    def run(self, progress: Progress | None = None, until: float | None = None) -> dict[int, RequestRecord]:
+        """Run to the end (every request finished or rejected), or only through the events at or
+        before ``until`` (a later call goes on from there); returns the records by index."""
+        if not self._started:
+            self._started = True
+            for r in self.requests:
+                self._push(r.arrival_s, ARRIVAL, r.index)
+            self._push(self.requests[0].arrival_s, SAMPLE)
+            self._next_replicas = self.requests[0].arrival_s
         by_index = {r.index: r for r in self.requests}
-        self._push(self.requests[0].arrival_s, SAMPLE)
-        next_replicas = self.requests[0].arrival_s
-        arrived, total = 0, len(self.requests)
+        total = len(self.requests)
         every = max(1, total // 100)
-        while self._events:
+        while self._events and (until is None or self._events[0][0] <= until):
             now, _, kind, payload = heapq.heappop(self._events)
             self.events += 1
             if kind == ARRIVAL:
                 self._arrive(now, by_index[payload])
-                arrived += 1
-                if progress is not None and (arrived % every == 0 or arrived == total):
-                    progress(arrived, total)
+                self._arrived += 1
+                if progress is not None and (self._arrived % every == 0 or self._arrived == total):
+                    progress(self._arrived, total)
             elif kind == PREFILL:
                 self._prefill_done(now, self.prefills[payload])
             elif kind == KV:
@@ -117,15 +123,17 @@ class Simulation:
                 self._step_done(now, self.decodes[payload], payload)
             elif self._events:  # SAMPLE, while anything else is still to happen
                 self._sample(now)
-                if now >= next_replicas:
+                if now >= self._next_replicas:
                     self._sample_replicas(now)
-                    next_replicas = now + self.config.replica_sample_s
+                    self._next_replicas = now + self.config.replica_sample_s
                 self._push(now + self.config.sample_s, SAMPLE)
         return self.records
 
     # -- handlers -----------------------------------------------------------------------------------
 
-    def _view(self, now: float) -> ClusterView:
+    def view(self, now: float) -> ClusterView:
+        """The ClusterView the policy places on at ``now``: the instances as their load reports and
+        KV events would show them to the conductor, with no report lag."""
         forecast = self.config.rejection is not Rejection.EARLY
         return ClusterView(
             tuple(p.view(now) for p in self.prefills),
@@ -138,7 +146,7 @@ class Simulation:
     def _arrive(self, now: float, req: TraceRequest) -> None:
         record = self.records[req.index]
         request = RequestView(req.request_id, req.block_keys, req.input_length, req.output_length)
-        outcome = self.policy.place(self._view(now), request, now)
+        outcome = self.policy.place(self.view(now), request, now)
         if not isinstance(outcome, Placement):
             record.rejected = str(outcome.cause)
             return

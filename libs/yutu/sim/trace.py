@@ -1,7 +1,8 @@
 """Mooncake-format traces: one JSON object per line (``timestamp`` ms, ``input_length``,
 ``output_length``, ``hash_ids``: one chained id per block of the prompt, the last one possibly partial).
 
-Block keys are the ids as decimal strings; a request's *full* blocks (``input_length // block_size``
+Block keys are the ids in the conductor's key format (32 hex digits, as ``yutu.kv.hashing`` keys and
+the conductor's KV-event decoding write them); a request's *full* blocks (``input_length // block_size``
 of them) are the ones a cache can hold and reuse, as in the engine (a partial tail block has no key).
 """
 
@@ -32,6 +33,11 @@ class TraceRequest:
         return f"r{self.index}"
 
 
+def block_key(hash_id: int) -> str:
+    """The key of a trace block: what the conductor makes of a KV event carrying ``hash_id``."""
+    return format(hash_id, "032x")
+
+
 def make_request(
     index: int,
     arrival_s: float,
@@ -43,7 +49,7 @@ def make_request(
     """A request with its full-block keys derived from ``hash_ids``."""
     full = min(len(hash_ids), input_length // block_size)
     return TraceRequest(
-        index, arrival_s, input_length, output_length, hash_ids, tuple(str(h) for h in hash_ids[:full])
+        index, arrival_s, input_length, output_length, hash_ids, tuple(block_key(h) for h in hash_ids[:full])
     )
 
 
