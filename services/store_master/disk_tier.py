@@ -10,7 +10,7 @@ the segment (it long-polls ``FetchTasks``) and finished by its ``TasksDone``::
     drop     node deletes the file (removed, replaced or pushed out of a full disk)
 
 While a task runs the object is ``busy`` (eviction skips it). A full disk makes room by dropping
-its least recently used objects that are not protected. Only :class:`MasterState` calls this.
+the objects that have been on it longest and are not protected. Only :class:`MasterState` calls this.
 """
 
 from __future__ import annotations
@@ -69,11 +69,9 @@ class DiskTier:
         segment = self.state.segments.get(segment_name)
         assert segment is not None
         now = self.state.clock()
-        for key in list(self.state.lru):
+        for key in list(segment.disk_keys):
             if segment.disk_used + length <= segment.disk_capacity:
                 break
-            if key not in segment.disk_keys:
-                continue
             entry = self.state.objects[key]
             if entry.protection(now) is None and not entry.dram_replicas():
                 self.state._remove_entry(entry, publish=False)
@@ -99,7 +97,8 @@ class DiskTier:
             self.state._release(entry, replica)
         entry.replicas = [r for r in entry.replicas if r.medium is Medium.DISK]
         entry.replicas.append(Replica(task.segment, None, task.length, ReplicaState.COMPLETE, Medium.DISK))
-        segment.disk_keys.add(task.key)
+        self.state.eviction.gone(task.key)
+        segment.disk_keys[task.key] = None
         self.state.counters.offloaded_objects += 1
         self.state.effects.dirty_objects.add(task.key)
 
@@ -144,8 +143,9 @@ class DiskTier:
             r for r in entry.replicas if not (r.medium is Medium.DISK and r.segment == task.segment)
         ]
         entry.replicas.append(Replica(task.segment, task.offset, task.length, ReplicaState.COMPLETE))
+        self.state.eviction.stored(entry)
         segment.disk_used -= task.length
-        segment.disk_keys.discard(task.key)
+        segment.disk_keys.pop(task.key, None)
         self.state.counters.promoted_objects += 1
         self.state.effects.dirty_objects.add(task.key)
 
@@ -167,7 +167,7 @@ class DiskTier:
         if segment is None:
             return
         segment.disk_used -= replica.length
-        segment.disk_keys.discard(key)
+        segment.disk_keys.pop(key, None)
         self._new_task("drop", segment.name, key, None, replica.length)
 
     def forget(self, entry: ObjectEntry) -> None:
@@ -188,7 +188,7 @@ class DiskTier:
         segment = self.state.segments.get(replica.segment)
         assert segment is not None
         segment.disk_used += replica.length
-        segment.disk_keys.add(key)
+        segment.disk_keys[key] = None
 
     def add_expected_allocations(self, expected: dict[str, int]) -> None:
         for running in self.running.values():

@@ -4,6 +4,7 @@ and dropping a segment with every replica on it (a lost node, a restarted one, a
 from __future__ import annotations
 
 from yutu.protocol.kv_events import BlockRemoved, key_to_hash
+from yutu.store.types import Medium
 
 from services.store_master.objects import ObjectEntry, Segment
 from services.store_master.state_core import StateCore, bad_request, check_int
@@ -44,6 +45,7 @@ class Liveness(StateCore):
             self.drop_segment(name)  # the node restarted: what the old incarnation held is gone
         segment = Segment(name, region, size, host_id, node_id, incarnation, disk_capacity, 0, now, now)
         self.segments.add(segment)
+        self.eviction.capacity_changed(self.segments.capacity)
         self.effects.dirty_segments.add(name)
         return True
 
@@ -76,6 +78,7 @@ class Liveness(StateCore):
         for key in [k for k, e in self.objects.items() if self._touches(e, name)]:
             entry = self.objects[key]
             before = len(entry.replicas)
+            lost_dram = any(r.segment == name and r.medium is Medium.DRAM for r in entry.replicas)
             entry.replicas = [r for r in entry.replicas if r.segment != name]
             dropped += before - len(entry.replicas)
             if entry.pending is not None:
@@ -84,8 +87,9 @@ class Liveness(StateCore):
                 entry.pending.replicas = kept
                 if not kept:
                     entry.pending = None  # its writer's put_end will be told the put is gone
+            if lost_dram:
+                self.eviction.refit(entry)
             if not entry.replicas:
-                self.lru.pop(key, None)
                 if before:
                     self.counters.lost_objects += 1
                     self.effects.events.append(BlockRemoved([key_to_hash(key)]))
@@ -95,6 +99,7 @@ class Liveness(StateCore):
         self.retired = [r for r in self.retired if r[1] != name]
         self.disk.segment_dropped(name)
         self.segments.remove(name)
+        self.eviction.capacity_changed(self.segments.capacity)
         self.effects.dirty_segments.add(name)
         return dropped
 

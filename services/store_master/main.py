@@ -7,6 +7,7 @@ import sys
 from functools import partial
 
 from yutu.config import ServiceSettings, add_common_options, option
+from yutu.evict import POLICIES
 from yutu.service import HttpServer, admin_app, run_main, serve
 
 from services.store_master.settings import MasterSettings
@@ -45,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g, "--eviction-high-watermark", default=0.90, type=float, help="usage fraction that triggers eviction"
     )
     own(g, "--eviction-ratio", default=0.05, type=float, help="fraction of capacity evicted per round")
+    own(
+        g,
+        "--eviction-policy",
+        default="lru",
+        choices=POLICIES,
+        help="which objects leave DRAM first: lru (least recently used), lfu (least frequently used) or "
+        "adaptive (an ARC-like LRU/LFU split that follows whichever part is hitting)",
+    )
     own(g, "--alignment", default=64, type=int, help="allocation granularity in bytes (power of two)")
     own(g, "--block-size", default=16, type=int, help="tokens per KV block, published in BlockStored events")
     own(g, "--sweep-interval", default=0.5, type=float, help="seconds between housekeeping passes")
@@ -61,6 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
         eviction_ratio=args.eviction_ratio,
         alignment=args.alignment,
         block_size=args.block_size,
+        eviction_policy=args.eviction_policy,
     )
     return MasterSettings(
         **ServiceSettings.common(args, "store-master"),

@@ -25,6 +25,7 @@ def collect_stats(
     c = state.counters
     segments = state.segments.segments.values()
     return {
+        "eviction_policy": state.eviction.name,
         "capacity": state.segments.capacity,
         "used": state.segments.used_bytes,
         "usage": round(state.segments.usage, 6),

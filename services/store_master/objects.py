@@ -123,7 +123,8 @@ class Segment:
     disk_used: int = 0
     mounted_at: float = 0.0
     last_seen: float = 0.0  # wall clock of the last heartbeat (not persisted: reset on recovery)
-    disk_keys: set[str] = field(default_factory=set)  # objects with a DISK replica here
+    # objects with a DISK replica here, in the order they got it (a full disk drops the oldest first)
+    disk_keys: dict[str, None] = field(default_factory=dict)
 
     def to_wire(self) -> list[Any]:
         return [

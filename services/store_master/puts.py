@@ -95,8 +95,7 @@ class Puts(StateCore):
         entry.pending = None
         if entry.soft_pin:
             entry.pin_until = now + self.policy.soft_pin_ttl_s
-        self.lru[key] = None
-        self.lru.move_to_end(key)
+        self.eviction.stored(entry)
         self.effects.dirty_objects.add(key)
         if not was_readable:
             self.effects.events.append(BlockStored([key_to_hash(key)], block_size=self.policy.block_size))

@@ -60,7 +60,7 @@ class MasterState(Liveness, Puts, Eviction):
         if entry.soft_pin:
             entry.pin_until = now + self.policy.soft_pin_ttl_s
         entry.access_count += 1
-        self.lru.move_to_end(key)
+        self.eviction.read(key)
         return entry.size, dram
 
     def exists(self, key: str) -> bool:
@@ -123,7 +123,8 @@ class MasterState(Liveness, Puts, Eviction):
             if entry.replicas or entry.pending is not None:
                 self.objects[entry.key] = entry
                 if entry.readable:
-                    self.lru[entry.key] = None
+                    self.eviction.stored(entry)
+        self.eviction.capacity_changed(self.segments.capacity)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -152,4 +153,4 @@ class MasterState(Liveness, Puts, Eviction):
         self.disk.add_expected_allocations(expected)
         for name, allocator in self.segments.allocators.items():
             assert allocator.num_allocations == expected.get(name, 0), f"leaked allocations in {name}"
-        assert list(self.lru) == [k for k in self.lru if self.objects[k].readable]
+        self.eviction.check(self.objects)

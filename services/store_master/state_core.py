@@ -12,15 +12,16 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from yutu.errors import ErrorKind, YutuError
+from yutu.evict import POLICIES
 from yutu.protocol.kv_events import BlockRemoved, KVEvent, key_to_hash
 from yutu.store.types import Medium
 
 from services.store_master.disk_tier import DiskTier
+from services.store_master.eviction_order import EvictionOrder
 from services.store_master.objects import NodeTask, ObjectEntry, Replica
 from services.store_master.segments import SegmentTable
 
@@ -41,6 +42,7 @@ class StatePolicy:
     eviction_ratio: float = 0.05  # evict about this fraction of the capacity per round
     alignment: int = 64  # allocation granularity inside segments
     block_size: int = 16  # tokens per block, published in BlockStored events
+    eviction_policy: str = "lru"  # which yutu.evict policy orders the victims
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "soft_pin_ttl_s", "put_timeout_s", "node_ttl_s"):
@@ -50,6 +52,10 @@ class StatePolicy:
             raise ValueError(f"high watermark must be in (0, 1], got {self.high_watermark}")
         if not 0.0 < self.eviction_ratio <= 1.0:
             raise ValueError(f"eviction ratio must be in (0, 1], got {self.eviction_ratio}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"--eviction-policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}"
+            )
 
 
 @dataclass
@@ -88,7 +94,7 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
 
 
 class StateCore:
-    """The master's tables (segments, objects, LRU order, retired extents, disk tier) and the
+    """The master's tables (segments, objects, eviction order, retired extents, disk tier) and the
     effects and counters its operations leave; only the state's own operations mutate them."""
 
     def __init__(self, policy: StatePolicy, clock: Callable[[], float] = time.time) -> None:
@@ -96,7 +102,7 @@ class StateCore:
         self.clock = clock
         self.segments = SegmentTable(policy.alignment)
         self.objects: dict[str, ObjectEntry] = {}
-        self.lru: OrderedDict[str, None] = OrderedDict()  # readable keys, least recently used first
+        self.eviction = EvictionOrder(policy.eviction_policy, policy.alignment)  # objects holding DRAM
         self.retired: list[tuple[float, str, int]] = []  # (free at, segment, offset)
         self.disk = DiskTier(self)
         self.counters = Counters()
@@ -139,7 +145,7 @@ class StateCore:
             self.effects.events.append(BlockRemoved([key_to_hash(entry.key)]))
         self.disk.forget(entry)
         del self.objects[entry.key]
-        self.lru.pop(entry.key, None)
+        self.eviction.gone(entry.key)
         self.effects.dirty_objects.add(entry.key)
 
     def _release(self, entry: ObjectEntry, replica: Replica) -> None:

@@ -98,3 +98,15 @@ def test_sizes_and_errors() -> None:
         arc.access("zzz")
     with pytest.raises(ValueError, match="positive"):
         Adaptive(0)
+
+
+def test_resize_caps_the_target_and_trims_the_ghosts() -> None:
+    arc = Adaptive(4)
+    for key in ["a", "b", "c", "d"]:
+        arc.insert(key)
+    assert evict(arc, 3) == ["a", "b", "c"]
+    arc.target = 4
+    arc.resize(2)
+    assert (arc.capacity, arc.target, arc.recent_ghosts.keys()) == (2, 2, ["b", "c"])
+    with pytest.raises(ValueError, match="positive"):
+        arc.resize(0)

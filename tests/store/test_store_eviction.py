@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 
+import pytest
 import zmq
 import zmq.asyncio
 from yutu.protocol import store as p
@@ -107,3 +108,29 @@ async def test_lease_expiry_and_abandoned_put(store_cluster: Cluster) -> None:
         assert late.results[0][0][0] == "not_found_error"
     finally:
         await rpc.close()
+
+
+async def test_eviction_policy_option_lfu_keeps_the_frequently_read(store_cluster: Cluster) -> None:
+    master = store_cluster.master(eviction_policy="lfu")
+    store_cluster.node("n0", size="1MiB")  # 16 slots of 64 KiB
+    client = await store_cluster.client()
+    keys = [f"k{i:02d}" for i in range(14)]
+    await client.put_batch([(k, bytes([i]) * SLOT) for i, k in enumerate(keys)])  # 87.5 %
+    await client.get("k00")
+    await client.get("k00")  # k00 read first and most: LRU's first victim, LFU's last
+    assert [len(v) for v in await client.get_batch(keys[1:])] == [SLOT] * 13
+    store_cluster.wait_for(
+        lambda: all(master.get(f"/objects/{k}").json()["protection"] is None for k in keys),
+        10,
+        "leases to end",
+    )
+    await client.put("k14", b"x" * SLOT)  # 15 slots: past the 90 % watermark -> evicts 5 %: one object
+    present = await client.exists_batch(keys)
+    assert [k for k, ok in zip(keys, present, strict=True) if not ok] == ["k01"]
+    stats = master.get("/stats").json()
+    assert stats["eviction_policy"] == "lfu" and stats["evicted_objects"] == 1
+
+
+def test_an_unknown_eviction_policy_stops_the_master(store_cluster: Cluster) -> None:
+    with pytest.raises(AssertionError, match="invalid choice: 'fifo'"):
+        store_cluster.master(eviction_policy="fifo")

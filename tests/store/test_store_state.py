@@ -130,7 +130,7 @@ def test_eviction_is_lru_and_skips_leased_writing_and_pinned() -> None:
     writing_id, _ = st.put_start("writing", 64)
     clock.now += 1
     # LRU order: k1 k2 k3 k4 k5 pinned k0 ; "writing" is not readable yet
-    assert list(st.lru) == ["k1", "k2", "k3", "k4", "k5", "pinned", "k0"]
+    assert st.eviction.policy.victims(10_000) == ["k1", "k2", "k3", "k4", "k5", "pinned", "k0"]
     assert st.evict(target_bytes=128) == ["k1", "k2"]
     assert st.evict(target_bytes=10_000) == ["k3", "k4", "k5"]  # pinned, leased k0 and writing stay
     effects = st.take_effects()
@@ -355,3 +355,31 @@ def test_next_release_at_reports_when_leased_space_frees() -> None:
     clock.now += 1
     assert st.remove("a")  # retired until the same instant
     assert st.retired == [(1005.0, "seg0", 0)] and st.next_release_at() == 1005.0
+
+
+@pytest.mark.parametrize(
+    ("name", "order"),
+    [
+        ("lru", ["e", "f", "a", "b", "c", "d"]),  # last use first: d came back last
+        ("lfu", ["e", "f", "d", "b", "c", "a"]),  # uses: d, e, f 1 (d newest), b 2, c 3, a 4
+        ("adaptive", ["e", "f", "b", "d", "c", "a"]),  # d's ghost hit grew the recency target to 64
+    ],
+)
+def test_the_eviction_policy_orders_the_victims(name: str, order: list[str]) -> None:
+    st, clock = make(segments=1, size=1024, policy=StatePolicy(soft_pin_ttl_s=60.0, eviction_policy=name))
+    for key in ["a", "b", "c", "d", "e", "f"]:
+        put(st, key, 64)
+    put(st, "p", 64, soft_pin=True)  # pinned: never a victim
+    for key in ["a", "a", "a", "b", "c", "c"]:
+        assert st.get_replicas(key) is not None
+    clock.now += 6  # the read leases end
+    assert st.evict(target_bytes=64) == ["d"]
+    put(st, "d", 64)
+    assert st.evict(target_bytes=10_000) == order
+    assert set(st.objects) == {"p"}
+    st.check()
+
+
+def test_an_unknown_eviction_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="--eviction-policy must be one of lru, lfu, adaptive"):
+        StatePolicy(eviction_policy="fifo")

@@ -50,6 +50,10 @@ class Ghosts:
     def add(self, key: str, size: int, count: int) -> None:
         self._entries[key] = (size, count)
         self.used += size
+        self.resize(self.capacity)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
         while self.used > self.capacity:
             _, (old_size, _) = self._entries.popitem(last=False)
             self.used -= old_size
@@ -82,6 +86,16 @@ class Adaptive:
         self.recent_ghosts = Ghosts(capacity)  # B1
         self.frequent_ghosts = Ghosts(capacity)  # B2
         self._proposed: set[str] = set()  # resident keys proposed as victims since their last use
+
+    def resize(self, capacity: int) -> None:
+        """The cache's capacity changed (a store mounted or lost memory): the target and the ghost
+        lists follow it (the target is capped, the ghost lists drop their oldest past it)."""
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"the adaptive policy needs a positive capacity (cache size), got {capacity!r}")
+        self.capacity = capacity
+        self.target = min(self.target, capacity)
+        for ghosts in (self.recent_ghosts, self.frequent_ghosts):
+            ghosts.resize(capacity)
 
     def insert(self, key: str, size: int = 1) -> None:
         check_size(size)

@@ -59,6 +59,14 @@ class EvictionPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class Resizable(Protocol):
+    """A policy whose decisions depend on the cache's capacity (the adaptive one); a cache whose
+    capacity changes calls ``resize`` (not part of :class:`EvictionPolicy`: the others ignore it)."""
+
+    def resize(self, capacity: int) -> None: ...
+
+
 def check_size(size: int) -> int:
     """``size`` if it is a positive int, else a :class:`ValueError` saying so."""
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
