@@ -17,6 +17,10 @@ and stops them; every number in a comparison comes from the same run. Scenarios:
    --torch-threads 2``. Target: TBT p99 (1P+1D) / (mixed) <= 0.5 with goodput not lower.
 4. ``policies``: ``--prefill 2 --decode 2 --torch-threads 1`` under each conductor policy, same
    slice: mean / p99 TTFT and cached ratio, ordered, against the paper's order.
+5. ``threshold``: ``--prefill 1 --decode 1 --torch-threads 1``, the conductor's threshold switched
+   at run time: a small uncached remainder handed off against prefilled on the decode, with
+   streams decoding there (``disagg_threshold``); the crossover is what ``--disagg-threshold``
+   defaults to.
 ``sweep`` (not in the default set): the trace stacks at several time scales, to find saturation.
 
 The load. The default slice (the first 900 s of the trace, 1 conversation in 8: 349 requests,
@@ -67,9 +71,11 @@ from disagg_replays import (  # noqa: E402
     write_slice,
 )  # fmt: skip
 from disagg_stack import Stack, StackError, StackSpec, private_dir, shm_directory  # noqa: E402
+from disagg_threshold import THRESHOLD_STACK, ThresholdConfig, format_threshold, run_threshold  # noqa: E402
+from yutu.config import DEFAULT_DISAGG_THRESHOLD  # noqa: E402
 
-SCENARIOS = ("store-hit", "handoff", "trace", "policies", "sweep")
-DEFAULT = ("store-hit", "handoff", "trace", "policies")
+SCENARIOS = ("store-hit", "handoff", "threshold", "trace", "policies", "sweep")
+DEFAULT = ("store-hit", "handoff", "threshold", "trace", "policies")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 WORK_PREFIX = "yutu-bench-disagg-"
 PROBE_STACK = StackSpec("probes", prefill=2, decode=1, policy="round_robin", disagg_threshold=0)
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=4, help="tokens per store-hit request")
     g.add_argument("--handoff-tokens", type=int, default=8, help="tokens per handoff request (>= 3)")
     g.add_argument("--transfer-repeat", type=int, default=15, help="timed pulls per size and shape")
+    g = p.add_argument_group("threshold")
+    g.add_argument("--threshold-remainders", default="16,32,64,128,256",
+                   help="uncached remainders in tokens (multiples of 16)")  # fmt: skip
+    g.add_argument("--threshold-reps", type=int, default=5, help="prompts per remainder and mode")
     g = p.add_argument_group("trace, policies and sweep")
     g.add_argument("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (.jsonl)")
     g.add_argument("--trace-start", type=int, default=0, help="first trace line of the window")
@@ -107,12 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policies", default="round_robin,least_loaded,cache_aware,kvcentric")
     g.add_argument("--policy-rounds", type=int, default=1, help="runs of every policy, interleaved"
                    " (~6 minutes a round; one round's order is within the noise of a shared 2-core host)")  # fmt: skip
+    g.add_argument("--policy-store-nodes", type=int, default=None, help="store nodes of the policies' stacks"
+                   " (default: yutu up's; 0 runs them without the KV store, so reuse is local only)")  # fmt: skip
     g.add_argument("--sweep-scales", default="8,12,16,24", help="time scales of the sweep")
     g.add_argument("--sweep-duration", type=float, default=20.0, help="replay seconds of each sweep point")
     return p
 
 
-def configs(args: argparse.Namespace) -> tuple[list[str], ProbeConfig, TraceConfig]:
+def configs(args: argparse.Namespace) -> tuple[list[str], ProbeConfig, ThresholdConfig, TraceConfig]:
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SCENARIOS))
     if unknown or not only:
@@ -129,11 +141,18 @@ def configs(args: argparse.Namespace) -> tuple[list[str], ProbeConfig, TraceConf
     if not args.trace.is_file() and {"trace", "policies", "sweep"} & set(only):
         raise SystemExit(f"bench_disagg: error: no trace at {args.trace}: pass --trace")
     probe = ProbeConfig(lengths, args.reps, args.max_tokens, args.handoff_tokens, args.transfer_repeat)
+    remainders = tuple(int(x) for x in args.threshold_remainders.split(","))
+    if any(r < 16 or r % 16 for r in remainders) or args.threshold_reps < 1:
+        raise SystemExit(
+            "bench_disagg: error: --threshold-remainders must be multiples of 16; --threshold-reps >= 1"
+        )
+    threshold = ThresholdConfig(remainders, reps=args.threshold_reps, slo_tbt_ms=args.slo_tbt_ms)
     trace = TraceConfig(args.trace, args.trace_start, args.trace_window, args.trace_sample, args.block_tokens,
                         args.output_scale, args.time_scale, args.slo_ttft_ms, args.slo_tbt_ms,
                         policies=tuple(x for x in args.policies.split(",") if x), policy_rounds=args.policy_rounds,
+                        policy_store_nodes=args.policy_store_nodes,
                         sweep_scales=_floats(args.sweep_scales), sweep_duration_s=args.sweep_duration)  # fmt: skip
-    return only, probe, trace
+    return only, probe, threshold, trace
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -172,7 +191,12 @@ class Bench:
         res["wall_s"] = time.monotonic() - started
         self.results["problems"] += [f"{name}: {p}" for p in res.get("problems", ())]
         self.results["scenarios"][name] = res
-        print(report(res) + f"\n  ({res['wall_s']:.0f} s)", flush=True)
+        try:
+            text = report(res)
+        except Exception as exc:  # noqa: BLE001 - a report bug must not lose the other scenarios
+            self.problem(f"{name} report", exc)
+            return
+        print(text + f"\n  ({res['wall_s']:.0f} s)", flush=True)
 
 
 class _Watched(Stack):
@@ -204,7 +228,8 @@ REPLAYS = {"sweep": (run_sweep, format_sweep), "trace": (run_trace, format_trace
            "policies": (run_policies, format_policies)}  # fmt: skip
 
 
-def run(only: list[str], probe: ProbeConfig, trace_cfg: TraceConfig, work: Path, shm: Path) -> dict[str, Any]:
+def run(only: list[str], probe: ProbeConfig, threshold: ThresholdConfig, trace_cfg: TraceConfig, work: Path,
+        shm: Path) -> dict[str, Any]:  # fmt: skip
     bench = Bench(work, shm)
     if "store-hit" in only or "handoff" in only:
         try:
@@ -215,6 +240,13 @@ def run(only: list[str], probe: ProbeConfig, trace_cfg: TraceConfig, work: Path,
                     bench.scenario("handoff", lambda: run_handoff(stack, probe), format_handoff)
         except StackError as exc:
             bench.problem("probe stack", exc)
+    if "threshold" in only:
+        try:
+            with bench.open_stack(THRESHOLD_STACK) as stack:
+                bench.scenario("threshold", lambda: run_threshold(stack, threshold),
+                               lambda res: format_threshold(res, DEFAULT_DISAGG_THRESHOLD))  # fmt: skip
+        except StackError as exc:
+            bench.problem("threshold stack", exc)
     replays = [s for s in REPLAYS if s in only]
     if not replays:
         return bench.results
@@ -237,7 +269,7 @@ def run(only: list[str], probe: ProbeConfig, trace_cfg: TraceConfig, work: Path,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    only, probe, trace_cfg = configs(args)
+    only, probe, threshold, trace_cfg = configs(args)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.monotonic()
     shown = sys.argv[1:] if argv is None else argv
@@ -249,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if args.keep_logs:
                 print(f"logs go to {work} (renamed to {WORK_PREFIX}kept-... at the end)")
-            results = run(only, probe, trace_cfg, work, shm)
+            results = run(only, probe, threshold, trace_cfg, work, shm)
     except KeyboardInterrupt:
         print("\ninterrupted: every stack it started is stopped", file=sys.stderr)
         return 130

@@ -47,6 +47,7 @@ class TraceConfig:
     seed: int = 0
     policies: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "kvcentric")
     policy_rounds: int = 1
+    policy_store_nodes: int | None = None  # None: yutu up's default (one store node); 0: no KV store
     sweep_scales: tuple[float, ...] = (8.0, 12.0, 16.0, 24.0)
     sweep_duration_s: float = 20.0  # replay seconds of each sweep point
 
@@ -168,7 +169,8 @@ def run_policies(cfg: TraceConfig, trace: Path, open_stack: RunStack) -> dict[st
     runs: dict[str, Any] = {}
     for round_ in range(1, cfg.policy_rounds + 1):
         for policy in cfg.policies:
-            spec = StackSpec(f"policy-{policy}-{round_}", prefill=2, decode=2, torch_threads=1, policy=policy)
+            spec = StackSpec(f"policy-{policy}-{round_}", prefill=2, decode=2, torch_threads=1, policy=policy,
+                             store_nodes=cfg.policy_store_nodes)  # fmt: skip
             label = policy if cfg.policy_rounds == 1 else f"{policy} #{round_}"
             with open_stack(spec) as stack:
                 s = replay_on(stack, cfg, trace, cfg.time_scale, cfg.seed)

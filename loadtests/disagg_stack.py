@@ -57,6 +57,8 @@ class StackSpec:
     max_model_len: int = 4096
     kv_cache_memory_mib: int = 256
     store_segment_size: str = "512MiB"
+    admin_token: str | None = None  # the conductor's: lets the bench change the policy at run time
+    store_nodes: int | None = None  # None: yutu up's default
 
     def argv(self, port: int, redis_url: str, log_dir: Path) -> list[str]:
         argv = [sys.executable, "-m", "yutu.cli", "up", "--port", str(port), "--redis-url", redis_url,
@@ -64,6 +66,8 @@ class StackSpec:
                 "--kv-cache-memory-mib", str(self.kv_cache_memory_mib),
                 "--store-segment-size", self.store_segment_size, "--torch-threads", str(self.torch_threads),
                 "--ready-timeout", str(READY_TIMEOUT_S), "--max-restarts", "0"]  # fmt: skip
+        if self.store_nodes is not None:
+            argv += ["--store-nodes", str(self.store_nodes)]
         if self.workers is not None:
             return [*argv, "--workers", str(self.workers)]
         argv += ["--prefill", str(self.prefill), "--decode", str(self.decode)]
@@ -71,13 +75,15 @@ class StackSpec:
             argv += ["--policy", self.policy]
         if self.disagg_threshold is not None:
             argv += ["--disagg-threshold", str(self.disagg_threshold)]
+        if self.admin_token is not None:
+            argv += ["--admin-token", self.admin_token]
         return argv
 
     @property
     def command(self) -> str:
         """The yutu up options, as a user would type them (ports and paths left out)."""
         argv = self.argv(0, "-", Path("-"))
-        skip = {"--port", "--redis-url", "--log-dir", "--ready-timeout", "--max-restarts"}
+        skip = {"--port", "--redis-url", "--log-dir", "--ready-timeout", "--max-restarts", "--admin-token"}
         shown = [f"{a} {b}" for a, b in zip(argv[4::2], argv[5::2], strict=True) if a not in skip]
         return "yutu up " + " ".join(shown)
 

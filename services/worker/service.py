@@ -391,6 +391,7 @@ class WorkerService(Service):
                 "demo": self.demo,
                 "max_model_len": self.engine.max_model_len,
                 "block_size": self.settings.block_size,
+                "torch_threads": torch.get_num_threads(),
                 "in_flight": self.in_flight,
                 "broken": self.broken,
                 "engine": asdict(stats),
