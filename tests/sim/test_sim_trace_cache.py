@@ -63,7 +63,9 @@ def test_lfu_keeps_the_hot_block_and_unlimited_keeps_all() -> None:
     assert "hot" in cache and "cold2" in cache and "cold1" not in cache
     unlimited = BlockCache("lru", None)
     assert unlimited.admit([str(i) for i in range(10_000)]) == 10_000 and len(unlimited) == 10_000
-    with pytest.raises(ValueError, match="capacity must be an integer >= 1 block or None"):
-        BlockCache("lru", 0)
+    none = BlockCache("lru", 0)  # no store at all
+    assert none.admit(["a", "b"]) == 0 and "a" not in none and len(none) == 0
+    with pytest.raises(ValueError, match="capacity must be an integer >= 0 blocks"):
+        BlockCache("lru", -1)
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         BlockCache("fifo", 3)

@@ -3,7 +3,7 @@ shared store.
 
 Every block is one unit of capacity. ``admit`` makes a chain of keys resident, evicting what the
 policy names (never a key of the chain being admitted); ``touch`` records hits. ``capacity=None`` is
-an unlimited cache (a set; no policy needed). The cache answers ``key in cache``, so it can be handed
+an unlimited cache (a set; no policy needed), ``capacity=0`` one that holds nothing (no store). The cache answers ``key in cache``, so it can be handed
 to a :class:`yutu.sched.ClusterView` as a key set as it is.
 """
 
@@ -17,13 +17,15 @@ from yutu.evict import EvictionPolicy, make_policy
 class BlockCache:
     def __init__(self, policy: str, capacity: int | None) -> None:
         if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0
         ):
             raise ValueError(
-                f"a cache capacity must be an integer >= 1 block or None (unlimited), got {capacity!r}"
+                f"a cache capacity must be an integer >= 0 blocks (0: none) or None (unlimited), got {capacity!r}"
             )
         self.capacity = capacity
-        self._policy: EvictionPolicy | None = None if capacity is None else make_policy(policy, capacity)
+        self._policy: EvictionPolicy | None = (
+            None if capacity is None else make_policy(policy, max(1, capacity))
+        )
         self._keys: set[str] = set()
         self.evictions = 0
 
@@ -59,6 +61,8 @@ class BlockCache:
         Evicts the policy's victims to make room, never a key of ``keys``; when the rest of the cache
         cannot make enough room, the chain's tail stays out (a prefix is only useful from its start).
         """
+        if self.capacity == 0:
+            return 0
         new = [k for k in dict.fromkeys(keys) if k not in self._keys]
         self.touch(k for k in keys if k in self._keys)
         if self._policy is None:

@@ -41,7 +41,7 @@ class SimConfig:
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
     rejection: Rejection = Rejection.PREDICTED
-    store_capacity_blocks: int | None = None  # None: unlimited
+    store_capacity_blocks: int | None = None  # None: unlimited; 0: no store (local caches only)
     cache_blocks: int | None = None  # per prefill instance; None: the profile's
     eviction_policy: str = "lru"
     seed: int = 0
@@ -58,10 +58,14 @@ class SimConfig:
             raise ValueError(
                 f"unknown eviction policy {self.eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
             )
-        for name in ("store_capacity_blocks", "cache_blocks"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be >= 1 block or None (unlimited / the profile's), got {v}")
+        if self.store_capacity_blocks is not None and self.store_capacity_blocks < 0:
+            raise ValueError(
+                f"store_capacity_blocks must be >= 0 (0: no store) or None (unlimited), got {self.store_capacity_blocks}"
+            )
+        if self.cache_blocks is not None and self.cache_blocks < 0:
+            raise ValueError(
+                f"cache_blocks must be >= 0 (0: no local cache) or None (the profile's), got {self.cache_blocks}"
+            )
         if not (math.isfinite(self.jitter) and self.jitter >= 0):
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         if not (self.sample_s > 0 and self.replica_sample_s > 0):
