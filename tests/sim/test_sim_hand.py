@@ -6,7 +6,8 @@ Two prefill instances, one decode, kvcentric, no SLO:
   both prefills predict 9/8 s; the tie goes to prefill-00. First token at 1.125 (TTFT 1.125).
   Blocks 1, 2 enter prefill-00's cache and the store. Handoff 9/64 s: the KV is at the decode at
   1.265625, the idle decode steps at once: tokens at 1.328125 and 1.390625. Gaps 0.203125 (first
-  token to the second) and 0.0625: TBT (mean of the worst 10%, one gap) 0.203125, TPOT 0.1328125.
+  token to the decode's first: the handoff) and 0.0625 (one step): TBT (the decode's gaps, mean of
+  the worst 10%: one gap) 0.0625, TPOT 0.1328125.
 - r1 at 2 s, 41 tokens (10 new full blocks), 2 output tokens: both idle, tie, prefill-00, computed
   in 41/8 = 5.125 s. TTFT 5.125.
 - r2 at 3 s, 9 tokens sharing blocks 1, 2 with r0. prefill-00 holds them but is busy: its queue is
@@ -42,9 +43,9 @@ def test_every_ttft_by_hand() -> None:
     assert (r0.ttft_s, r1.ttft_s, r2.ttft_s) == (1.125, 5.125, 0.25)
     assert (r2.local_blocks, r2.fetched_blocks, r2.transfer_s, r2.prefill_s) == (0, 2, 0.125, 0.125)
     assert r2.predicted_ttft_s == 0.25  # the policy's estimate is exact on an exact profile
-    assert (r0.tbt_s, r0.tpot_s, r0.finish_s) == (0.203125, 0.1328125, 1.390625)
-    # r1: first token 7.125, KV at 7.125 + 41/64, one decode step.
-    assert r1.finish_s == 7.125 + 41 / 64 + 0.0625 and r1.tbt_s == 41 / 64 + 0.0625
+    assert (r0.handoff_s, r0.tbt_s, r0.tpot_s, r0.finish_s) == (0.203125, 0.0625, 0.1328125, 1.390625)
+    # r1: first token 7.125, KV at 7.125 + 41/64, one decode step: only a handoff gap.
+    assert r1.finish_s == 7.125 + 41 / 64 + 0.0625 and (r1.handoff_s, r1.tbt_s) == (41 / 64 + 0.0625, 0.0)
     # r2 emits only the prefill's token: done at its first token.
     assert (r2.finish_s, r2.tbt_s, r2.tpot_s) == (3.25, 0.0, 0.0)
 

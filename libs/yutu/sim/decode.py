@@ -4,8 +4,8 @@ Steps run back to back while anything is running; step ``i`` (1-based) ends at `
 and lasts ``profile.step_s(batch, kv_tokens)`` at the batch it started with. A sequence joins at a
 step boundary (``join_step`` = steps completed then) and emits its tokens at the ends of steps
 ``join_step+1 .. end_step`` (``end_step = join_step + output_len - 1``; the prefill emitted the first).
-Its token gaps, the TBT's input, are ``step_ends[join_step] - first_token`` (the handoff and any
-wait for a batch slot included) and then the step durations.
+Its token gaps are ``step_ends[join_step] - first_token`` (the handoff: the KV transfer and any
+wait for a batch slot) and then the step durations (the TBT's input).
 
 A request placed here is *incoming* until its KV arrives (``arrive``), then *waiting* until the
 batch and the KV blocks have room (reserved at the join for its prompt and all its output tokens),

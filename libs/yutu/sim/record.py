@@ -26,8 +26,9 @@ class RequestRecord:
     prefill_s: float = 0.0  # compute time spent on its prefill
     first_token_s: float | None = None  # absolute time of the first token (end of prefill)
     finish_s: float | None = None  # absolute time of the last token
-    tbt_s: float | None = None
-    tpot_s: float | None = None
+    tbt_s: float | None = None  # mean of the worst 10% gaps between the tokens the decode emitted
+    tpot_s: float | None = None  # (last token - first token) / (tokens - 1): everything included
+    handoff_s: float | None = None  # first token to the decode's first: KV transfer and wait for a slot
     rejected: str | None = None  # a RejectCause value, or "decode_tbt" (rejected after prefill)
 
     @property
@@ -39,9 +40,12 @@ class RequestRecord:
         return self.finish_s is not None
 
     def finish(self, at: float, gaps: list[float]) -> None:
-        """The last token came at ``at``; ``gaps`` are the intervals between its tokens."""
+        """The last token came at ``at``; ``gaps`` are the intervals between its tokens, the first
+        one from the prefill's token to the decode's first. The TBT is judged on the decode's gaps
+        (``gaps[1:]``: its steps, stalls included); the first gap is the handoff, kept apart."""
         self.finish_s = at
-        self.tbt_s = worst_gaps_mean(gaps)
+        self.handoff_s = gaps[0] if gaps else 0.0
+        self.tbt_s = worst_gaps_mean(gaps[1:])
         assert self.first_token_s is not None
         self.tpot_s = (at - self.first_token_s) / len(gaps) if gaps else 0.0
 
@@ -62,6 +66,7 @@ class RequestRecord:
             "ttft_s": self.ttft_s,
             "tbt_s": self.tbt_s,
             "tpot_s": self.tpot_s,
+            "handoff_s": self.handoff_s,
             "finish_s": self.finish_s,
             "rejected": self.rejected,
         }

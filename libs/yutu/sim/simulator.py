@@ -196,18 +196,26 @@ class Simulation:
         assert record.decode_id is not None
         d = self._decode_at[record.decode_id]
         decode = self.decodes[d]
-        slo = self.config.slo_tbt_s
-        if self.config.rejection is Rejection.AFTER_PREFILL and slo is not None:
-            batch = len(decode.running) + len(decode.waiting) + 1
-            step = self.profile.step_s(batch, decode.kv_tokens + record.prompt_len)
-            if batch > self.profile.max_batch or step > slo:
-                decode.incoming.pop(record.index, None)
-                record.rejected = DECODE_REFUSED
-                self.wasted_prefill_s += record.prefill_s
-                return
+        if self.config.rejection is Rejection.AFTER_PREFILL and self._refuses(decode, record):
+            decode.incoming.pop(record.index, None)
+            record.rejected = DECODE_REFUSED
+            self.wasted_prefill_s += record.prefill_s + record.transfer_s
+            return
         decode.arrive(record)
         if not decode.stepping:
             self._step_done(now, decode, d, step_ended=False)
+
+    def _refuses(self, decode: DecodeInstance, record: RequestRecord) -> bool:
+        """The after-prefill baseline: no room now (batch or KV blocks, counting those already
+        waiting), or a step with it over the TBT SLO."""
+        waiting = decode.waiting
+        batch = len(decode.running) + len(waiting) + 1
+        blocks = decode.reserved_blocks + sum(s.blocks for s in waiting) + decode.blocks_for(record)
+        if batch > self.profile.max_batch or blocks > self.profile.decode_kv_blocks:
+            return True
+        slo = self.config.slo_tbt_s
+        kv = decode.kv_tokens + sum(s.record.prompt_len for s in waiting) + record.prompt_len
+        return slo is not None and self.profile.step_s(batch, kv) > slo
 
     def _step_done(self, now: float, decode: DecodeInstance, d: int, step_ended: bool = True) -> None:
         if step_ended:

@@ -2,7 +2,9 @@
 
 Definitions (what ``summary.json`` holds):
 - ``ttft_*``: first token minus arrival, over the requests that got a first token and finished;
-- ``tbt_*``: per request, the mean of its longest 10% token gaps (the paper's TBT); ``tpot``: mean gap;
+- ``tbt_*``: per request, the mean of its longest 10% gaps between the tokens its decode instance
+  emitted (the paper's TBT); ``handoff_*``: the gap from the prefill's first token to the decode's
+  first (KV transfer and the wait for a batch slot), kept out of the TBT; ``tpot``: the mean gap;
 - a request is *good* when it finished with TTFT <= the TTFT SLO and TBT <= the TBT SLO (an SLO not
   set passes everyone); ``slo_attainment`` = good / requests (rejected ones count as missed), which is
   the paper's "effective request ratio"; ``goodput_rps`` = good / the trace's arrival span;
@@ -54,6 +56,7 @@ def summarise(sim: Simulation) -> dict[str, Any]:
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     tbt = [r.tbt_s for r in done if r.tbt_s is not None]
     tpot = [r.tpot_s for r in done if r.tpot_s is not None and r.output_len > 1]
+    handoff = [r.handoff_s for r in done if r.handoff_s is not None and r.output_len > 1]
     good = sum(1 for r in records if is_good(r, cfg.slo_ttft_s, cfg.slo_tbt_s))
     arrivals = [r.arrival_s for r in records]
     span = max(arrivals) - min(arrivals)
@@ -76,6 +79,8 @@ def summarise(sim: Simulation) -> dict[str, Any]:
         "tbt_p50_s": percentile(tbt, 50),
         "tbt_p99_s": percentile(tbt, 99),
         "tpot_mean_s": _mean(tpot),
+        "handoff_mean_s": _mean(handoff),
+        "handoff_p99_s": percentile(handoff, 99),
         "slo_ttft_s": cfg.slo_ttft_s,
         "slo_tbt_s": cfg.slo_tbt_s,
         "good": good,
