@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException
 
+from services.store_master.replies import describe
+
 if TYPE_CHECKING:
     from services.store_master.service import StoreMasterService
 
@@ -41,7 +43,7 @@ def build_router(service: StoreMasterService) -> APIRouter:
             "key": entry.key,
             "size": entry.size,
             "readable": entry.readable,
-            "replicas": [service._describe(r) for r in entry.replicas],
+            "replicas": [describe(state.segments, r) for r in entry.replicas],
             "pending": None
             if entry.pending is None
             else {
@@ -49,7 +51,7 @@ def build_router(service: StoreMasterService) -> APIRouter:
                 "size": entry.pending.size,
                 "writer": entry.pending.writer,
                 "started_at": entry.pending.started_at,
-                "replicas": [service._describe(r) for r in entry.pending.replicas],
+                "replicas": [describe(state.segments, r) for r in entry.pending.replicas],
             },
             "created_at": entry.created_at,
             "leased_for_s": max(0.0, entry.lease_until - now),

@@ -74,7 +74,7 @@ class DiskTier:
                 break
             entry = self.state.objects[key]
             if entry.protection(now) is None and not entry.dram_replicas():
-                self.state._remove_entry(entry, publish=False)
+                self.state.remove_entry(entry, publish=False)
                 self.state.effects.events.append(BlockRemoved([key_to_hash(key)]))
         return segment.disk_used + length <= segment.disk_capacity
 
@@ -91,10 +91,10 @@ class DiskTier:
         entry.busy = None
         if error is not None:  # could not write the file: evict the plain way
             segment.disk_used -= task.length
-            self.state._remove_entry(entry)
+            self.state.remove_entry(entry)
             return
         for replica in entry.dram_replicas():
-            self.state._release(entry, replica)
+            self.state.release(entry, replica)
         entry.replicas = [r for r in entry.replicas if r.medium is Medium.DISK]
         entry.replicas.append(Replica(task.segment, None, task.length, ReplicaState.COMPLETE, Medium.DISK))
         self.state.eviction.gone(task.key)
@@ -183,6 +183,10 @@ class DiskTier:
             if entry is not None and not running.orphaned:
                 entry.busy = None
             self.state.effects.failed_tasks.append(task_id)
+
+    def offloads_running(self) -> list[str]:
+        """Ids of the offloads a node is still copying (room they will free once done)."""
+        return [t for t, r in self.running.items() if r.task.op == "offload"]
 
     def restore(self, key: str, replica: Replica) -> None:
         segment = self.state.segments.get(replica.segment)

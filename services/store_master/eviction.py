@@ -14,12 +14,14 @@ from services.store_master.eviction_order import dram_footprint
 from services.store_master.state_core import StateCore
 
 
-class Eviction(StateCore):
-    """Mixin of :class:`~services.store_master.state.MasterState`: evicting past the watermark or
-    to make room."""
+class Evictor:
+    """Evicting past the watermark or to make room, over the master's tables (``core``)."""
+
+    def __init__(self, core: StateCore) -> None:
+        self.core = core
 
     def over_watermark(self) -> bool:
-        return self.segments.usage > self.policy.high_watermark
+        return self.core.segments.usage > self.core.policy.high_watermark
 
     def evict(self, target_bytes: int | None = None) -> list[str]:
         """Evict about ``eviction_ratio`` of the capacity (or ``target_bytes``) in the policy's order.
@@ -28,28 +30,28 @@ class Eviction(StateCore):
         :class:`~services.store_master.disk_tier.DiskTier`); the others are removed. Returns the victims' keys in order.
         """
         if target_bytes is None:
-            target_bytes = int(self.segments.capacity * self.policy.eviction_ratio)
-        victims = self.eviction.victims(self.objects, self.clock(), max(target_bytes, 1))
+            target_bytes = int(self.core.segments.capacity * self.core.policy.eviction_ratio)
+        victims = self.core.eviction.victims(self.core.objects, self.core.clock(), max(target_bytes, 1))
         removed: list[BlockHash] = []
         for key in victims:
-            entry = self.objects[key]
-            self.counters.evicted_bytes += dram_footprint(entry, self.policy.alignment)
-            if self.disk.start_offload(entry):
+            entry = self.core.objects[key]
+            self.core.counters.evicted_bytes += dram_footprint(entry, self.core.policy.alignment)
+            if self.core.disk.start_offload(entry):
                 continue
-            self._remove_entry(entry, publish=False)
+            self.core.remove_entry(entry, publish=False)
             removed.append(key_to_hash(key))
         if removed:
-            self.effects.events.append(BlockRemoved(removed))
-        self.counters.evicted_objects += len(victims)
-        self.counters.eviction_rounds += 1
+            self.core.effects.events.append(BlockRemoved(removed))
+        self.core.counters.evicted_objects += len(victims)
+        self.core.counters.eviction_rounds += 1
         return victims
 
     def next_release_at(self) -> float | None:
         """When DRAM held only by a lease is next released (a retired extent, or a leased object
         eviction could then take), or None if nothing is waiting on a lease."""
-        now = self.clock()
-        times = [t for t, _, _ in self.retired]
-        for entry in self.objects.values():
+        now = self.core.clock()
+        times = [t for t, _, _ in self.core.retired]
+        for entry in self.core.objects.values():
             if entry.readable and entry.lease_until > now and entry.dram_replicas():
                 if (
                     entry.pending is None

@@ -3,6 +3,8 @@ and dropping a segment with every replica on it (a lost node, a restarted one, a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from yutu.protocol.kv_events import BlockRemoved, key_to_hash
 from yutu.store.types import Medium
 
@@ -10,8 +12,11 @@ from services.store_master.objects import ObjectEntry, Segment
 from services.store_master.state_core import StateCore, bad_request, check_int
 
 
-class Liveness(StateCore):
-    """Mixin of :class:`~services.store_master.state.MasterState`: segment membership."""
+class Membership:
+    """Segment membership over the master's tables (``core``); only the master state calls it."""
+
+    def __init__(self, core: StateCore) -> None:
+        self.core = core
 
     def mount(
         self,
@@ -35,8 +40,8 @@ class Liveness(StateCore):
         check_int("size", size, 1)
         check_int("incarnation", incarnation)
         check_int("disk_capacity", disk_capacity)
-        now = self.clock()
-        existing = self.segments.get(name)
+        now = self.core.clock()
+        existing = self.core.segments.get(name)
         if existing is not None:
             if existing.incarnation == incarnation and existing.size == size and existing.region == region:
                 existing.last_seen = now
@@ -44,28 +49,28 @@ class Liveness(StateCore):
                 return False
             self.drop_segment(name)  # the node restarted: what the old incarnation held is gone
         segment = Segment(name, region, size, host_id, node_id, incarnation, disk_capacity, 0, now, now)
-        self.segments.add(segment)
-        self.eviction.capacity_changed(self.segments.capacity)
-        self.effects.dirty_segments.add(name)
+        self.core.segments.add(segment)
+        self.core.eviction.capacity_changed(self.core.segments.capacity)
+        self.core.effects.dirty_segments.add(name)
         return True
 
     def unmount(self, node_id: str, name: str) -> int:
         """Unmount a segment of ``node_id``; returns how many replicas were dropped with it."""
         if not isinstance(name, str):
             raise bad_request(f"segment must be a str, got {name!r}")
-        segment = self.segments.get(name)
+        segment = self.core.segments.get(name)
         if segment is None:
             return 0
         if segment.node_id != node_id:
             raise bad_request(f"segment {name!r} is mounted by {segment.node_id!r}, not {node_id!r}")
         return self.drop_segment(name)
 
-    def heartbeat(self, node_id: str, segments: list[tuple[str, int]]) -> list[str]:
+    def heartbeat(self, node_id: str, segments: Sequence[tuple[str, int]]) -> list[str]:
         """Refresh liveness; returns the listed segments the master does not know (to remount)."""
-        now = self.clock()
+        now = self.core.clock()
         remount: list[str] = []
         for name, incarnation in segments:
-            segment = self.segments.get(name)
+            segment = self.core.segments.get(name)
             if segment is None or segment.incarnation != incarnation:
                 remount.append(name)
             else:
@@ -75,8 +80,8 @@ class Liveness(StateCore):
     def drop_segment(self, name: str) -> int:
         """Forget a segment and every replica on it; objects left without replicas are removed."""
         dropped = 0
-        for key in [k for k, e in self.objects.items() if self._touches(e, name)]:
-            entry = self.objects[key]
+        for key in [k for k, e in self.core.objects.items() if self._touches(e, name)]:
+            entry = self.core.objects[key]
             before = len(entry.replicas)
             lost_dram = any(r.segment == name and r.medium is Medium.DRAM for r in entry.replicas)
             entry.replicas = [r for r in entry.replicas if r.segment != name]
@@ -88,19 +93,19 @@ class Liveness(StateCore):
                 if not kept:
                     entry.pending = None  # its writer's put_end will be told the put is gone
             if lost_dram:
-                self.eviction.refit(entry)
+                self.core.eviction.refit(entry)
             if not entry.replicas:
                 if before:
-                    self.counters.lost_objects += 1
-                    self.effects.events.append(BlockRemoved([key_to_hash(key)]))
+                    self.core.counters.lost_objects += 1
+                    self.core.effects.events.append(BlockRemoved([key_to_hash(key)]))
                 if entry.pending is None:
-                    del self.objects[key]
-            self.effects.dirty_objects.add(key)
-        self.retired = [r for r in self.retired if r[1] != name]
-        self.disk.segment_dropped(name)
-        self.segments.remove(name)
-        self.eviction.capacity_changed(self.segments.capacity)
-        self.effects.dirty_segments.add(name)
+                    del self.core.objects[key]
+            self.core.effects.dirty_objects.add(key)
+        self.core.retired = [r for r in self.core.retired if r[1] != name]
+        self.core.disk.segment_dropped(name)
+        self.core.segments.remove(name)
+        self.core.eviction.capacity_changed(self.core.segments.capacity)
+        self.core.effects.dirty_segments.add(name)
         return dropped
 
     @staticmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -27,6 +27,9 @@ from redis.exceptions import RedisError
 from yutu.errors import ErrorKind, YutuError
 
 from services.store_master.objects import ObjectEntry, Segment
+
+if TYPE_CHECKING:
+    from services.store_master.state import MasterState
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,18 @@ class MetadataStore:
 
     async def clear(self) -> None:
         await self.redis.delete(self.objects_key, self.segments_key)
+
+
+def object_record(state: MasterState, key: str) -> bytes | None:
+    """The Redis record of object ``key`` now (None: it is gone)."""
+    entry = state.objects.get(key)
+    return None if entry is None else msgpack.packb(entry.to_wire(), use_bin_type=True)
+
+
+def segment_record(state: MasterState, name: str) -> bytes | None:
+    """The Redis record of segment ``name`` now (None: it is gone)."""
+    segment = state.segments.get(name)
+    return None if segment is None else msgpack.packb(segment.to_wire(), use_bin_type=True)
 
 
 def _text(raw: bytes | str) -> str:

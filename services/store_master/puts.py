@@ -15,8 +15,11 @@ from services.store_master.objects import ObjectEntry, PendingPut, Replica
 from services.store_master.state_core import NoSpaceError, StateCore, bad_request, check_int
 
 
-class Puts(StateCore):
-    """Mixin of :class:`~services.store_master.state.MasterState`: the put protocol."""
+class Puts:
+    """The put protocol over the master's tables (``core``); only the master state calls it."""
+
+    def __init__(self, core: StateCore) -> None:
+        self.core = core
 
     def put_start(
         self,
@@ -38,7 +41,7 @@ class Puts(StateCore):
             raise bad_request(str(exc)) from None
         check_int("size", size, 1)
         check_int("replicas", replicas, 1)
-        entry = self.objects.get(key)
+        entry = self.core.objects.get(key)
         if entry is not None:
             if entry.pending is not None:
                 if not upsert:
@@ -50,19 +53,19 @@ class Puts(StateCore):
                 )
             if entry.readable and not upsert:
                 return None, []
-        if size > self.segments.largest_segment:
-            if not len(self.segments):
+        if size > self.core.segments.largest_segment:
+            if not len(self.core.segments):
                 raise YutuError("no store segment is mounted: start a store node", ErrorKind.UNAVAILABLE)
             raise YutuError(
-                f"object of {size} bytes is larger than the largest segment ({self.segments.largest_segment} "
+                f"object of {size} bytes is larger than the largest segment ({self.core.segments.largest_segment} "
                 "bytes): split it or mount bigger segments",
                 ErrorKind.TOO_LARGE,
             )
-        placed = self.segments.place(size, replicas)
+        placed = self.core.segments.place(size, replicas)
         if not placed:
             raise NoSpaceError(f"no segment has {size} free bytes for {key!r}: evict or add capacity")
-        now = self.clock()
-        put_id = f"{self._put_prefix}{next(self._put_serial):x}"
+        now = self.core.clock()
+        put_id = f"{self.core.put_prefix}{next(self.core.put_serial):x}"
         pending = PendingPut(
             put_id,
             size,
@@ -72,47 +75,49 @@ class Puts(StateCore):
         )
         if entry is None:
             entry = ObjectEntry(key, 0, [], now)
-            self.objects[key] = entry
+            self.core.objects[key] = entry
         entry.pending = pending
         entry.soft_pin = bool(soft_pin) or (upsert and entry.soft_pin)
-        self.effects.dirty_objects.add(key)
+        self.core.effects.dirty_objects.add(key)
         return put_id, pending.replicas
 
     def put_end(self, key: str, put_id: str) -> None:
         """Make the pending put readable; replaced replicas (upsert) are released."""
         entry, pending = self._pending(key, put_id)
-        now = self.clock()
+        now = self.core.clock()
         was_readable = entry.readable
         if entry.busy is not None:  # an upsert overtook a disk-tier move: that move no longer applies
-            self.disk.forget(entry)
+            self.core.disk.forget(entry)
             entry.busy = None
         for replica in entry.replicas:
-            self._release(entry, replica)
+            self.core.release(entry, replica)
         for replica in pending.replicas:
             replica.state = ReplicaState.COMPLETE
         entry.replicas = pending.replicas
         entry.size = pending.size
         entry.pending = None
         if entry.soft_pin:
-            entry.pin_until = now + self.policy.soft_pin_ttl_s
-        self.eviction.stored(entry)
-        self.effects.dirty_objects.add(key)
+            entry.pin_until = now + self.core.policy.soft_pin_ttl_s
+        self.core.eviction.stored(entry)
+        self.core.effects.dirty_objects.add(key)
         if not was_readable:
-            self.effects.events.append(BlockStored([key_to_hash(key)], block_size=self.policy.block_size))
+            self.core.effects.events.append(
+                BlockStored([key_to_hash(key)], block_size=self.core.policy.block_size)
+            )
 
     def put_revoke(self, key: str, put_id: str) -> None:
         """Abandon a pending put; its space is freed at once (the writer says it stopped)."""
         entry, pending = self._pending(key, put_id)
         for replica in pending.replicas:
             assert replica.offset is not None
-            self.segments.free(replica.segment, replica.offset)
+            self.core.segments.free(replica.segment, replica.offset)
         entry.pending = None
         if not entry.readable:
-            del self.objects[key]
-        self.effects.dirty_objects.add(key)
+            del self.core.objects[key]
+        self.core.effects.dirty_objects.add(key)
 
     def _pending(self, key: str, put_id: str) -> tuple[ObjectEntry, PendingPut]:
-        entry = self.objects.get(key) if isinstance(key, str) else None
+        entry = self.core.objects.get(key) if isinstance(key, str) else None
         if entry is None or entry.pending is None or entry.pending.put_id != put_id:
             raise YutuError(
                 f"no put {put_id!r} is in progress for {key!r} (revoked, timed out, removed or its node was "

@@ -1,22 +1,21 @@
-"""The store master process: RPC handlers around :class:`MasterState`, persistence, KV events,
-disk-tier task dispatch, housekeeping and registration.
+"""The store master process: the RPC server over the master's collaborators, persistence, KV
+events, disk-tier task dispatch, housekeeping and registration.
 
-The RPC handlers are in :mod:`services.store_master.handlers`, the settling of their effects
-(persistence, KV events, node tasks) in :mod:`services.store_master.settle` and batch requests in
-:mod:`services.store_master.batching`.
-
-Fast paths: a handler returns its reply directly when nothing needs awaiting (reads, exists,
-heartbeats, and put_start), and an awaitable only when it must wait (a Redis commit, room to be
-made, a disk promotion); the RPC server answers direct replies without a task.
+Collaborators, each with a narrow job: :class:`~services.store_master.state.MasterState` (the
+metadata and its operations), :class:`~services.store_master.settle.Settler` (effects to Redis,
+KV events and nodes), :class:`~services.store_master.room.Room` (evict and wait when full),
+:class:`~services.store_master.tasks.TaskDispatcher` (disk-tier tasks to nodes) and
+:class:`~services.store_master.handlers.Handlers` (one ``async`` method per request). Requests
+are run eagerly (:mod:`services.store_master.eager`): a handler that finishes without waiting is
+answered without a task.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,18 +29,21 @@ from yutu.rpc import KVEventPublisher, RpcServer
 from yutu.service import Service
 
 from services.store_master.admin import build_router
-from services.store_master.handlers import RpcHandlers
+from services.store_master.eager import run_eager
+from services.store_master.handlers import Handler, Handlers
 from services.store_master.metrics import StoreMetrics, collect_stats
-from services.store_master.persistence import MetadataStore, Persister
+from services.store_master.persistence import MetadataStore, Persister, object_record, segment_record
 from services.store_master.resync import MetadataWatch
+from services.store_master.room import Room
 from services.store_master.settings import MasterSettings
+from services.store_master.settle import Settler
 from services.store_master.state import MasterState
 from services.store_master.tasks import TaskDispatcher
 
 log = logging.getLogger(__name__)
 
 
-class StoreMasterService(Service, RpcHandlers):
+class StoreMasterService(Service):
     kind = "store-master"
 
     def __init__(self, settings: MasterSettings, clock: Callable[[], float] = time.time) -> None:
@@ -59,29 +61,11 @@ class StoreMasterService(Service, RpcHandlers):
         self._watcher: asyncio.Task[None] | None = None
         self._ready = False
         self.tasks = TaskDispatcher()
-        self._handlers: dict[type[Any], Callable[[Any], Any]] = {  # reply, or an awaitable of it
-            p.MountSegment: self._mount,
-            p.BatchMountSegment: self._batch_mount,
-            p.UnmountSegment: self._unmount,
-            p.BatchUnmountSegment: self._batch_unmount,
-            p.Heartbeat: self._heartbeat,
-            p.PutStart: self._put_start,
-            p.BatchPutStart: self._batch_put_start,
-            p.PutEnd: self._put_end,
-            p.BatchPutEnd: self._batch_put_end,
-            p.PutRevoke: self._put_revoke,
-            p.BatchPutRevoke: self._batch_put_revoke,
-            p.GetReplicas: self._get_replicas,
-            p.BatchGetReplicas: self._batch_get_replicas,
-            p.Exists: self._exists,
-            p.BatchExists: self._batch_exists,
-            p.Remove: self._remove,
-            p.BatchRemove: self._batch_remove,
-            p.RemoveAll: self._remove_all,
-            p.FetchTasks: self._fetch_tasks,
-            p.TasksDone: self._tasks_done,
-            p.GetStats: self._get_stats,
-        }
+        self.settler = Settler(self.state, None, None, self.tasks)  # Redis and events join at startup
+        self.handlers = Handlers(
+            self.state, self.settler, Room(self.state, self.settler, self.tasks), self.tasks
+        )
+        self._routes: dict[type[Any], Handler] = {**self.handlers.routes(), p.GetStats: self._get_stats}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -96,7 +80,11 @@ class StoreMasterService(Service, RpcHandlers):
             log.info(
                 "recovered %d segments and %d objects from Redis", len(segments), len(self.state.objects)
             )
-        self._persister = Persister(store, self._snapshot_object, self._snapshot_segment)
+        self._persister = Persister(
+            store, lambda key: object_record(self.state, key), lambda name: segment_record(self.state, name)
+        )
+        if s.persist:
+            self.settler.persister = self._persister
         if s.persist:
             self._watch = MetadataWatch(
                 self._redis, s.registry_prefix, self._persister, self._record_names, s.instance_id
@@ -107,6 +95,7 @@ class StoreMasterService(Service, RpcHandlers):
                 s.host, s.kv_events_port, s.kv_events_topic, s.data_parallel_rank, s.kv_events_replay_port,
                 snapshot=self._events_snapshot,
             )  # fmt: skip
+            self.settler.events = self._events
             replay = self._events.start()
             if replay is not None:
                 self.loops.watch("kv-events-replay", replay)
@@ -167,20 +156,23 @@ class StoreMasterService(Service, RpcHandlers):
     # -- plumbing --------------------------------------------------------------------------------
 
     def _handle(self, msg: Any) -> Any:
-        """The reply to ``msg``, or an awaitable of it (see the module docstring)."""
-        handler = self._handlers.get(type(msg))
+        """The RPC server's handler: the reply to ``msg`` when its handler finished without
+        waiting, else an awaitable of it (see :mod:`services.store_master.eager`)."""
+        handler = self._routes.get(type(msg))
         if handler is None:
             raise YutuError(
                 f"{type(msg).__name__} is not a request the store master serves", ErrorKind.INVALID_REQUEST
             )
         op = type(msg).__name__
         started = time.perf_counter()
+        coro = handler(msg)
+        assert isinstance(coro, Coroutine)
         try:
-            reply = handler(msg)
+            reply = run_eager(coro)
         except YutuError as exc:
             self.store_metrics.observe(op, exc.kind.value, time.perf_counter() - started)
             raise
-        if inspect.isawaitable(reply):
+        if isinstance(reply, Coroutine):
             return self._observed(op, started, reply)
         self.store_metrics.observe(op, "ok", time.perf_counter() - started)
         return reply
@@ -202,7 +194,7 @@ class StoreMasterService(Service, RpcHandlers):
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 self.state.sweep()
-                await self._settle()
+                await self.settler.settle()
             except YutuError as exc:
                 log.warning("housekeeping: %s", exc)
             except Exception:  # noqa: BLE001 - housekeeping must keep running
@@ -210,7 +202,7 @@ class StoreMasterService(Service, RpcHandlers):
 
     # -- reporting -------------------------------------------------------------------------------
 
-    def _get_stats(self, m: p.GetStats) -> p.StatsReply:
+    async def _get_stats(self, m: p.GetStats) -> p.StatsReply:
         return p.StatsReply(self.stats())
 
     def stats(self) -> dict[str, Any]:

@@ -3,26 +3,33 @@
 Every operation is synchronous and runs on the event loop, so each one is atomic with respect to
 the others; nothing here does I/O. What an operation means for the outside world is collected in
 ``effects`` (objects and segments to persist, KV events to publish, disk-tier tasks to hand to
-nodes) and taken by the service after each call with :meth:`MasterState.take_effects`.
+nodes) and taken by the service after each call with :meth:`MasterState.take_effects`
+(:class:`~services.store_master.settle.Settler`).
 
 Time is wall-clock seconds from the injected ``clock`` (tests pass a fake one). Space that a reader
 may still be copying (leased replicas) or a writer may still be filling (a removed put) is not
 freed at once but *retired* until the lease or the put deadline has passed.
 
-:class:`MasterState` is put together from parts over :class:`~services.store_master.state_core.StateCore`
-(the tables, effects, counters and removal): :mod:`~services.store_master.liveness` (segments and
-their nodes), :mod:`~services.store_master.puts` and :mod:`~services.store_master.eviction`; reads,
-the sweep, recovery and the integrity check are here.
+:class:`MasterState` is the tables of :class:`~services.store_master.state_core.StateCore` (objects,
+segments and their allocators, the eviction order, retired space, the disk tier, effects, counters
+and removal) and the parts that work on them, each given the tables: ``membership``
+(:mod:`~services.store_master.liveness`: segments and their nodes), ``puts``
+(:mod:`~services.store_master.puts`) and ``evictor`` (:mod:`~services.store_master.eviction`).
+Its methods are the operations the handlers call; reads, the sweep, recovery and the integrity
+check are here.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.store.allocator import align_up
 from yutu.store.types import Medium
 
-from services.store_master.eviction import Eviction
-from services.store_master.liveness import Liveness
+from services.store_master.eviction import Evictor
+from services.store_master.liveness import Membership
 from services.store_master.objects import ObjectEntry, Replica, Segment
 from services.store_master.puts import Puts
 from services.store_master.state_core import (
@@ -37,8 +44,67 @@ from services.store_master.state_core import (
 __all__ = ["Counters", "Effects", "MasterState", "NoSpaceError", "StateCore", "StatePolicy", "check_int"]
 
 
-class MasterState(Liveness, Puts, Eviction):
+class MasterState(StateCore):
     """All of the master's metadata and the operations on it (see the module docstring)."""
+
+    def __init__(self, policy: StatePolicy, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(policy, clock)
+        self.membership = Membership(self)
+        self.puts = Puts(self)
+        self.evictor = Evictor(self)
+
+    # -- segments (membership) -------------------------------------------------------------------
+
+    def mount(
+        self,
+        node_id: str,
+        name: str,
+        region: str,
+        size: int,
+        host_id: str,
+        incarnation: int,
+        disk_capacity: int = 0,
+    ) -> bool:
+        return self.membership.mount(node_id, name, region, size, host_id, incarnation, disk_capacity)
+
+    def unmount(self, node_id: str, name: str) -> int:
+        return self.membership.unmount(node_id, name)
+
+    def heartbeat(self, node_id: str, segments: Sequence[tuple[str, int]]) -> list[str]:
+        return self.membership.heartbeat(node_id, segments)
+
+    def drop_segment(self, name: str) -> int:
+        return self.membership.drop_segment(name)
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    def put_start(
+        self,
+        key: str,
+        size: int,
+        replicas: int = 1,
+        soft_pin: bool = False,
+        upsert: bool = False,
+        writer: str = "",
+    ) -> tuple[str | None, list[Replica]]:
+        return self.puts.put_start(key, size, replicas, soft_pin, upsert, writer)
+
+    def put_end(self, key: str, put_id: str) -> None:
+        self.puts.put_end(key, put_id)
+
+    def put_revoke(self, key: str, put_id: str) -> None:
+        self.puts.put_revoke(key, put_id)
+
+    # -- eviction --------------------------------------------------------------------------------
+
+    def over_watermark(self) -> bool:
+        return self.evictor.over_watermark()
+
+    def evict(self, target_bytes: int | None = None) -> list[str]:
+        return self.evictor.evict(target_bytes)
+
+    def next_release_at(self) -> float | None:
+        return self.evictor.next_release_at()
 
     # -- reads -----------------------------------------------------------------------------------
 

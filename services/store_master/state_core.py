@@ -2,7 +2,7 @@
 space is given back (removal and retirement).
 
 :class:`StateCore` owns the tables every part of :class:`~services.store_master.state.MasterState`
-works on; the parts (liveness, puts, eviction) are mixins over it. Space that a reader may still be
+works on; the parts (membership, puts, the evictor, the disk tier) are given it. Space that a reader may still be
 copying (leased replicas) or a writer may still be filling (a removed put) is not freed at once but
 *retired* until the lease or the put deadline has passed; the sweep frees it.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.evict import POLICIES
-from yutu.protocol.kv_events import BlockRemoved, KVEvent, key_to_hash
+from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, KVEvent, key_to_hash
 from yutu.store.types import Medium
 
 from services.store_master.disk_tier import DiskTier
@@ -109,8 +109,8 @@ class StateCore:
         self.effects = Effects()
         # put ids: a random prefix per master process and a serial, unique across restarts and
         # cheaper than drawing 8 random bytes per put
-        self._put_prefix = secrets.token_hex(4) + "-"
-        self._put_serial = itertools.count(1)
+        self.put_prefix = secrets.token_hex(4) + "-"
+        self.put_serial = itertools.count(1)
 
     def take_effects(self) -> Effects:
         effects, self.effects = self.effects, Effects()
@@ -123,19 +123,23 @@ class StateCore:
         entry = self.objects.get(key) if isinstance(key, str) else None
         if entry is None:
             return False
-        self._remove_entry(entry)
+        self.remove_entry(entry)
         return True
 
     def remove_all(self) -> int:
+        """Remove every object (one AllBlocksCleared event); returns how many there were."""
         count = len(self.objects)
         for entry in list(self.objects.values()):
-            self._remove_entry(entry, publish=False)
+            self.remove_entry(entry, publish=False)
+        self.effects.events.append(AllBlocksCleared())
         return count
 
-    def _remove_entry(self, entry: ObjectEntry, publish: bool = True) -> None:
+    def remove_entry(self, entry: ObjectEntry, publish: bool = True) -> None:
+        """Forget ``entry``: its space is given back (see :meth:`release`; a put in progress is
+        retired until its deadline) and, when it was readable and ``publish``, BlockRemoved goes out."""
         now = self.clock()
         for replica in entry.replicas:
-            self._release(entry, replica)
+            self.release(entry, replica)
         if entry.pending is not None:  # the writer may still be copying: free after its deadline
             deadline = max(entry.pending.started_at + self.policy.put_timeout_s, now)
             for replica in entry.pending.replicas:
@@ -148,7 +152,7 @@ class StateCore:
         self.eviction.gone(entry.key)
         self.effects.dirty_objects.add(entry.key)
 
-    def _release(self, entry: ObjectEntry, replica: Replica) -> None:
+    def release(self, entry: ObjectEntry, replica: Replica) -> None:
         """Give a replica's space back: DRAM at once or when the lease ends; DISK via the node."""
         if replica.medium is Medium.DISK:
             self.disk.drop_file(entry.key, replica)

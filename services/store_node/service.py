@@ -122,16 +122,16 @@ class StoreNodeService(Service):
             except UNREACHABLE:
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
                 continue
-            results: list[list[Any]] = []
+            results: list[p.TaskResult] = []
             for task in reply.tasks:
-                results.append([task[0], await self._run_task(task)])
+                results.append(p.TaskResult(task.task_id, await self._run_task(task)))
             if results:
                 try:
                     await self.master.call(p.TasksDone(self.settings.instance_id, results))
                 except UNREACHABLE as exc:
                     log.warning("could not report %d disk-tier results: %s", len(results), exc)
 
-    async def _run_task(self, task: list[Any]) -> str | None:
+    async def _run_task(self, task: p.DiskTask) -> str | None:
         assert self.disk is not None and self.region is not None
         try:
             task_id, op, segment, key, offset, length = task
@@ -139,10 +139,12 @@ class StoreNodeService(Service):
                 raise ValueError(
                     f"task for segment {segment!r}, this node serves {self.settings.segment_name!r}"
                 )
+            if op != "drop" and offset is None:
+                raise ValueError(f"{op} task without a region offset")
             if op == "offload":
-                await asyncio.to_thread(self.disk.offload, self.region, key, offset, length)
+                await asyncio.to_thread(self.disk.offload, self.region, key, offset or 0, length)
             elif op == "promote":
-                await asyncio.to_thread(self.disk.promote, self.region, key, offset, length)
+                await asyncio.to_thread(self.disk.promote, self.region, key, offset or 0, length)
             elif op == "drop":
                 await asyncio.to_thread(self.disk.drop, key)
             else:

@@ -118,7 +118,6 @@ async def test_malformed_rpcs_are_refused_and_change_nothing(store_cluster: Clus
         p.BatchPutStart(["a", "b"], [1]),
         p.BatchGetReplicas("not-a-list"),  # type: ignore[arg-type]
         p.MountSegment("n", "s", "r", -5, "h", 1),
-        p.Heartbeat("n", "nope"),  # type: ignore[arg-type]
         p.UnmountSegment("intruder", "n0"),
         p.UnmountSegment("n0", ["n0"]),  # type: ignore[arg-type]
     ]
@@ -141,8 +140,13 @@ async def test_malformed_rpcs_are_refused_and_change_nothing(store_cluster: Clus
             b"\xc1not msgpack",
             msgpack.packb(["store", 99, "put_start", {}]),
             msgpack.packb(["other", 1, "put_start", {}]),
-            msgpack.packb(["store", 1, "no_such_tag", {}]),
-            msgpack.packb(["store", 1, "put_start", {"key": "k", "size": 1, "bogus": 1}]),
+            msgpack.packb(["store", 2, "no_such_tag", {}]),
+            msgpack.packb(["store", 2, "put_start", {"key": "k", "size": 1, "bogus": 1}]),
+            # nested parts are checked on decode
+            msgpack.packb(["store", 2, "heartbeat", {"node_id": "n", "segments": "nope"}]),
+            msgpack.packb(["store", 2, "heartbeat", {"node_id": "n", "segments": [["n0", "1"]]}]),
+            msgpack.packb(["store", 2, "batch_mount", {"node_id": "n", "segments": [["s", "r", 10, "h", 1]]}]),
+            msgpack.packb(["store", 2, "tasks_done", {"node_id": "n", "results": [[1, None]]}]),
         ]
         for i, frame in enumerate(garbage):
             await sock.send_multipart([i.to_bytes(8, "little"), frame])

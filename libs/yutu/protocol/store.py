@@ -5,20 +5,21 @@ Calls (request -> reply), after Mooncake's master RPCs::
     MountSegment / BatchMountSegment        -> Ack / BatchReply       a node contributes memory
     UnmountSegment / BatchUnmountSegment    -> Ack / BatchReply       its replicas are dropped
     Heartbeat                               -> HeartbeatReply         liveness; lists segments to remount
-    PutStart / BatchPutStart                -> PutStartReply / BatchReply   allocate: where to write
+    PutStart / BatchPutStart                -> PutStartReply / BatchPutStartReply   allocate: where to write
     PutEnd / BatchPutEnd                    -> Ack / BatchReply       bytes written: make readable
     PutRevoke / BatchPutRevoke              -> Ack / BatchReply       writer gave up: free the space
-    GetReplicas / BatchGetReplicas          -> ReplicasReply / BatchReply   grants a read lease
+    GetReplicas / BatchGetReplicas          -> ReplicasReply / BatchReplicasReply   grants a read lease
     Exists / BatchExists                    -> ExistsReply / BatchExistsReply
     Remove / BatchRemove / RemoveAll        -> Ack / BatchReply / Ack
     FetchTasks (long poll) / TasksDone      -> TasksReply / Ack       disk-tier work for a node
     GetStats                                -> StatsReply
 
 A single call that fails raises ``YutuError`` at the caller (see :mod:`yutu.rpc`). A batch call
-never fails as a whole for one bad key: ``BatchReply.results`` holds one outcome per key, in order::
+never fails as a whole for one bad key: its reply's ``results`` hold one :class:`Outcome` per key,
+in order::
 
-    [None, value]            success; value as in the single reply (see each message)
-    [[kind, message], None]  failure of that key; kind is a yutu.errors.ErrorKind value
+    Outcome(None, value)                     success; value as in the single reply (see each message)
+    Outcome(Failure(kind, message), None)    failure of that key; kind is a yutu.errors.ErrorKind value
 
 For Mooncake Store users: PutStart/PutEnd/PutRevoke, MountSegment/UnmountSegment and RemoveAll
 keep their names; GetReplicas is GetReplicaList, Exists is ExistKey, Heartbeat is Ping;
@@ -27,38 +28,220 @@ keep their names; GetReplicas is GetReplicaList, Exists is ExistKey, Heartbeat i
 ``--eviction-high-watermark`` (eviction_high_watermark_ratio), ``--eviction-ratio``,
 ``--node-ttl`` (client_live_ttl_sec), ``--put-timeout`` (put_start_discard_timeout_sec).
 
-Replicas travel as :meth:`yutu.store.types.ReplicaDescriptor.to_wire` lists. Fields are not trusted
-by the decoder: the master validates every value and refuses bad ones with INVALID_REQUEST.
+Nested parts are typed: :class:`~yutu.store.types.ReplicaDescriptor`, :class:`SegmentSpec`,
+:class:`MountedSegment`, :class:`PutSlot`, :class:`ReplicaSet`, :class:`Outcome` /
+:class:`Failure`, :class:`DiskTask`, :class:`TaskResult` -- NamedTuples, so they go on the wire as
+msgpack arrays. Decoding checks them: a message whose parts are lists (as msgpack decodes them) has
+each part checked and converted by ``__post_init__``, and a malformed part fails the decode with
+:class:`~yutu.protocol.codec.ProtocolError` (the RPC server answers INVALID_REQUEST). A message
+built from typed parts is taken as it is (only its first part's type is looked at). Values inside
+the parts (key rules, sizes, known segments) are the master's to check.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from yutu.errors import ErrorKind, YutuError
-from yutu.protocol.codec import Channel
+from yutu.protocol.codec import Channel, ProtocolError
+from yutu.store.types import ReplicaDescriptor
 
-CHANNEL = Channel("store", version=1)
+CHANNEL = Channel("store", version=2)
 
-Outcome = list[Any]  # [None, value] | [[kind, message], None]
+T = TypeVar("T")
+P = TypeVar("P")
 
-
-def ok(value: Any) -> Outcome:
-    return [None, value]
-
-
-def failed(kind: ErrorKind, message: str) -> Outcome:
-    return [[kind.value, message], None]
+_KINDS = frozenset(k.value for k in ErrorKind)
 
 
-def unwrap(outcome: Outcome) -> Any:
+def _bad(part: str, raw: Any, want: str) -> ProtocolError:
+    return ProtocolError(f"malformed {part} {raw!r} on channel store: want {want}")
+
+
+def _is_str(value: Any) -> bool:
+    return type(value) is str
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _parts(raw: Any, typed: type[P], decode: Callable[[Any], P]) -> list[P]:
+    """``raw`` as a list of ``typed``: as it is when built from typed parts, else each decoded."""
+    if type(raw) is not list:
+        raise ProtocolError(f"a list of {typed.__name__} was expected on channel store, got {raw!r}")
+    if not raw or type(raw[0]) is typed:
+        return raw
+    return [decode(item) for item in raw]
+
+
+def replicas_from_wire(raw: Any) -> list[ReplicaDescriptor]:
+    if type(raw) is not list:
+        raise _bad("replica list", raw, "a list of replica descriptors")
+    try:
+        return [r if type(r) is ReplicaDescriptor else ReplicaDescriptor.from_wire(r) for r in raw]
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+class SegmentSpec(NamedTuple):
+    """One segment of a ``BatchMountSegment`` (the fields of :class:`MountSegment`)."""
+
+    segment: str
+    region: str
+    size: int
+    host_id: str
+    incarnation: int
+    disk_capacity: int = 0
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> SegmentSpec:
+        want = "[segment, region, size, host_id, incarnation, disk_capacity]"
+        if type(raw) is not list or len(raw) != 6:
+            raise _bad("segment spec", raw, want)
+        segment, region, size, host_id, incarnation, disk = raw
+        if not (_is_str(segment) and _is_str(region) and _is_str(host_id)) or not (
+            _is_int(size) and _is_int(incarnation) and _is_int(disk)
+        ):
+            raise _bad("segment spec", raw, want + " (str, str, int, str, int, int)")
+        return cls(segment, region, size, host_id, incarnation, disk)
+
+
+class MountedSegment(NamedTuple):
+    """A segment a node believes mounted, in its ``Heartbeat``."""
+
+    segment: str
+    incarnation: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> MountedSegment:
+        if type(raw) is not list or len(raw) != 2 or not _is_str(raw[0]) or not _is_int(raw[1]):
+            raise _bad("heartbeat segment", raw, "[segment str, incarnation int]")
+        return cls(raw[0], raw[1])
+
+
+class Failure(NamedTuple):
+    """Why one item of a batch failed: an :class:`~yutu.errors.ErrorKind` value and a message."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Failure:
+        if type(raw) is not list or len(raw) != 2 or raw[0] not in _KINDS or not _is_str(raw[1]):
+            raise _bad("failure", raw, "[ErrorKind value, message str]")
+        return cls(raw[0], raw[1])
+
+    def error(self) -> YutuError:
+        return YutuError(self.message, ErrorKind(self.kind))
+
+
+class Outcome(NamedTuple, Generic[T]):
+    """One item of a batch reply: ``Outcome(None, value)`` or ``Outcome(Failure(...), None)``."""
+
+    error: Failure | None
+    value: T | None
+
+    @classmethod
+    def from_wire(cls, raw: Any, value: Callable[[Any], T]) -> Outcome[T]:
+        if type(raw) is not list or len(raw) != 2:
+            raise _bad("outcome", raw, "[None, value] or [[kind, message], None]")
+        if raw[0] is None:
+            return cls(None, value(raw[1]))
+        return cls(Failure.from_wire(raw[0]), None)
+
+
+def ok(value: T) -> Outcome[T]:
+    return Outcome(None, value)
+
+
+def failed(kind: ErrorKind, message: str) -> Outcome[Any]:
+    return Outcome(Failure(kind.value, message), None)
+
+
+def unwrap(outcome: Outcome[T]) -> T:
     """The value of a successful outcome; raises the ``YutuError`` of a failed one."""
     error, value = outcome
     if error is not None:
-        kind, message = error
-        raise YutuError(message, ErrorKind(kind))
-    return value
+        raise Failure(*error).error()
+    return value  # type: ignore[return-value]  # None only with an error
+
+
+def _outcomes(raw: Any, value: Callable[[Any], T]) -> list[Outcome[T]]:
+    return _parts(raw, Outcome, lambda item: Outcome.from_wire(item, value))
+
+
+class PutSlot(NamedTuple):
+    """Where to write one key: ``put_id`` None means already stored, nothing to write."""
+
+    put_id: str | None
+    replicas: list[ReplicaDescriptor]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> PutSlot:
+        if type(raw) is not list or len(raw) != 2 or not (raw[0] is None or _is_str(raw[0])):
+            raise _bad("put slot", raw, "[put_id str or None, replicas]")
+        return cls(raw[0], replicas_from_wire(raw[1]))
+
+
+class ReplicaSet(NamedTuple):
+    """A key's size and its COMPLETE DRAM replicas, under the reply's read lease."""
+
+    size: int
+    replicas: list[ReplicaDescriptor]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReplicaSet:
+        if type(raw) is not list or len(raw) != 2 or not _is_int(raw[0]):
+            raise _bad("replica set", raw, "[size int, replicas]")
+        return cls(raw[0], replicas_from_wire(raw[1]))
+
+
+def _count(raw: Any) -> int:
+    if not _is_int(raw):
+        raise _bad("count", raw, "an int")
+    return int(raw)
+
+
+class DiskTask(NamedTuple):
+    """Disk-tier work for a node: ``op`` "offload" copies region bytes at ``offset`` to the disk
+    tier; "promote" copies the file into the region at ``offset``; "drop" deletes the file."""
+
+    task_id: str
+    op: str
+    segment: str
+    key: str
+    offset: int | None
+    length: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DiskTask:
+        want = "[task_id, op, segment, key, offset int or None, length int]"
+        if type(raw) is not list or len(raw) != 6:
+            raise _bad("disk task", raw, want)
+        task_id, op, segment, key, offset, length = raw
+        if not (_is_str(task_id) and op in ("offload", "promote", "drop") and _is_str(segment)):
+            raise _bad("disk task", raw, want)
+        if not (_is_str(key) and (offset is None or _is_int(offset)) and _is_int(length)):
+            raise _bad("disk task", raw, want)
+        return cls(task_id, op, segment, key, offset, length)
+
+
+class TaskResult(NamedTuple):
+    """A node's result of one disk task: ``error`` None when it succeeded."""
+
+    task_id: str
+    error: str | None
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TaskResult:
+        if type(raw) is not list or len(raw) != 2 or not _is_str(raw[0]):
+            raise _bad("task result", raw, "[task_id str, error str or None]")
+        if not (raw[1] is None or _is_str(raw[1])):
+            raise _bad("task result", raw, "[task_id str, error str or None]")
+        return cls(raw[0], raw[1])
 
 
 # -- segments and liveness ---------------------------------------------------------------------
@@ -86,8 +269,10 @@ class MountSegment:
 @dataclass
 class BatchMountSegment:
     node_id: str
-    # one [segment, region, size, host_id, incarnation, disk_capacity] per segment
-    segments: list[list[Any]]
+    segments: list[SegmentSpec]
+
+    def __post_init__(self) -> None:
+        self.segments = _parts(self.segments, SegmentSpec, SegmentSpec.from_wire)
 
 
 @CHANNEL.message("unmount")
@@ -108,7 +293,10 @@ class BatchUnmountSegment:
 @dataclass
 class Heartbeat:
     node_id: str
-    segments: list[list[Any]]  # [segment, incarnation] for every segment the node believes mounted
+    segments: list[MountedSegment]  # every segment the node believes mounted
+
+    def __post_init__(self) -> None:
+        self.segments = _parts(self.segments, MountedSegment, MountedSegment.from_wire)
 
 
 @CHANNEL.message("heartbeat_ok")
@@ -134,14 +322,14 @@ class PutStart:
 @CHANNEL.message("put_start_ok")
 @dataclass
 class PutStartReply:
-    """``put_id`` None: the key is already stored (or being stored) and nothing is to be written.
-
-    Batch value: ``[put_id, replicas]``.
-    """
+    """``put_id`` None: the key is already stored (or being stored) and nothing is to be written."""
 
     key: str
     put_id: str | None
-    replicas: list[list[Any]] = field(default_factory=list)
+    replicas: list[ReplicaDescriptor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.replicas = replicas_from_wire(self.replicas)
 
 
 @CHANNEL.message("batch_put_start")
@@ -153,6 +341,15 @@ class BatchPutStart:
     soft_pin: bool = False
     upsert: bool = False
     writer: str = ""
+
+
+@CHANNEL.message("batch_put_start_ok")
+@dataclass
+class BatchPutStartReply:
+    results: list[Outcome[PutSlot]]
+
+    def __post_init__(self) -> None:
+        self.results = _outcomes(self.results, PutSlot.from_wire)
 
 
 @CHANNEL.message("put_end")
@@ -192,21 +389,33 @@ class GetReplicas:
 @CHANNEL.message("replicas")
 @dataclass
 class ReplicasReply:
-    """Complete replicas of ``key``; they stay valid (not evicted, not freed) for ``lease_ttl_s``.
-
-    Batch value: ``[size, replicas]``; the lease is ``BatchReply.lease_ttl_s``.
-    """
+    """Complete replicas of ``key``; they stay valid (not evicted, not freed) for ``lease_ttl_s``."""
 
     key: str
     size: int
-    replicas: list[list[Any]]
+    replicas: list[ReplicaDescriptor]
     lease_ttl_s: float
+
+    def __post_init__(self) -> None:
+        self.replicas = replicas_from_wire(self.replicas)
 
 
 @CHANNEL.message("batch_get_replicas")
 @dataclass
 class BatchGetReplicas:
     keys: list[str]
+
+
+@CHANNEL.message("batch_replicas")
+@dataclass
+class BatchReplicasReply:
+    """One :class:`ReplicaSet` per key, all under one read lease of ``lease_ttl_s``."""
+
+    results: list[Outcome[ReplicaSet]]
+    lease_ttl_s: float
+
+    def __post_init__(self) -> None:
+        self.results = _outcomes(self.results, ReplicaSet.from_wire)
 
 
 @CHANNEL.message("exists")
@@ -268,16 +477,20 @@ class FetchTasks:
 @CHANNEL.message("tasks")
 @dataclass
 class TasksReply:
-    # [task_id, op, segment, key, offset, length]; op "offload": copy region bytes to the disk
-    # tier; "promote": copy the file into the region at offset; "drop": delete the file
-    tasks: list[list[Any]]
+    tasks: list[DiskTask]
+
+    def __post_init__(self) -> None:
+        self.tasks = _parts(self.tasks, DiskTask, DiskTask.from_wire)
 
 
 @CHANNEL.message("tasks_done")
 @dataclass
 class TasksDone:
     node_id: str
-    results: list[list[Any]]  # [task_id, error message or None]
+    results: list[TaskResult]
+
+    def __post_init__(self) -> None:
+        self.results = _parts(self.results, TaskResult, TaskResult.from_wire)
 
 
 # -- generic replies ---------------------------------------------------------------------------
@@ -292,8 +505,13 @@ class Ack:
 @CHANNEL.message("batch")
 @dataclass
 class BatchReply:
-    results: list[Outcome]
-    lease_ttl_s: float = 0.0
+    """The reply of the batch calls whose value per key is a count: mount and unmount (1 if it
+    changed something), put_end and put_revoke (1), remove (1 if the key was there)."""
+
+    results: list[Outcome[int]]
+
+    def __post_init__(self) -> None:
+        self.results = _outcomes(self.results, _count)
 
 
 @CHANNEL.message("get_stats")

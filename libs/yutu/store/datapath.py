@@ -19,7 +19,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
 from yutu.store.leases import LeaseCache, Located
 from yutu.store.master import MasterClient
-from yutu.store.types import PutOptions, ReplicaDescriptor
+from yutu.store.types import PutOptions
 from yutu.transfer import TransferEngine, TransferOp, TransferRequest
 
 _UNKNOWN = YutuError("internal: key not located", ErrorKind.INTERNAL)
@@ -73,8 +73,7 @@ class DataPath:
                 continue  # already stored: nothing to write
             put_ids[i] = put_id
             region, offset, length = sources[i]
-            for raw in replicas:
-                r = ReplicaDescriptor.from_wire(raw)
+            for r in replicas:  # typed and checked when the reply was decoded
                 assert r.offset is not None
                 requests.append(
                     TransferRequest(TransferOp.WRITE, region, offset, r.segment, r.region, r.offset, length)
@@ -125,11 +124,10 @@ class DataPath:
         )
         for i, outcome in zip(ask, reply.results, strict=True):
             try:
-                size, raw = p.unwrap(outcome)
+                size, replicas = p.unwrap(outcome)  # typed and checked when the reply was decoded
             except YutuError as exc:
                 out[i] = exc
                 continue
-            replicas = [ReplicaDescriptor.from_wire(r) for r in raw]
             if len(replicas) > 1:
                 replicas.sort(key=lambda r: r.host_id != self.host_id)  # stable: master order otherwise
             out[i] = located = (size, replicas)

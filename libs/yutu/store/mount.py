@@ -61,7 +61,7 @@ class MountedSegment:
         return self._task
 
     async def _run(self) -> None:
-        beat = p.Heartbeat(self.node_id, [[self.segment, self.incarnation]])
+        beat = p.Heartbeat(self.node_id, [p.MountedSegment(self.segment, self.incarnation)])
         while True:
             try:
                 if not self.mounted:

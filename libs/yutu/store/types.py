@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 MAX_KEY_BYTES = 512
 
@@ -36,9 +36,12 @@ _STATES: dict[str, ReplicaState] = {s.value: s for s in ReplicaState}  # cheaper
 _MEDIA: dict[str, Medium] = {m.value: m for m in Medium}
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaDescriptor:
-    """Where one copy of an object lives. ``offset`` is None for a DISK replica."""
+class ReplicaDescriptor(NamedTuple):
+    """Where one copy of an object lives. ``offset`` is None for a DISK replica.
+
+    A NamedTuple: it goes on the wire as itself (msgpack writes the tuple as an array and the
+    StrEnums as their values) and comes back through :meth:`from_wire`, which checks every field.
+    """
 
     segment: str  # transfer-engine segment name
     region: str  # registered region inside the segment
@@ -49,69 +52,30 @@ class ReplicaDescriptor:
     medium: Medium = Medium.DRAM
 
     def to_wire(self) -> list[Any]:
-        return [
-            self.segment,
-            self.region,
-            self.offset,
-            self.length,
-            self.state.value,
-            self.host_id,
-            self.medium.value,
-        ]
+        return list(self)
 
     @classmethod
     def from_wire(cls, raw: Any) -> ReplicaDescriptor:
-        """Decode a replica sent by :meth:`to_wire`; raises ``ValueError`` on malformed input."""
+        """Decode a replica as msgpack gives it (a list of 7); raises ``ValueError`` naming what is
+        wrong with anything else."""
         try:
             segment, region, offset, length, state, host_id, medium = raw
-            if (
-                type(segment) is str
-                and type(region) is str
-                and type(length) is int
-                and (offset is None or type(offset) is int)
-                and type(host_id) is str
-            ):  # the common case, as msgpack decodes it: no conversions, and no frozen __init__
-                return _fast_replica(segment, region, offset, length, _STATES[state], host_id, _MEDIA[medium])
-            return cls(
-                str(segment),
-                str(region),
-                None if offset is None else int(offset),
-                int(length),
-                _STATES[state],
-                str(host_id),
-                _MEDIA[medium],
-            )
+            fields = (_STATES[state], _MEDIA[medium])
         except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"malformed replica descriptor {raw!r}: {exc}") from exc
-
-
-# ReplicaDescriptor(...) with exact-type fields, in a third of the time: a frozen dataclass's
-# __init__ goes through object.__setattr__ per field; this sets the slots directly (same object).
-_REPLICA_SLOTS = tuple(
-    getattr(ReplicaDescriptor, name).__set__
-    for name in ("segment", "region", "offset", "length", "state", "host_id", "medium")
-)
-
-
-def _fast_replica(
-    segment: str,
-    region: str,
-    offset: int | None,
-    length: int,
-    state: ReplicaState,
-    host_id: str,
-    medium: Medium,
-) -> ReplicaDescriptor:
-    r = object.__new__(ReplicaDescriptor)
-    set_segment, set_region, set_offset, set_length, set_state, set_host_id, set_medium = _REPLICA_SLOTS
-    set_segment(r, segment)
-    set_region(r, region)
-    set_offset(r, offset)
-    set_length(r, length)
-    set_state(r, state)
-    set_host_id(r, host_id)
-    set_medium(r, medium)
-    return r
+            raise ValueError(f"malformed replica descriptor {raw!r}: {exc!r}") from None
+        if not (
+            type(segment) is str
+            and type(region) is str
+            and type(length) is int
+            and length >= 0
+            and (offset is None or (type(offset) is int and offset >= 0))
+            and type(host_id) is str
+        ):
+            raise ValueError(
+                f"malformed replica descriptor {raw!r}: want [segment str, region str, offset int >= 0 or "
+                "None, length int >= 0, state, host_id str, medium]"
+            )
+        return tuple.__new__(cls, (segment, region, offset, length, fields[0], host_id, fields[1]))
 
 
 @dataclass(frozen=True, slots=True)
