@@ -123,7 +123,13 @@ def test_policy_by_name_builds_each_policy_with_its_options() -> None:
     assert p.name == "kvcentric"
     assert p.options == PolicyOptions(balancing_threshold=2.0, disagg_threshold=32, slo_tbt_s=0.1)
     assert p.costs is shared
-    assert sorted(POLICIES) == ["cache_aware", "kvcentric", "least_loaded", "round_robin"]
+    assert sorted(POLICIES) == [
+        "cache_aware",
+        "kvcentric",
+        "kvcentric_affinity",
+        "least_loaded",
+        "round_robin",
+    ]
     assert all(policy_by_name(n).name == n for n in POLICIES)
 
 
@@ -161,3 +167,30 @@ def test_snapshots_reject_inconsistent_input() -> None:
         policy_by_name("kvcentric").place(cluster((), (decode("d0"),)), request(), float("nan"))
     with pytest.raises(ValueError, match="exceed prompt_len"):
         QueuedPrefill(10, reused_tokens=6, computed_tokens=5)
+
+
+def test_kvcentric_affinity_trades_a_little_ttft_for_the_local_prefix() -> None:
+    # TTFT in tokens of 2**-10 s (161-token prompt, no store): "a" 20 queued + 65 uncached = 85,
+    # "b" 161, "c" 64 + 17 = 81: "c" is the fastest and holds the most; both take it.
+    view = cluster(
+        (
+            prefill("a", local=6, queue=(QueuedPrefill(20),)),
+            prefill("b"),
+            prefill("c", local=9, queue=(QueuedPrefill(64),)),
+        ),
+        (decode("d0"),),
+    )
+    assert placements("kvcentric", view, 1) == [("c", "d0")]
+    assert placements("kvcentric_affinity", view, 1) == [("c", "d0")]
+    # Now "a" is the fastest (an empty queue: 65 tokens) and "c" (9 blocks, 81 tokens) is within
+    # 30% of it: affinity takes the longer local prefix, kvcentric the least TTFT.
+    view = cluster(
+        (prefill("a", local=6), prefill("c", local=9, queue=(QueuedPrefill(64),))), (decode("d0"),)
+    )
+    assert placements("kvcentric", view, 1) == [("a", "d0")]
+    assert placements("kvcentric_affinity", view, 1) == [("c", "d0")]
+    # Beyond 30% (a queue of 100 tokens: 117 > 65 * 1.3) affinity keeps the fastest.
+    view = cluster(
+        (prefill("a", local=6), prefill("c", local=9, queue=(QueuedPrefill(100),))), (decode("d0"),)
+    )
+    assert placements("kvcentric_affinity", view, 1) == [("a", "d0")]

@@ -8,7 +8,7 @@ same code. The caller builds a :class:`ClusterView` and a :class:`RequestView`, 
 Modules: ``view`` (snapshot types), ``prefix`` (prefix matching), ``regression`` (the online fit),
 ``costs`` (cost models), ``forecast`` (decode load at a future instant), ``estimate`` (per-instance
 prefix plan and TTFT), ``options``, ``outcome`` (placement and rejection), ``placer`` (the shared
-placement steps), ``policies`` (the four policies and their registry).
+placement steps), ``policies`` (the policies and their registry).
 """
 
 from yutu.sched.costs import CostModels, DecodeCostModel, PrefillCostModel, TransferCostModel
@@ -16,7 +16,15 @@ from yutu.sched.estimate import Estimate
 from yutu.sched.options import PolicyOptions
 from yutu.sched.outcome import Placement, PrefixPlan, RejectCause, Rejection
 from yutu.sched.placer import DecodeCandidate, Placer, Policy
-from yutu.sched.policies import POLICIES, CacheAware, KVCentric, LeastLoaded, RoundRobin, policy_by_name
+from yutu.sched.policies import (
+    POLICIES,
+    CacheAware,
+    KVCentric,
+    KVCentricAffinity,
+    LeastLoaded,
+    RoundRobin,
+    policy_by_name,
+)
 from yutu.sched.view import (
     ClusterView,
     DecodeView,
@@ -39,6 +47,7 @@ __all__ = [
     "Estimate",
     "IncomingDecode",
     "KVCentric",
+    "KVCentricAffinity",
     "KeySet",
     "LeastLoaded",
     "Placement",
