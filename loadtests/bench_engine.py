@@ -4,7 +4,9 @@ Measures, in one run on one engine:
   * prefill tokens/s at batch 1 and 16 (prompt tokens / wall time until each request's first token)
   * decode tokens/s at batch 1 and 16 (generated tokens / wall time of the decode-only steps)
   * TTFT of a 1024-token prompt cold, and with its first 896 tokens already in the prefix cache
-and prints a table plus ratios against the same-run baselines (batch 1, cold). Writes JSON.
+  * decode tokens/s at batch 16 with 1024-token contexts, the dense decode cache on (the default
+    on CPU) against off (every decode gathers its blocks: the reference path), interleaved
+and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
 """
@@ -85,6 +87,36 @@ def bench(model_dir: Path, threads: int) -> dict[str, float]:
     return results
 
 
+def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]:
+    """Decode tokens/s of 16 sequences with 1024-token prompts, dense decode cache off and on
+    (``rounds`` interleaved runs each, the best of each kept: the machine is shared)."""
+    torch.set_num_threads(threads)
+    engines = {
+        name: LLMEngine(
+            EngineConfig(
+                model_dir=model_dir,
+                kv_cache_memory_bytes=512 * 2**20,
+                max_num_batched_tokens=2048,
+                dense_decode_bytes=budget,
+            )
+        )  # fmt: skip
+        for name, budget in (("paged", 0), ("dense", None))
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    best = {name: 0.0 for name in engines}
+    for r in range(rounds):
+        for name, engine in engines.items():
+            vocab = engine.model_config.vocab_size
+            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 1024, vocab, seed=100 + r))}
+            run_to_first_token(engine, reqs, params)
+            tokens, elapsed = finish(engine)
+            best[name] = max(best[name], tokens / elapsed)
+    for engine in engines.values():
+        engine.block_manager.check_integrity()
+    return {"decode_tok_s_b16_ctx1024_paged": best["paged"], "decode_tok_s_b16_ctx1024_dense": best["dense"],
+            "dense_over_paged": best["dense"] / best["paged"]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -94,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON results")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
-    results = bench(model_dir, args.threads)
+    results = bench(model_dir, args.threads) | dense_ab(model_dir, args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}")
     rows = [
@@ -106,6 +138,17 @@ def main() -> None:
         ("TTFT 1024-token prompt, cold", results["ttft_cold_1024_s"] * 1000, "ms"),
         ("TTFT 1024-token prompt, 896 tokens cached", results["ttft_cached_896_of_1024_s"] * 1000, "ms"),
         ("  ratio cold / cached", results["ttft_cold_over_cached"], "x"),
+        (
+            "decode tokens/s, batch 16, 1024 context, paged",
+            results["decode_tok_s_b16_ctx1024_paged"],
+            "tok/s",
+        ),
+        (
+            "decode tokens/s, batch 16, 1024 context, dense",
+            results["decode_tok_s_b16_ctx1024_dense"],
+            "tok/s",
+        ),
+        ("  ratio dense / paged", results["dense_over_paged"], "x"),
     ]
     for label, value, unit in rows:
         print(f"{label:<48} {value:>10.1f} {unit}")

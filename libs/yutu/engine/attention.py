@@ -13,9 +13,13 @@ object (see DESIGN.md, "Store object"). Token ``t`` of a sequence lives in block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from yutu.engine.decode_cache import DenseStep
 
 
 @dataclass
@@ -37,6 +41,7 @@ class AttentionMetadata:
     query_start: list[int]  # (S+1,) cumulative chunk offsets into the flat batch
     context_lens: list[int]  # (S,) tokens in cache per sequence after this pass
     block_tables: list[list[int]]  # (S, *) block ids per sequence, covering context_lens[i]
+    dense: DenseStep | None = None  # decodes attended on the dense decode cache (yutu.engine.decode_cache)
 
     @property
     def num_seqs(self) -> int:
@@ -123,7 +128,8 @@ def build_attention_plan(
         key_start = first_block * block_size
         table = meta.block_tables[i][first_block:num_blocks]
         if chunk == 1:
-            decode.append((q_start, key_start, ctx, table))
+            if meta.dense is None or i not in meta.dense.seq_indices:
+                decode.append((q_start, key_start, ctx, table))
             continue
         block_ids = torch.tensor(table, dtype=torch.int64, device=device)
         mask = None

@@ -85,6 +85,10 @@ class EngineConfig:
     # Builds the KV cache tensor (a view over registered memory, so peers can read its blocks);
     # None: plain device memory. See ModelRunner.
     kv_cache_factory: KVCacheFactory | None = None
+    # The dense decode cache (yutu.engine.decode_cache): decodes attend over contiguous copies
+    # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
+    # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
+    dense_decode_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -94,6 +98,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dense_decode_bytes is not None and (
+            not isinstance(self.dense_decode_bytes, int) or self.dense_decode_bytes < 0
+        ):
+            raise ValueError(
+                f"dense_decode_bytes must be an integer >= 0 or None, got {self.dense_decode_bytes!r}"
+            )
         for name in ("num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -109,6 +119,9 @@ def _resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> tor
     if not isinstance(resolved, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'")
     return resolved
+
+
+DENSE_DECODE_MAX_BYTES = 1 << 30
 
 
 class LLMEngine:
@@ -138,6 +151,8 @@ class LLMEngine:
             self.device,
             self.dtype,
             config.kv_cache_factory,
+            dense_decode_bytes=self._dense_decode_bytes(config),
+            max_model_len=self.max_model_len,
         )
         self.sampler = Sampler()
         self._root_key = root_key(self.model_id)
@@ -151,6 +166,14 @@ class LLMEngine:
         self._failed_requests_total = 0
         self.consecutive_failed_steps = 0  # steps in a row that raised, or where every sampled request failed
         self.last_failure: str | None = None  # what the last failed step or request died of
+
+    def _dense_decode_bytes(self, config: EngineConfig) -> int:
+        if config.dense_decode_bytes is not None:
+            return config.dense_decode_bytes
+        if self.device.type != "cpu":
+            return 0  # gathers are cheap next to a GPU's bandwidth; not measured there yet
+        pool = self.num_kv_blocks * kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        return min(pool // 4, DENSE_DECODE_MAX_BYTES)
 
     def _resolve_max_model_len(self, mc: ModelConfig, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size

@@ -119,6 +119,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         plan: AttentionPlan,
+        layer: int = 0,
     ) -> torch.Tensor:
         n_tok = x.shape[0]
         q = self.q_proj(x).view(n_tok, self.num_heads, self.head_dim)  # (T, nh, hd)
@@ -126,7 +127,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n_tok, self.num_kv_heads, self.head_dim)  # (T, kvh, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd)
+        if meta.dense is not None:
+            meta.dense.fill(layer, k_cache, v_cache)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd), dense rows unset
+        if meta.dense is not None:
+            meta.dense.attend(layer, q, o, self.scale, plan.sliding_window)
         return self.o_proj(o.reshape(n_tok, self.num_heads * self.head_dim))  # (T, H)
 
 
@@ -161,8 +166,11 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         plan: AttentionPlan,
+        layer: int = 0,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, plan)  # (T, H)
+        h = h + self.self_attn(
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, plan, layer
+        )  # (T, H)
         return h + self.mlp(self.post_attention_layernorm(h))  # (T, H)
 
 
@@ -212,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
             if window not in plans:
                 plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
-            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window])  # (T, H)
+            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window], i)  # (T, H)
         return self.model.norm(h)  # (T, H)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

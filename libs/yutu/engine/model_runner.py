@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from yutu.engine.attention import AttentionMetadata
+from yutu.engine.decode_cache import DenseDecodeCache
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.scheduler import ScheduledBatch
 
@@ -61,6 +62,9 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_factory: KVCacheFactory | None = None,
+        *,
+        dense_decode_bytes: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -81,6 +85,12 @@ class ModelRunner:
                     "kv_cache_factory must return a contiguous tensor (block b at b * block_bytes)"
                 )
             self.kv_cache = cache
+        self.dense: DenseDecodeCache | None = None
+        if dense_decode_bytes > 0:
+            self.dense = DenseDecodeCache(
+                config.num_layers, config.num_kv_heads, config.head_dim,
+                max_model_len or num_blocks * block_size, dense_decode_bytes, dtype, device,
+            )  # fmt: skip
 
     def prepare(
         self, batch: ScheduledBatch
@@ -102,11 +112,17 @@ class ModelRunner:
             query_start.append(len(input_ids))
             if chunk.sample:
                 sample_rows.append(len(input_ids) - 1)
+        dense = None
+        if self.dense is not None:
+            decodes = [(i, query_start[i], c.seq_id, c.context_len, c.block_table)
+                       for i, c in enumerate(batch.chunks) if c.num_tokens == 1]  # fmt: skip
+            dense = self.dense.plan(decodes, bs)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             query_start=query_start,
             context_lens=[c.context_len for c in batch.chunks],
             block_tables=[c.block_table for c in batch.chunks],
+            dense=dense,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -115,6 +131,16 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute ``batch``, writing its K/V into the cache; return (R, V) float32 logits, R = sampled chunks."""
         ids, pos, meta, sample_rows = self.prepare(batch)
+        try:
+            return self._forward(ids, pos, meta, sample_rows)
+        except BaseException:
+            if self.dense is not None:  # a step cut short may have filled slots halfway
+                self.dense.clear()
+            raise
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int]
+    ) -> torch.Tensor:
         with torch.inference_mode():
             hidden = self.model(ids, pos, self.kv_cache, meta)  # (T, H)
             if not sample_rows:
