@@ -159,10 +159,12 @@ class DecodeInstance:
 
     # -- the conductor's view -----------------------------------------------------------------------
 
-    def view(self, now: float, forecast: bool = True) -> DecodeView:
+    def view(self, now: float, forecast: bool = True, blocks: bool = True) -> DecodeView:
         """The instance as a load report shows it. ``forecast=False`` hides when sequences will leave
         and lists every incoming request as arrived: a policy then judges the load of this instant
-        (the "early rejection without prediction" baseline)."""
+        (the "early rejection without prediction" baseline). ``blocks=False`` reports every KV block
+        free: the policy does not turn requests away for decode memory (the "rejection after
+        prefill" baseline, where the decode instance checks when the KV arrives)."""
         running = tuple(
             RunningDecode(
                 s.kv_join + self.step - s.join_step, s.end_step - self.step if forecast else FOREVER
@@ -174,5 +176,5 @@ class DecodeInstance:
         incoming += [IncomingDecode(now, j.record.prompt_len, j.record.output_len) for j in self.local]
         if not forecast:
             incoming = [IncomingDecode(now, i.prompt_len, FOREVER) for i in incoming]
-        free = max(0, self.profile.decode_kv_blocks - self.reserved_blocks)
+        free = max(0, self.profile.decode_kv_blocks - (self.reserved_blocks if blocks else 0))
         return DecodeView(self.instance_id, free, self.profile.max_batch, running, tuple(incoming))

@@ -135,9 +135,10 @@ class Simulation:
         """The ClusterView the policy places on at ``now``: the instances as their load reports and
         KV events would show them to the conductor, with no report lag."""
         forecast = self.config.rejection is not Rejection.EARLY
+        blocks = self.config.rejection is not Rejection.AFTER_PREFILL
         return ClusterView(
             tuple(p.view(now) for p in self.prefills),
-            tuple(d.view(now, forecast) for d in self.decodes),
+            tuple(d.view(now, forecast, blocks) for d in self.decodes),
             self.store,
             self.profile.bytes_per_block,
             self.profile.block_size,
