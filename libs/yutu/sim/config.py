@@ -15,10 +15,11 @@ class Rejection(StrEnum):
     """How overload is turned away (the SLOs judge goodput in every mode).
 
     - ``none``: nothing is rejected; the policy runs without SLOs and requests queue.
-    - ``after_prefill``: the policy rejects early on its TTFT prediction only (it is shown every
-      decode KV block as free, and no TBT SLO); a decode instance refuses a request whose KV arrives
-      when it has no batch slot or KV blocks for it now, or when its next step would exceed the TBT
-      SLO -- after the prefill was spent on it (the paper's first baseline).
+    - ``after_prefill``: the policy rejects early on its TTFT prediction and on a decode batch
+      forecast to be full, but it is shown every decode KV block as free and has no TBT SLO; a
+      decode instance refuses a request whose KV arrives when it has no batch slot or KV blocks for
+      it now, or when its next step would exceed the TBT SLO -- after the prefill was spent on it
+      (the paper's first baseline).
     - ``early``: the policy's early rejection on the load of this instant (no forecast of who will
       have left by the prefill's end: the paper's "early rejection").
     - ``predicted``: the policy's early rejection on the decode load forecast at the prefill's end
