@@ -69,3 +69,28 @@ def test_bad_options_and_traces_exit_2_with_the_reason(
     assert "bad trace" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(trace(tmp_path)), "--decode", "0"]) == 2
     assert "need --prefill >= 0 and --decode >= 1" in capsys.readouterr().err
+
+
+def test_learned_cost_models_converge_to_the_profile(tmp_path: Path) -> None:
+    """--learn-costs: the policy starts from the conductor's untrusted priors and is fed the
+    simulated measurements as a conductor is fed load reports; on exact data it fits the profile."""
+    from yutu.sim.config import SimConfig
+    from yutu.sim.simulator import Simulation
+    from yutu.sim.trace import load_trace
+
+    profile = tiny_profile(prefill=(0.0, 2.0**-6, 2.0**-12), decode=(2.0**-5, 2.0**-9, 2.0**-12))
+    requests = load_trace(trace(tmp_path), block_size=4)
+    sim = Simulation(SimConfig(prefill=2, decode=2, profile=profile, learn_costs=True), requests)
+    assert not sim.costs.prefill.calibrated
+    sim.run()
+    assert sim.costs.prefill.calibrated and sim.costs.decode.calibrated
+    assert sim.costs.prefill.coefficients == pytest.approx(profile.prefill, rel=1e-6, abs=1e-12)
+    assert sim.costs.decode.coefficients == pytest.approx(profile.decode, rel=1e-6, abs=1e-12)
+    # Without local caches every reuse is a store read, each one observed by the transfer model.
+    sim = Simulation(
+        SimConfig(prefill=2, decode=2, profile=profile, learn_costs=True, cache_blocks=0), requests
+    )
+    sim.run()
+    fetched = sum(1 for r in sim.records.values() if r.fetched_blocks)
+    assert sim.costs.transfer.num_samples == fetched > 0
+    assert sim.costs.transfer.bandwidth_bps < 2e9 / 16  # on its way from the prior down to 1 KiB/s

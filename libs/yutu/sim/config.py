@@ -48,6 +48,7 @@ class SimConfig:
     eviction_policy: str = "lru"
     seed: int = 0
     jitter: float = 0.0  # sigma of a lognormal factor on every service time (0: exact profile)
+    learn_costs: bool = False  # the policy starts from the conductor's priors and learns (see simulator)
     sample_s: float = 1.0  # load timeline resolution
     replica_sample_s: float = 30.0  # hot-block replica counts (the paper samples every 30 s)
 

@@ -59,6 +59,7 @@ class DecodeInstance:
         self.step = 0  # steps completed
         self.step_ends: list[float] = []
         self.stepping = False
+        self.measured: tuple[int, int, float] | None = None  # (batch, kv, s) of a pure decode step running
         self.kv_tokens = 0  # of the running sequences
         self.reserved_blocks = 0  # of the running sequences
         self.busy_s = 0.0
@@ -124,8 +125,12 @@ class DecodeInstance:
         if not self.running and not self._riding:
             return None
         seconds = sum(j.seconds for j in self._riding)
+        self.measured = None
         if self.running:
-            seconds += self.profile.step_s(len(self.running), self.kv_tokens) * slowdown
+            step = self.profile.step_s(len(self.running), self.kv_tokens) * slowdown
+            seconds += step
+            if not self._riding:  # what a worker reports: decode-only steps
+                self.measured = (len(self.running), self.kv_tokens, step)
         self.stepping = True
         self.busy_s += seconds
         return now + seconds

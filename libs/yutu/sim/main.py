@@ -10,6 +10,7 @@ prints the headline numbers and, with ``--out DIR``, writes ``DIR/summary.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import TextIO
 from yutu.evict import POLICIES as EVICTION_POLICIES
 from yutu.sched import POLICIES
 from yutu.sim.config import Rejection, SimConfig
-from yutu.sim.profile import PAPER_PROFILE, load_profile
+from yutu.sim.profile import PAPER_PROFILE, Profile, load_profile
 from yutu.sim.simulator import Simulation
 from yutu.sim.summary import summarise
 from yutu.sim.trace import TraceError, load_trace
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="for the caches and the store",
     )
     a("--profile", default=PAPER_PROFILE, help=f"{PAPER_PROFILE} or a profile JSON (yutu calibrate)")
+    a("--learn-costs", action="store_true",
+      help="the policy starts from the conductor's priors and learns from the simulated measurements")  # fmt: skip
+    a("--network-gbps", type=float, default=None, help="override the profile's network bandwidth (Gbit/s)")
     a("--seed", type=int, default=0, help="seed of the service-time jitter")
     a("--jitter", type=float, default=0.0, help="sigma of a lognormal factor on every service time (0: none)")
     a("--out", default=None, help="write summary.json, requests.jsonl, timeline.json and plots here")
@@ -76,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill=args.prefill,
         decode=args.decode,
         policy=args.policy,
-        profile=load_profile(args.profile),
+        profile=_profile(args),
         balancing_threshold=args.balancing_threshold,
         disagg_threshold=args.disagg_threshold,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
@@ -87,7 +91,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         eviction_policy=args.eviction_policy,
         seed=args.seed,
         jitter=args.jitter,
+        learn_costs=args.learn_costs,
     )
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    profile = load_profile(args.profile)
+    if args.network_gbps is None:
+        return profile
+    if not args.network_gbps > 0:
+        raise ValueError(f"--network-gbps must be > 0, got {args.network_gbps}")
+    return dataclasses.replace(profile, network_bps=args.network_gbps * 1e9 / 8)
 
 
 class ProgressBar:

@@ -12,8 +12,12 @@
 Events are ordered by (time, insertion order): the same config and trace give the same run.
 Randomness (only with ``jitter > 0``) comes from one ``random.Random(seed)``.
 
-The policy gets the profile as trusted cost models (the conductor's, calibrated) and views with no
-report lag: the simulator measures what the conductor's view would hold at best.
+The policy gets the profile as trusted cost models (a calibrated conductor) and views with no report
+lag: the simulator measures what the conductor's view would hold at best. With ``learn_costs`` it
+starts from the conductor's own untrusted priors instead (no early rejection until they are
+calibrated) and its models are fed what a conductor gets in load reports: every prefill's
+``(prompt, reused, seconds)``, every store read's ``(bytes, seconds)``, every decode-only step's
+``(batch, kv_tokens, seconds)``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from yutu.sched import ClusterView, Placement, RequestView, policy_by_name
+from yutu.sched import ClusterView, CostModels, Placement, RequestView, policy_by_name
 from yutu.sched.estimate import prefill_blocks
 from yutu.sim.cache import BlockCache
 from yutu.sim.config import Rejection, SimConfig
@@ -72,7 +76,8 @@ class Simulation:
         self._prefill_at = {p.instance_id: i for i, p in enumerate(self.prefills)}
         self._decode_at = {d.instance_id: i for i, d in enumerate(self.decodes)}
         options = dataclasses.asdict(config.policy_options())
-        self.policy = policy_by_name(config.policy, costs=prof.cost_models(), **options)
+        self.costs = CostModels() if config.learn_costs else prof.cost_models()
+        self.policy = policy_by_name(config.policy, costs=self.costs, **options)
         self.records = {
             r.index: RequestRecord(r.index, r.arrival_s, r.input_length, r.output_length) for r in requests
         }
@@ -187,6 +192,11 @@ class Simulation:
 
     def _prefill_done(self, now: float, prefill: PrefillInstance) -> None:
         job = prefill.finish(now, self.store)
+        if self.config.learn_costs:
+            r = job.record
+            self.costs.prefill.observe(r.prompt_len, job.reused_tokens, r.prefill_s)
+            if r.fetched_blocks:
+                self.costs.transfer.observe(r.fetched_blocks * self.profile.bytes_per_block, r.transfer_s)
         handoff = self.profile.transfer_s(job.request.input_length * self.profile.kv_bytes_per_token)
         self._push(now + handoff, KV, job.record.index)
         nxt = prefill.start(now, self.store, self._slowdown())
@@ -220,6 +230,8 @@ class Simulation:
 
     def _step_done(self, now: float, decode: DecodeInstance, d: int, step_ended: bool = True) -> None:
         if step_ended:
+            if self.config.learn_costs and decode.measured is not None:
+                self.costs.decode.observe(*decode.measured)
             decode.end_step(now)
         decode.admit()
         end_at = decode.start_step(now, self._slowdown())

@@ -110,6 +110,8 @@ def summarise(sim: Simulation) -> dict[str, Any]:
             "eviction_policy": cfg.eviction_policy,
             "seed": cfg.seed,
             "jitter": cfg.jitter,
+            "learn_costs": cfg.learn_costs,
+            "network_bps": cfg.profile.network_bps,
         },
     }
     return {k: significant(v) if isinstance(v, float) else v for k, v in out.items()}
