@@ -57,7 +57,8 @@ def conductor_view(sim: Simulation) -> GlobalView:
     for rec in sim.records.values():
         if rec.decode_id is None or rec.rejected is not None:
             continue
-        if rec.index in sim.decodes[int(rec.decode_id[-2:])].incoming:
+        decodes = {d.instance_id: d for d in sim.decodes}
+        if rec.index in decodes[rec.decode_id].incoming:
             assert rec.predicted_ttft_s is not None
             request = RequestView(f"r{rec.index}", (), rec.prompt_len, rec.output_len)
             ready = rec.arrival_s + rec.predicted_ttft_s
