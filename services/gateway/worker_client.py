@@ -31,6 +31,7 @@ from yutu.protocol.generate import (
     Pong,
     RequestFailed,
     TokenDelta,
+    TokenDeltas,
 )
 from yutu.registry import ServiceRecord
 from yutu.rpc import Peer, Sent
@@ -133,7 +134,12 @@ class WorkerClient:
         liveness.watch(info.instance_id)
         self._peer = Peer.dealer(
             CHANNEL,
-            {TokenDelta: self._on_reply, RequestFailed: self._on_reply, Pong: self._on_pong},
+            {
+                TokenDelta: self._on_reply,
+                TokenDeltas: self._on_deltas,
+                RequestFailed: self._on_reply,
+                Pong: self._on_pong,
+            },  # fmt: skip
             info.generate_endpoint,
             on_connection=self._on_connection,
             name=f"generate-{info.instance_id}",
@@ -218,6 +224,10 @@ class WorkerClient:
         handle = self._requests.get(msg.request_id)
         if handle is not None:  # else: closed meanwhile (aborted), or failed as silent: drop it
             handle._deliver(msg)
+
+    def _on_deltas(self, identity: bytes, msg: TokenDeltas) -> None:
+        for delta in msg.unpack():
+            self._on_reply(identity, delta)
 
     def _on_pong(self, _: bytes, msg: Pong) -> None:
         self._heard()

@@ -31,6 +31,7 @@ from yutu.protocol.generate import (
     Pong,
     RequestFailed,
     TokenDelta,
+    TokenDeltas,
 )
 from yutu.protocol.prefill import KVHandle
 from yutu.rpc import Peer, Sent
@@ -146,14 +147,29 @@ class GenerateRole:
 
     # -- from the engine -------------------------------------------------------------------------
 
-    def on_output(self, out: RequestOutput) -> None:
-        identity = self._routes.get(out.request_id)
-        if identity is None:
-            return  # aborted by its front end meanwhile
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One engine step's outputs: one frame per front end (TokenDeltas when it has several)."""
+        by_front_end: dict[bytes, list[TokenDelta]] = {}
+        for out in outputs:
+            identity = self._routes.get(out.request_id)
+            if identity is None:
+                continue  # aborted by its front end meanwhile
+            by_front_end.setdefault(identity, []).append(self._delta(out))
+            if out.finished:
+                del self._routes[out.request_id]
+        for identity, deltas in by_front_end.items():
+            if len(deltas) == 1:
+                self._send(identity, deltas[0])
+            elif self._peer_send(identity, TokenDeltas.of(deltas)) is Sent.UNROUTABLE:
+                for delta in deltas:
+                    self._abort(delta.request_id)
+                log.info("front end of %d requests is gone; aborted them", len(deltas))
+
+    def _delta(self, out: RequestOutput) -> TokenDelta:
         logprobs = None
         if out.new_logprobs is not None:
             logprobs = [[lp.token_id, lp.logprob, [list(alt) for alt in lp.top]] for lp in out.new_logprobs]
-        delta = TokenDelta(
+        return TokenDelta(
             request_id=out.request_id,
             token_ids=list(out.new_token_ids),
             logprobs=logprobs,
@@ -161,9 +177,6 @@ class GenerateRole:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
         )
-        if out.finished:
-            del self._routes[out.request_id]
-        self._send(identity, delta)
 
     def on_error(self, request_id: str, error: YutuError) -> None:
         front_end = self._routes.pop(request_id, None)

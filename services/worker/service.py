@@ -282,11 +282,11 @@ class WorkerService(Service):
     # -- from the engine thread ------------------------------------------------------------------
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if self.prefill is not None:
+        if self.prefill is not None:
+            for out in outputs:
                 self.prefill.on_output(out)
-            elif self.generate is not None:
-                self.generate.on_output(out)
+        elif self.generate is not None:
+            self.generate.on_outputs(outputs)
 
     def _on_error(self, request_id: str, exc: BaseException) -> None:
         """A request failed (its kind from the error), or, with no id, the engine is broken."""

@@ -11,7 +11,7 @@ import pytest
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.protocol.generate import CHANNEL as GENERATE
-from yutu.protocol.generate import GenerateRequest, TokenDelta
+from yutu.protocol.generate import GenerateRequest, TokenDelta, TokenDeltas
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcClient, RpcServer
 
@@ -36,6 +36,11 @@ def test_codec_round_trip_and_refusals() -> None:
     assert GENERATE.decode(GENERATE.encode(msg)) == msg
     delta = TokenDelta("r1", [7], [[7, -0.5, [[7, -0.5], [9, -1.0]]]], "stop", 3, 0)
     assert GENERATE.decode(GENERATE.encode(delta)) == delta
+    other = TokenDelta("r2", [8, 9], None, None, 5, 4)
+    batch = GENERATE.decode(GENERATE.encode(TokenDeltas.of([delta, other])))
+    assert isinstance(batch, TokenDeltas) and batch.unpack() == [delta, other]
+    with pytest.raises(ProtocolError, match="malformed TokenDeltas row"):
+        TokenDeltas([[*TokenDeltas.of([delta]).rows[0]], ["r3", [1]]]).unpack()
     with pytest.raises(ProtocolError, match="channel 'generate' received on 'echo-test'"):
         ECHO.decode(GENERATE.encode(msg))
     with pytest.raises(ProtocolError, match="version 2 received, this process speaks 3"):

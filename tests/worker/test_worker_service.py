@@ -18,7 +18,14 @@ import zmq.asyncio
 from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
-from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, RequestFailed, TokenDelta
+from yutu.protocol.generate import (
+    CHANNEL,
+    AbortRequest,
+    GenerateRequest,
+    RequestFailed,
+    TokenDelta,
+    TokenDeltas,
+)
 from yutu.registry import Registry
 
 PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
@@ -115,6 +122,32 @@ async def test_generate_streams_the_engine_tokens(checkpoint: Path, dealer: zmq.
     again = [m for m in await collect(dealer, "g2") if isinstance(m, TokenDelta)]
     assert [t for d in again for t in d.token_ids] == tokens
     assert again[0].num_cached_tokens == 16  # 18 tokens: 4 full blocks, the last token is always computed
+
+
+async def test_one_front_ends_concurrent_requests_share_a_frame_per_step(
+    checkpoint: Path, dealer: zmq.asyncio.Socket
+) -> None:
+    params = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
+    prompts = {f"b{i}": PROMPT[: 6 + 3 * i] for i in range(3)}
+    for rid, ids in prompts.items():
+        await dealer.send(CHANNEL.encode(GenerateRequest(rid, ids, params, time.time())))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    batched: list[set[str]] = []
+    done: set[str] = set()
+    while done != set(prompts):
+        msg = CHANNEL.decode(await asyncio.wait_for(dealer.recv(), 60))
+        deltas = msg.unpack() if isinstance(msg, TokenDeltas) else [msg]
+        if isinstance(msg, TokenDeltas):
+            batched.append({d.request_id for d in deltas})
+        for d in deltas:
+            assert isinstance(d, TokenDelta), d
+            tokens[d.request_id] += d.token_ids
+            if d.finish_reason is not None:
+                done.add(d.request_id)
+    assert batched and max(len(ids) for ids in batched) == 3  # the three decoded in the same steps
+    reference = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for rid, ids in prompts.items():
+        assert tokens[rid] == reference_tokens(checkpoint, ids, reference), rid
 
 
 @pytest.mark.parametrize(

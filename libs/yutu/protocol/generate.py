@@ -4,7 +4,8 @@ Flow over one DEALER (front end) -> ROUTER (worker) connection::
 
     front end                         worker
     GenerateRequest  ------------->   admitted to the engine
-                     <-------------   TokenDelta*  (new tokens, as they are sampled)
+                     <-------------   TokenDelta*  (new tokens, as they are sampled; TokenDeltas
+                                                    carries one step's deltas of several requests)
                      <-------------   TokenDelta   (finish_reason set: the last one)
     AbortRequest     ------------->   request dropped, its KV blocks freed
                      <-------------   RequestFailed (instead of deltas, when it cannot run)
@@ -34,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from yutu.protocol.codec import Channel
+from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=3)  # 2: Ping/Pong; 3: generated, kv, store_blocks
+CHANNEL = Channel("generate", version=4)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas
 
 
 @CHANNEL.message("generate")
@@ -67,6 +68,29 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last delta only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+
+
+@CHANNEL.message("deltas")
+@dataclass
+class TokenDeltas:
+    """One engine step's deltas for one front end (two or more requests): one frame instead of one
+    per request. Each row is a TokenDelta's fields in order (``TokenDeltas.of`` / ``unpack``)."""
+
+    rows: list[list[Any]]
+
+    @classmethod
+    def of(cls, deltas: list[TokenDelta]) -> TokenDeltas:
+        return cls([[d.request_id, d.token_ids, d.logprobs, d.finish_reason, d.num_prompt_tokens,
+                     d.num_cached_tokens] for d in deltas])  # fmt: skip
+
+    def unpack(self) -> list[TokenDelta]:
+        """The deltas; raises ProtocolError for a row that is not a TokenDelta's six fields."""
+        out = []
+        for row in self.rows:
+            if not isinstance(row, list) or len(row) != 6 or not isinstance(row[0], str):
+                raise ProtocolError(f"malformed TokenDeltas row: {row!r:.200}")
+            out.append(TokenDelta(*row))
+        return out
 
 
 @CHANNEL.message("failed")
