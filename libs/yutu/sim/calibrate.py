@@ -25,9 +25,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from yutu.config import option
 from yutu.sched import DecodeCostModel, PrefillCostModel
 from yutu.sim.profile import TRACE_BLOCK_SIZE, Profile
 
@@ -178,14 +180,13 @@ def _decode_step_seconds(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: the built-in demo model)")
-    parser.add_argument("--out", default="yutu-profile.json", help="profile file to write")
-    parser.add_argument("--name", default=None, help="profile name (default: calibrated-<model>)")
-    parser.add_argument("--block-size", type=int, default=TRACE_BLOCK_SIZE, help="tokens per simulated block")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per grid point (median kept)")
-    parser.add_argument(
-        "--torch-threads", type=int, default=1, help="torch threads (default 1: a shared machine)"
-    )
+    a = partial(option, parser, scope="calibrate")  # every option also from YUTU_CALIBRATE_<OPTION>
+    a("--model", default=None, help="checkpoint dir (none: the built-in demo model)")
+    a("--out", default="yutu-profile.json", help="profile file to write")
+    a("--name", default=None, help="profile name (none: calibrated-<model>)")
+    a("--block-size", type=int, default=TRACE_BLOCK_SIZE, help="tokens per simulated block")
+    a("--repeats", type=int, default=3, help="runs per grid point (median kept)")
+    a("--torch-threads", type=int, default=1, help="torch threads (1: a shared machine)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,9 +14,11 @@ import dataclasses
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
+from yutu.config import option
 from yutu.evict import POLICIES as EVICTION_POLICIES
 from yutu.sched import POLICIES
 from yutu.sim.config import Rejection, SimConfig
@@ -30,11 +32,11 @@ HEADLINE = ("requests", "rejected", "ttft_mean_s", "ttft_p99_s", "tbt_p99_s", "g
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    a = parser.add_argument
+    a = partial(option, parser, scope="simulate")  # every option also from YUTU_SIMULATE_<OPTION>
     a(
         "--trace",
-        required=True,
-        help="Mooncake-format JSONL trace (timestamp ms, input/output_length, hash_ids)",
+        default=None,
+        help="Mooncake-format JSONL trace (timestamp ms, input/output_length, hash_ids); required",
     )
     a("--prefill", type=int, default=8, help="prefill instances (0: decode instances prefill themselves)")
     a("--decode", type=int, default=8, help="decode instances")
@@ -51,13 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store-capacity-blocks",
         type=int,
         default=None,
-        help="blocks the shared store holds (default: unlimited)",
+        help="blocks the shared store holds (none: unlimited; 0: no store)",
     )
     a(
         "--cache-blocks",
         type=int,
         default=None,
-        help="blocks of each prefill instance's cache (default: the profile's)",
+        help="blocks of each prefill instance's cache (none: the profile's)",
     )
     a(
         "--eviction-policy",
@@ -66,13 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="for the caches and the store",
     )
     a("--profile", default=PAPER_PROFILE, help=f"{PAPER_PROFILE} or a profile JSON (yutu calibrate)")
-    a("--learn-costs", action="store_true",
-      help="the policy starts from the conductor's priors and learns from the simulated measurements")  # fmt: skip
     a("--network-gbps", type=float, default=None, help="override the profile's network bandwidth (Gbit/s)")
+    a("--learn-costs", type=bool, default=False,
+      help="the policy starts from the conductor's priors and learns from the simulated measurements")  # fmt: skip
     a("--seed", type=int, default=0, help="seed of the service-time jitter")
     a("--jitter", type=float, default=0.0, help="sigma of a lognormal factor on every service time (0: none)")
     a("--out", default=None, help="write summary.json, requests.jsonl, timeline.json and plots here")
-    a("--no-plots", action="store_true", help="with --out: skip the PNG plots (no matplotlib needed)")
+    a("--plots", type=bool, default=True, help="with --out: the PNG plots (--no-plots: no matplotlib needed)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -122,6 +124,9 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace is None:
+        print("yutu simulate: --trace FILE is required (a Mooncake-format JSONL trace)", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
         requests = load_trace(
@@ -142,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         from yutu.sim.report import write_run
 
         try:
-            paths = write_run(sim, summary, Path(args.out), plots=not args.no_plots)
+            paths = write_run(sim, summary, Path(args.out), plots=args.plots)
         except RuntimeError as exc:
             print(f"yutu simulate: {exc}", file=sys.stderr)
             return 1
