@@ -62,9 +62,19 @@ def test_two_runs_with_one_seed_give_identical_json(tmp_path: Path) -> None:
     assert (a / "requests.jsonl").read_bytes() != (c / "requests.jsonl").read_bytes()  # the seed matters
 
 
+def test_options_come_from_the_environment_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YUTU_SIMULATE_POLICY", "round_robin")
+    monkeypatch.setenv("YUTU_SIMULATE_PLOTS", "0")
+    out = simulate(tmp_path, "env")
+    assert json.loads((out / "summary.json").read_text())["config"]["policy"] == "round_robin"
+    assert not (out / "load.png").exists()
+
+
 def test_bad_options_and_traces_exit_2_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    assert main(["simulate"]) == 2
+    assert "--trace FILE is required" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "bad trace" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(trace(tmp_path)), "--decode", "0"]) == 2
