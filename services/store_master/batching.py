@@ -35,5 +35,5 @@ async def each(
         except YutuError as exc:
             results.append(p.failed(exc.kind, str(exc)))
             continue
-        results.append(p.Outcome(None, value))
+        results.append(p.ok(value))
     return results

@@ -29,6 +29,8 @@ class EvictionOrder:
         self.name = policy
         self.policy = make_policy(policy, 1)  # capacity follows the mounted segments (resize)
         self.alignment = alignment
+        # a reader leased the key's DRAM replicas: the policy's access, bound once (every get)
+        self.read = self.policy.access
 
     def capacity_changed(self, capacity: int) -> None:
         if isinstance(self.policy, Resizable):
@@ -41,10 +43,6 @@ class EvictionOrder:
             self.policy.insert(entry.key, footprint)
         else:
             self.policy.remove(entry.key)
-
-    def read(self, key: str) -> None:
-        """A reader leased ``key``'s DRAM replicas."""
-        self.policy.access(key)
 
     def refit(self, entry: ObjectEntry) -> None:
         """``entry`` lost some DRAM replicas (a segment went away): it re-enters at its new size as

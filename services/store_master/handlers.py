@@ -16,10 +16,11 @@ from typing import Any
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
+from yutu.store.types import ReplicaState
 
 from services.store_master.batching import each
 from services.store_master.objects import Replica
-from services.store_master.replies import Describer
+from services.store_master.replies import descriptors
 from services.store_master.room import Room
 from services.store_master.settle import Settler
 from services.store_master.state import MasterState, NoSpaceError, check_int
@@ -115,7 +116,7 @@ class Handlers:
         put_id, replicas = self.state.put_start(key, size, m.replicas, m.soft_pin, m.upsert, m.writer)
         if self.state.over_watermark():
             self.state.evict()
-        return p.PutSlot(put_id, Describer(self.state.segments).all(replicas))
+        return p.PutSlot(put_id, descriptors(self.state.segments, replicas))
 
     async def _start_with_room(self, key: Any, size: Any, m: p.PutStart | p.BatchPutStart) -> p.PutSlot:
         return await self.room.make(lambda: self._start(key, size, m), size)
@@ -190,28 +191,35 @@ class Handlers:
         found = self.state.get_replicas(m.key)
         if found is None:
             found = await self._promote(m.key)
-        return p.ReplicasReply(
-            m.key, found[0], Describer(self.state.segments).all(found[1]), self.lease_ttl_s
-        )
+        return p.ReplicasReply(m.key, found[0], descriptors(self.state.segments, found[1]), self.lease_ttl_s)
 
     async def batch_get_replicas(self, m: p.BatchGetReplicas) -> p.BatchReplicasReply:
-        """The hot path of every get: one clock read and one segment lookup per segment for the
-        whole batch; a key only on disk waits for its promotion (the others keep their order)."""
+        """The hot path of every get: one clock read for the whole batch, descriptors kept on the
+        replicas; a key only on disk waits for its promotion (the others keep their order)."""
         _lists("keys", m.keys)
-        describer = Describer(self.state.segments)
-        now = self.state.clock()
-        get_replicas = self.state.get_replicas
+        segments, now = self.state.segments, self.state.clock()
+        get_replicas, new = self.state.get_replicas, tuple.__new__
+        complete = ReplicaState.COMPLETE
         results: list[p.Outcome[p.ReplicaSet]] = []
         for key in m.keys:
             try:
                 found = get_replicas(key, now)
                 if found is None:
                     found = await self._promote(key)
-                    describer, now = Describer(self.state.segments), self.state.clock()  # time passed
+                    now = self.state.clock()  # time passed
             except YutuError as exc:
                 results.append(p.failed(exc.kind, str(exc)))
                 continue
-            results.append(p.Outcome(None, p.ReplicaSet(found[0], describer.all(found[1]))))
+            # descriptors(segments, found[1]) inline: readers get COMPLETE replicas, whose kept
+            # descriptor is current once built (see services.store_master.replies)
+            described = []
+            for r in found[1]:
+                d = r.descriptor
+                if d is None or d[4] is not complete:
+                    (d,) = descriptors(segments, [r])
+                described.append(d)
+            # p.Outcome(None, p.ReplicaSet(...)) without their generated __new__ (once per key)
+            results.append(new(p.Outcome, (None, new(p.ReplicaSet, (found[0], described)))))
         return p.BatchReplicasReply(results, self.lease_ttl_s)
 
     async def exists(self, m: p.Exists) -> p.ExistsReply:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from yutu.store.types import Medium, ReplicaState
+from yutu.store.types import Medium, ReplicaDescriptor, ReplicaState
 
 
 @dataclass(slots=True)
@@ -21,6 +21,8 @@ class Replica:
     length: int
     state: ReplicaState
     medium: Medium = Medium.DRAM
+    # what readers are sent, kept once built (see services.store_master.replies; not persisted)
+    descriptor: ReplicaDescriptor | None = field(default=None, compare=False, repr=False)
 
     def to_wire(self) -> list[Any]:
         return [self.segment, self.offset, self.length, self.state.value, self.medium.value]

@@ -22,7 +22,7 @@ check are here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.store.allocator import align_up
@@ -52,59 +52,17 @@ class MasterState(StateCore):
         self.membership = Membership(self)
         self.puts = Puts(self)
         self.evictor = Evictor(self)
-
-    # -- segments (membership) -------------------------------------------------------------------
-
-    def mount(
-        self,
-        node_id: str,
-        name: str,
-        region: str,
-        size: int,
-        host_id: str,
-        incarnation: int,
-        disk_capacity: int = 0,
-    ) -> bool:
-        return self.membership.mount(node_id, name, region, size, host_id, incarnation, disk_capacity)
-
-    def unmount(self, node_id: str, name: str) -> int:
-        return self.membership.unmount(node_id, name)
-
-    def heartbeat(self, node_id: str, segments: Sequence[tuple[str, int]]) -> list[str]:
-        return self.membership.heartbeat(node_id, segments)
-
-    def drop_segment(self, name: str) -> int:
-        return self.membership.drop_segment(name)
-
-    # -- puts ------------------------------------------------------------------------------------
-
-    def put_start(
-        self,
-        key: str,
-        size: int,
-        replicas: int = 1,
-        soft_pin: bool = False,
-        upsert: bool = False,
-        writer: str = "",
-    ) -> tuple[str | None, list[Replica]]:
-        return self.puts.put_start(key, size, replicas, soft_pin, upsert, writer)
-
-    def put_end(self, key: str, put_id: str) -> None:
-        self.puts.put_end(key, put_id)
-
-    def put_revoke(self, key: str, put_id: str) -> None:
-        self.puts.put_revoke(key, put_id)
-
-    # -- eviction --------------------------------------------------------------------------------
-
-    def over_watermark(self) -> bool:
-        return self.evictor.over_watermark()
-
-    def evict(self, target_bytes: int | None = None) -> list[str]:
-        return self.evictor.evict(target_bytes)
-
-    def next_release_at(self) -> float | None:
-        return self.evictor.next_release_at()
+        # the parts' operations, as the state's own (bound once: put_start and put_end are hot)
+        self.mount = self.membership.mount
+        self.unmount = self.membership.unmount
+        self.heartbeat = self.membership.heartbeat
+        self.drop_segment = self.membership.drop_segment
+        self.put_start = self.puts.put_start
+        self.put_end = self.puts.put_end
+        self.put_revoke = self.puts.put_revoke
+        self.over_watermark = self.evictor.over_watermark
+        self.evict = self.evictor.evict
+        self.next_release_at = self.evictor.next_release_at
 
     # -- reads -----------------------------------------------------------------------------------
 

@@ -145,7 +145,9 @@ async def test_malformed_rpcs_are_refused_and_change_nothing(store_cluster: Clus
             # nested parts are checked on decode
             msgpack.packb(["store", 2, "heartbeat", {"node_id": "n", "segments": "nope"}]),
             msgpack.packb(["store", 2, "heartbeat", {"node_id": "n", "segments": [["n0", "1"]]}]),
-            msgpack.packb(["store", 2, "batch_mount", {"node_id": "n", "segments": [["s", "r", 10, "h", 1]]}]),
+            msgpack.packb(
+                ["store", 2, "batch_mount", {"node_id": "n", "segments": [["s", "r", 10, "h", 1]]}]
+            ),
             msgpack.packb(["store", 2, "tasks_done", {"node_id": "n", "results": [[1, None]]}]),
         ]
         for i, frame in enumerate(garbage):

@@ -15,10 +15,14 @@ class LRU:
     """
 
     name = "lru"
+    # A hit on a resident key (KeyError for one that is not): the order's move_to_end itself,
+    # bound in __init__ -- the store master calls it on every get of every key.
+    access: Callable[[str], None]
 
     def __init__(self) -> None:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # oldest first
         self._used = 0
+        self.access = self._sizes.move_to_end
 
     def insert(self, key: str, size: int = 1) -> None:
         check_size(size)
@@ -28,9 +32,6 @@ class LRU:
             self._sizes.move_to_end(key)
         self._sizes[key] = size
         self._used += size
-
-    def access(self, key: str) -> None:
-        self._sizes.move_to_end(key)  # KeyError for a key that is not resident
 
     def remove(self, key: str) -> None:
         size = self._sizes.pop(key, None)

@@ -154,7 +154,8 @@ class Outcome(NamedTuple, Generic[T]):
 
 
 def ok(value: T) -> Outcome[T]:
-    return Outcome(None, value)
+    """``Outcome(None, value)``, without the NamedTuple's generated __new__ (once per batch item)."""
+    return tuple.__new__(Outcome, (None, value))  # type: ignore[no-any-return]
 
 
 def failed(kind: ErrorKind, message: str) -> Outcome[Any]:
@@ -197,6 +198,36 @@ class ReplicaSet(NamedTuple):
         if type(raw) is not list or len(raw) != 2 or not _is_int(raw[0]):
             raise _bad("replica set", raw, "[size int, replicas]")
         return cls(raw[0], replicas_from_wire(raw[1]))
+
+
+_new = tuple.__new__  # a NamedTuple built from a tuple in C, without its generated __new__
+
+
+def replica_set_outcomes(raw: Any) -> list[Outcome[ReplicaSet]]:
+    """``_outcomes(raw, ReplicaSet.from_wire)`` with the common item -- a success with a size and
+    a list of replicas -- decoded inline (the hot path of every get); anything else, failures and
+    malformed items included, goes the plain way. Tests check that the two agree."""
+    if type(raw) is not list or not raw or type(raw[0]) is Outcome:
+        return _outcomes(raw, ReplicaSet.from_wire)
+    out: list[Outcome[ReplicaSet]] = []
+    replica = ReplicaDescriptor.from_wire
+    try:
+        for item in raw:
+            if type(item) is list and len(item) == 2 and item[0] is None:
+                value = item[1]
+                if (
+                    type(value) is list
+                    and len(value) == 2
+                    and type(value[0]) is int
+                    and type(value[1]) is list
+                ):
+                    replicas = [replica(r) for r in value[1]]
+                    out.append(_new(Outcome, (None, _new(ReplicaSet, (value[0], replicas)))))
+                    continue
+            out.append(Outcome.from_wire(item, ReplicaSet.from_wire))
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    return out
 
 
 def _count(raw: Any) -> int:
@@ -415,7 +446,7 @@ class BatchReplicasReply:
     lease_ttl_s: float
 
     def __post_init__(self) -> None:
-        self.results = _outcomes(self.results, ReplicaSet.from_wire)
+        self.results = replica_set_outcomes(self.results)
 
 
 @CHANNEL.message("exists")

@@ -1,0 +1,94 @@
+"""The master's handlers over a real state, without processes: typed replies, the kept replica
+descriptors against fresh ones, and the fast decode of batch gets against the plain one."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from yutu.errors import ErrorKind
+from yutu.protocol import store as p
+from yutu.protocol.codec import ProtocolError
+from yutu.store.types import ReplicaState
+
+from services.store_master.eager import run_eager
+from services.store_master.handlers import Handlers
+from services.store_master.replies import describe
+from services.store_master.room import Room
+from services.store_master.settle import Settler
+from services.store_master.state import MasterState, StatePolicy
+from services.store_master.tasks import TaskDispatcher
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make() -> tuple[MasterState, Handlers]:
+    state = MasterState(StatePolicy(lease_ttl_s=5.0), Clock())
+    tasks = TaskDispatcher()
+    settler = Settler(state, None, None, tasks)
+    return state, Handlers(state, settler, Room(state, settler, tasks), tasks)
+
+
+def call(handlers: Handlers, msg: object) -> object:
+    """What the RPC server sends back, through the codec (these requests never wait)."""
+    reply = run_eager(handlers.routes()[type(msg)](msg))  # type: ignore[arg-type]
+    return p.CHANNEL.decode(p.CHANNEL.encode(reply))
+
+
+async def test_put_then_get_sends_current_descriptors() -> None:
+    state, handlers = make()
+    mounted = call(handlers, p.BatchMountSegment("n0", [p.SegmentSpec("s0", "dram", 1 << 20, "h0", 1, 0)]))
+    assert mounted == p.BatchReply([p.ok(1)])
+    started = call(handlers, p.BatchPutStart(["a", "b", ""], [100, 200, 10], writer="w"))
+    assert isinstance(started, p.BatchPutStartReply)
+    slots = [p.unwrap(o) for o in started.results[:2]]
+    assert [[(r.offset, r.length, r.state, r.host_id) for r in s.replicas] for s in slots] == [
+        [(0, 100, ReplicaState.WRITING, "h0")],
+        [(128, 200, ReplicaState.WRITING, "h0")],
+    ]
+    assert (
+        started.results[2].error is not None
+        and started.results[2].error.kind == ErrorKind.INVALID_REQUEST.value
+    )
+    ends = call(handlers, p.BatchPutEnd(["a", "b"], [s.put_id for s in slots if s.put_id is not None]))
+    assert ends == p.BatchReply([p.ok(1), p.ok(1)])
+    got = call(handlers, p.BatchGetReplicas(["a", "missing", "b"]))
+    assert isinstance(got, p.BatchReplicasReply) and got.lease_ttl_s == 5.0
+    fresh = [describe(state.segments, r) for key in ("a", "b") for r in state.objects[key].replicas]
+    assert [r for o in (got.results[0], got.results[2]) for r in p.unwrap(o).replicas] == fresh
+    assert all(r.state is ReplicaState.COMPLETE for r in fresh)  # not the WRITING ones kept at put_start
+    assert got.results[1].error == p.Failure(
+        ErrorKind.NOT_FOUND.value, "object 'missing' not found in the store"
+    )
+    single = call(handlers, p.GetReplicas("a"))
+    assert single == p.ReplicasReply("a", 100, fresh[:1], 5.0)
+    state.check()
+
+
+FRAMES = [
+    [[None, [100, [["s", "r", 0, 100, "complete", "h", "dram"]]]], [["not_found_error", "gone"], None]],
+    [[None, [5, []]], [None, [7, [["s", "r", 64, 7, "complete", "", "dram"], ["t", "r", 0, 7, "complete", "", "dram"]]]]],
+    [[None, ["5", []]]],
+    [[None, [5, "nope"]]],
+    [[None, [5, [["s", "r", -1, 7, "complete", "", "dram"]]]]],
+    [[None, [5, [["s", "r", 0, 7, "complete", "", "dram"]]]], [["bogus_kind", "x"], None]],
+    [[None]],
+    "not a list",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", FRAMES)
+def test_the_fast_batch_get_decode_agrees_with_the_plain_one(raw: object) -> None:
+    raw = msgpack.unpackb(msgpack.packb(raw))
+    try:
+        plain: object = p._outcomes(raw, p.ReplicaSet.from_wire)
+    except ProtocolError as exc:
+        with pytest.raises(ProtocolError) as fast:
+            p.replica_set_outcomes(raw)
+        assert type(fast.value) is type(exc)
+        return
+    assert p.replica_set_outcomes(raw) == plain
