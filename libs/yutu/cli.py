@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from yutu.config import DEFAULT_REDIS_URL, add_policy_options, option
+from yutu.config import DEFAULT_REDIS_URL, DTYPES, add_policy_options, option
 from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
@@ -113,6 +113,13 @@ def up_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="torch threads per engine process (0: the CPUs left after one for the front ends, shared by the engines)",
+    )
+    option(
+        topology,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AMX, else float32)",
     )
     conductor = parser.add_argument_group("conductor (disaggregated stack)")
     add_policy_options(conductor, scope="")
@@ -327,7 +334,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
         specs.append(service(f"store-node-{i}", "store-node", "--segment-size", args.store_segment_size))
     engine = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
-              "--torch-threads", str(args.torch_threads or engine_threads(engine_processes(args)))]  # fmt: skip
+              "--torch-threads", str(args.torch_threads or engine_threads(engine_processes(args))),
+              "--dtype", args.dtype]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
     if args.workers is not None:

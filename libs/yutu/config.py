@@ -25,6 +25,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype of the engines (yutu.engine.loader.auto_dtype)
+
+
 def env_name(flag: str, scope: str = "") -> str:
     """``("--some-name", "store-master")`` -> ``YUTU_STORE_MASTER_SOME_NAME``."""
     parts = [scope, flag.lstrip("-")] if scope else [flag.lstrip("-")]

@@ -28,10 +28,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Protocol
 
 from yutu.errors import ErrorKind, OverloadedError, YutuError
-from yutu.kv.hashing import block_key_digests
+from yutu.kv.hashing import block_key_digests, root_key
 from yutu.protocol import conductor as c
 from yutu.protocol import prefill as p
 from yutu.protocol.generate import GenerateRequest, TokenDelta
@@ -95,12 +96,17 @@ class MixedRouter:
         return worker.submit(request)
 
 
+@lru_cache(maxsize=8)
+def _root_key(salt: str) -> bytes:
+    return root_key(salt)
+
+
 @dataclass
 class DisaggRouter:
     decodes: WorkerPool
     prefills: PrefillPool
     conductor: ConductorClient
-    root_key: bytes
+    default_salt: str  # the salt of workers that do not advertise theirs (the model directory's name)
     metrics: GatewayMetrics
     handles: set[DisaggHandle] = field(default_factory=set)
 
@@ -114,6 +120,18 @@ class DisaggRouter:
                 ErrorKind.INTERNAL,
             )
         return sizes.pop() if sizes else 16
+
+    @property
+    def root_key(self) -> bytes:
+        """The root of the block keys, from the salt the decode instances advertise (model and dtype:
+        keys must be the ones the engines compute, or no prefix is ever found)."""
+        salts = {w.info.kv_salt or self.default_salt for w in self.decodes.workers.values()}
+        if len(salts) > 1:
+            raise YutuError(
+                f"decode instances disagree on the KV salt {sorted(salts)} (model or --dtype): restart them alike",
+                ErrorKind.INTERNAL,
+            )
+        return _root_key(salts.pop() if salts else self.default_salt)
 
     def keys(self, token_ids: list[int]) -> list[str]:
         return [k.hex() for k in block_key_digests(self.root_key, token_ids, self.block_size)]

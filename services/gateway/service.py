@@ -17,7 +17,6 @@ from typing import Any
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
-from yutu.kv.hashing import root_key
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 
@@ -109,9 +108,11 @@ class GatewayService(Service):
         self._conductor = ConductorClient(self._registry, self.loops, s.registry_poll_s)
         await self._conductor.start()
         self._mixed = MixedRouter(self._pool)
-        # Block keys as the workers compute them: salted with the model directory's name.
-        root = root_key(model_dir.name)
-        self._disagg = DisaggRouter(self._decodes, self._prefills, self._conductor, root, self._metrics)
+        # Block keys as the workers compute them: salted as they advertise (by default with the
+        # model directory's name, the engine's salt in float32).
+        self._disagg = DisaggRouter(
+            self._decodes, self._prefills, self._conductor, model_dir.name, self._metrics
+        )
         record = ServiceRecord(
             kind=self.kind,
             instance_id=s.instance_id,

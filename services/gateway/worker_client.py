@@ -51,6 +51,7 @@ class WorkerInfo:
     block_size: int
     demo: bool
     broken: str | None  # why its engine cannot serve, as the worker's meta says; None: it can
+    kv_salt: str | None = None  # what its block keys are salted with (model and dtype); None: not said
 
     @classmethod
     def from_record(cls, record: ServiceRecord) -> WorkerInfo:
@@ -71,6 +72,7 @@ class WorkerInfo:
             block_size=block_size,
             demo=bool(meta.get("demo", False)),
             broken=None if broken is None or broken is False else str(broken) or "broken",
+            kv_salt=None if meta.get("kv_salt") is None else str(meta["kv_salt"]),
         )
 
 

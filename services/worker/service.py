@@ -114,6 +114,7 @@ class WorkerService(Service):
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
+            dtype=s.dtype,
             kv_cache_factory=self._region.factory,
         )
         log.info("loading model from %s (%s role)", self.model_dir, s.role)
@@ -362,6 +363,8 @@ class WorkerService(Service):
             "max_model_len": self.engine.max_model_len,
             "block_size": self.settings.block_size,
             "block_bytes": 0 if self._region is None else self._region.block_bytes,
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "kv_salt": self.engine.kv_salt,  # what block keys are salted with (model and dtype)
             "max_num_seqs": self.settings.max_num_seqs,
             "segment": self.settings.instance_id,
             "kv_store": self.store is not None,
@@ -392,6 +395,7 @@ class WorkerService(Service):
                 "max_model_len": self.engine.max_model_len,
                 "block_size": self.settings.block_size,
                 "torch_threads": torch.get_num_threads(),
+                "dtype": str(self.engine.dtype).removeprefix("torch."),
                 "in_flight": self.in_flight,
                 "broken": self.broken,
                 "engine": asdict(stats),

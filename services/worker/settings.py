@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass
 from functools import partial
 
-from yutu.config import ServiceSettings, add_common_options, add_model_options, option
+from yutu.config import DTYPES, ServiceSettings, add_common_options, add_model_options, option
 
 ROLES = ("mixed", "prefill", "decode")
 SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
@@ -34,6 +34,7 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
+    dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
     admin_port: int  # 0: any free port
     kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
@@ -70,6 +71,7 @@ class WorkerSettings(ServiceSettings):
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
+            dtype=args.dtype,
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
             kv_store=args.kv_store,
@@ -103,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
     own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     own(engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)")
+    own(
+        engine,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32"
+        " (every instance sharing KV must use the same)",
+    )
     kv = parser.add_argument_group("KV cache sharing")
     own(
         kv,

@@ -140,6 +140,8 @@ class FakeEngine:
     add_raises: Exception | None = None
     step_raises: Exception | None = None
     max_model_len: int = 64
+    dtype: torch.dtype = torch.float32
+    kv_salt: str = "fake"
     requests: list[str] = field(default_factory=list)
     aborted_all: list[str] = field(default_factory=list)
     consecutive_failed_steps: int = 0
@@ -354,6 +356,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         max_model_len=64,
         enable_prefix_caching=True,
         torch_threads=1,
+        dtype="float32",
         zmq_port=0,
         admin_port=0,
         role="mixed",

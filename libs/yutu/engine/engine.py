@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
-from yutu.engine.loader import default_device_and_dtype, load_model
+from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
@@ -81,7 +81,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; None -> min(model max, KV pool)
     enable_prefix_caching: bool = True
     device: torch.device | str | None = None  # None -> CUDA if available, else CPU
-    dtype: torch.dtype | str | None = None  # None -> bfloat16 on CUDA, float32 on CPU
+    dtype: torch.dtype | str | None = None  # None or "auto" -> yutu.engine.loader.auto_dtype
     # Builds the KV cache tensor (a view over registered memory, so peers can read its blocks);
     # None: plain device memory. See ModelRunner.
     kv_cache_factory: KVCacheFactory | None = None
@@ -110,14 +110,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer or None (derived), got {value!r}")
 
 
+def kv_salt(model_id: str, dtype: torch.dtype) -> str:
+    """What block keys are salted with: the model id, plus the dtype unless float32 (KV blocks of
+    one model in two dtypes differ in bytes, so they must never share keys)."""
+    return model_id if dtype == torch.float32 else f"{model_id}@{str(dtype).removeprefix('torch.')}"
+
+
 def _resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return default
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16' or 'float32'")
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
     return resolved
 
 
@@ -133,9 +137,10 @@ class LLMEngine:
             self.device, default_dtype = default_device_and_dtype()
         else:
             self.device = torch.device(config.device)
-            default_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            default_dtype = auto_dtype(self.device)
         self.dtype = _resolve_dtype(config.dtype, default_dtype)
         self.model_id = config.model_id
+        self.kv_salt = kv_salt(config.model_id, self.dtype)
         model, self.model_config = load_model(config.model_dir, self.device, self.dtype)
         self.num_kv_blocks = config.num_kv_blocks or (
             config.kv_cache_memory_bytes // kv_block_bytes(self.model_config, config.block_size, self.dtype)
@@ -155,7 +160,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.sampler = Sampler()
-        self._root_key = root_key(self.model_id)
+        self._root_key = root_key(self.kv_salt)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id (loading ones included)
         self._held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept until release
         self._loads: list[KVLoad] = []  # admitted imports not yet taken by the caller

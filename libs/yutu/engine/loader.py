@@ -24,11 +24,39 @@ class CheckpointError(ValueError):
     """The checkpoint's weight files are missing, incomplete or do not match config.json."""
 
 
+def cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is not readable)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """What ``--dtype auto`` picks: bfloat16 on CUDA; on a CPU bfloat16 only with AMX tiles
+    (``amx_bf16``), whose matrix units make bfloat16 GEMMs several times faster, float32 otherwise.
+
+    Measured (2026-12-01, 2-core AMD EPYC with AVX512-BF16 but no AMX, the demo model, one torch
+    thread): bfloat16 halved a 512-token prefill but made a batch-1 decode step ~15% slower and a
+    batch-16 step no faster -- decode is most of serving, so AVX512-BF16 alone keeps float32.
+    The rule reads only the device and its flags, so every instance on a host picks alike (KV
+    blocks of different dtypes must never be shared: the dtype is part of the KV salt).
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and "amx_bf16" in (cpu_flags() if flags is None else flags):
+        return torch.bfloat16
+    return torch.float32
+
+
 def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    """CUDA + bfloat16 when a GPU is available, else CPU + float32."""
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+    """CUDA when a GPU is available, else CPU; the dtype of :func:`auto_dtype`."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return device, auto_dtype(device)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
