@@ -4,6 +4,8 @@ Measures, in one run on one engine:
   * prefill tokens/s at batch 1 and 16 (prompt tokens / wall time until each request's first token)
   * decode tokens/s at batch 1 and 16 (generated tokens / wall time of the decode-only steps)
   * TTFT of a 1024-token prompt cold, and with its first 896 tokens already in the prefix cache
+  * on CPU, bfloat16 against float32 (prefill, decode at batch 1 and 16), interleaved: the
+    measurement behind ``--dtype auto``
   * decode tokens/s at batch 16 with 1024-token contexts, the dense decode cache on (the default
     on CPU) against off (every decode gathers its blocks: the reference path), interleaved
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
 
 import torch
+from yutu.config import DTYPES
 from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.model_source import resolve_model
 from yutu.engine.sampling import SamplingParams
@@ -52,10 +56,12 @@ def finish(engine: LLMEngine) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
-def bench(model_dir: Path, threads: int) -> dict[str, float]:
+def bench(model_dir: Path, threads: int, dtype: str = "auto") -> dict[str, float]:
     torch.set_num_threads(threads)
     engine = LLMEngine(
-        EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=2048)
+        EngineConfig(
+            model_dir=model_dir, kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=2048, dtype=dtype
+        )
     )
     vocab = engine.model_config.vocab_size
     decode = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -117,6 +123,35 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
             "dense_over_paged": best["dense"] / best["paged"]}  # fmt: skip
 
 
+def dtype_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]:
+    """float32 against bfloat16 (what ``--dtype auto`` chooses between on a CPU): prefill of a
+    512-token prompt, decode at batch 1 and 16, ``rounds`` interleaved runs, the best of each."""
+    torch.set_num_threads(threads)
+    engines = {d: LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20, dtype=d))
+               for d in ("float32", "bfloat16")}  # fmt: skip
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    decode = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
+    best: dict[str, float] = {}
+    for r in range(rounds):
+        for d, engine in engines.items():
+            vocab = engine.model_config.vocab_size
+            t = run_to_first_token(engine, {f"{d}{r}p": prompts(1, 512, vocab, seed=200 + r)[0]}, one)
+            finish(engine)
+            best[f"{d}_prefill512_s"] = min(best.get(f"{d}_prefill512_s", math.inf), t)
+            for batch in (1, 16):
+                reqs = {
+                    f"{d}{r}b{batch}-{i}": p for i, p in enumerate(prompts(batch, 128, vocab, seed=300 + r))
+                }
+                run_to_first_token(engine, reqs, decode)
+                tokens, elapsed = finish(engine)
+                key = f"{d}_decode_tok_s_b{batch}"
+                best[key] = max(best.get(key, 0.0), tokens / elapsed)
+    for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
+        best[f"bf16_over_f32_{what}"] = best[f"bfloat16_{what}"] / best[f"float32_{what}"]
+    best["bf16_over_f32_prefill_speed"] = best["float32_prefill512_s"] / best["bfloat16_prefill512_s"]
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,11 +159,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the built-in demo model)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON results")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPES, help="engine dtype (auto: as the engines pick it)"
+    )
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
-    results = bench(model_dir, args.threads) | dense_ab(model_dir, args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}")
+    results = bench(model_dir, args.threads, args.dtype) | dense_ab(model_dir, args.threads)
+    if device == "cpu":
+        results |= dtype_ab(model_dir, args.threads)
+    print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}, dtype {args.dtype}")
     rows = [
         ("prefill tokens/s, batch 1 (512-token prompt)", results["prefill_tok_s_b1"], "tok/s"),
         ("prefill tokens/s, batch 16 (128-token prompts)", results["prefill_tok_s_b16"], "tok/s"),
@@ -150,10 +190,18 @@ def main() -> None:
         ),
         ("  ratio dense / paged", results["dense_over_paged"], "x"),
     ]
+    if "bf16_over_f32_prefill_speed" in results:
+        rows += [
+            ("bfloat16 / float32 speed: prefill 512 tokens", results["bf16_over_f32_prefill_speed"], "x"),
+            ("bfloat16 / float32 speed: decode batch 1", results["bf16_over_f32_decode_tok_s_b1"], "x"),
+            ("bfloat16 / float32 speed: decode batch 16", results["bf16_over_f32_decode_tok_s_b16"], "x"),
+        ]
     for label, value, unit in rows:
         print(f"{label:<48} {value:>10.1f} {unit}")
     Path(args.out).write_text(
-        json.dumps({"model": model_dir.name, "threads": args.threads, **results}, indent=2)
+        json.dumps(
+            {"model": model_dir.name, "threads": args.threads, "dtype": args.dtype, **results}, indent=2
+        )
     )
     print(f"wrote {args.out}")
 

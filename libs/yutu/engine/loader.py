@@ -40,9 +40,11 @@ def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> tor
     """What ``--dtype auto`` picks: bfloat16 on CUDA; on a CPU bfloat16 only with AMX tiles
     (``amx_bf16``), whose matrix units make bfloat16 GEMMs several times faster, float32 otherwise.
 
-    Measured (2026-12-01, 2-core AMD EPYC with AVX512-BF16 but no AMX, the demo model, one torch
-    thread): bfloat16 halved a 512-token prefill but made a batch-1 decode step ~15% slower and a
-    batch-16 step no faster -- decode is most of serving, so AVX512-BF16 alone keeps float32.
+    Measured (2026-12-01, ``loadtests/bench_engine.py``: a 2-core AMD EPYC with AVX512-BF16 but no
+    AMX, the demo model, one torch thread, interleaved runs): bfloat16 made a 512-token prefill
+    1.4-1.6x and a batch-16 decode 1.1-1.2x faster but a batch-1 decode 0.84-1.0x as fast -- no
+    gain for the latency of a single stream, at bfloat16's precision -- so AVX512-BF16 alone keeps
+    float32 (pass ``--dtype bfloat16`` for throughput).
     The rule reads only the device and its flags, so every instance on a host picks alike (KV
     blocks of different dtypes must never be shared: the dtype is part of the KV salt).
     """
