@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uncached remainders in tokens (multiples of 16)")  # fmt: skip
     g.add_argument("--threshold-reps", type=int, default=5, help="prompts per remainder and mode")
     g = p.add_argument_group("trace, policies and sweep")
-    g.add_argument("--trace", type=Path, default=TRACE, help="Mooncake conversation trace (.jsonl)")
+    g.add_argument("--trace", type=Path, default=TRACE, help="Mooncake FAST'25 conversation trace (.jsonl, from"
+                   " FAST25-release/traces/ of github.com/kvcache-ai/Mooncake)")  # fmt: skip
     g.add_argument("--trace-start", type=int, default=0, help="first trace line of the window")
     g.add_argument("--trace-window", type=float, default=900.0, help="trace seconds the slice is taken from")
     g.add_argument("--trace-sample", type=int, default=8, help="keep 1 conversation in this many (1: all)")

@@ -6,7 +6,8 @@
     ... --plots docs/simulation                                    # also the overload load plot
 
 Every run is the paper profile (paper-llama3-70b-a800) through ``yutu.sim`` in this process; the
-traces are the Mooncake FAST'25 ones (``--traces DIR``, default ../shared/traces next to the repo).
+traces are the Mooncake FAST'25 ones (``FAST25-release/traces/`` of github.com/kvcache-ai/Mooncake;
+``--traces DIR``, by default a ``shared/traces`` folder beside the repository's).
 Single-process Python: keep one running at a time on a shared machine.
 """
 
