@@ -160,8 +160,10 @@ class ServiceSettings:
 
 DEFAULT_POLICY = "kvcentric"
 # Uncached prompt tokens at or below which the decode instance prefills a request itself instead of
-# handing it over (0: always hand over). Chosen from loadtests/bench_disagg.py (docs/architecture.md).
-DEFAULT_DISAGG_THRESHOLD = 64
+# handing it over (0: always hand over). Measured by loadtests/bench_disagg.py's threshold scenario:
+# the largest remainder whose local prefill saves the request more than it stalls the streams
+# decoding there (docs/architecture.md has the numbers).
+DEFAULT_DISAGG_THRESHOLD = 32
 
 
 def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import httpx
+from yutu.config import DEFAULT_DISAGG_THRESHOLD
 from yutu.service import admin_app
 
 from services.conductor.service import ConductorService
@@ -23,7 +24,11 @@ async def test_policy_is_read_freely_and_changed_only_with_the_admin_token() -> 
         transport=httpx.ASGITransport(admin_app(service)), base_url="http://c"
     ) as http:
         got = (await http.get("/policy")).json()
-        assert got["policy"] == "cache_aware" and got["slo_ttft_ms"] == 800 and got["disagg_threshold"] == 64
+        assert (
+            got["policy"] == "cache_aware"
+            and got["slo_ttft_ms"] == 800
+            and got["disagg_threshold"] == DEFAULT_DISAGG_THRESHOLD
+        )
         change = {"policy": "round_robin", "disagg_threshold": 0}
         assert (await http.put("/policy", json=change)).status_code == 401
         wrong = await http.put("/policy", json=change, headers={"Authorization": "Bearer nope"})
