@@ -100,12 +100,14 @@ def test_slots_follow_the_decodes_of_each_step() -> None:
                              dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     first = cache.plan([(0, 0, "a", 3, [7]), (1, 1, "b", 1, [9])], block_size=4)
     assert first is not None and [(d.slot, d.context_len) for d in first.decodes] == [(0, 3), (1, 1)]
-    # a's whole context (3 positions of block 7) and b's one position are copied the first time
-    assert first.fill_slots.tolist() == [0, 0, 0, 1] and first.fill_pos.tolist() == [0, 1, 2, 0]
-    assert first.fill_blocks.tolist() == [7, 7, 7, 9] and first.fill_offsets.tolist() == [0, 1, 2, 0]
+    # new to the cache: a's 3 positions and b's one are copied whole from their blocks, nothing one by one
+    assert [(slot, ctx, blocks.tolist()) for slot, ctx, blocks in first.wholes] == [(0, 3, [7]), (1, 1, [9])]
+    assert first.fill_slots.tolist() == []
     second = cache.plan(
         [(0, 0, "b", 2, [9]), (1, 1, "c", 1, [5])], block_size=4
     )  # a left: its slot is reused
     assert second is not None and [(d.slot, d.context_len) for d in second.decodes] == [(1, 2), (0, 1)]
-    assert second.fill_slots.tolist() == [1, 0] and second.fill_pos.tolist() == [1, 0]  # only what is new
+    assert second.fill_slots.tolist() == [1] and second.fill_pos.tolist() == [1]  # b: only its new position
+    assert second.fill_blocks.tolist() == [9] and second.fill_offsets.tolist() == [1]
+    assert [(slot, ctx, blocks.tolist()) for slot, ctx, blocks in second.wholes] == [(0, 1, [5])]  # c is new
     assert cache.resident == 2 and cache.plan([], block_size=4) is None and cache.resident == 0

@@ -8,8 +8,8 @@ appends one token per sequence and attends with two batched matmuls over views -
 
 The paged cache stays the source of truth (prefix sharing, imports, the store and peers all read
 and write it). A slot is filled *from* it: each step copies, after the layer wrote the step's K/V,
-the positions ``filled .. context_len - 1`` of each sequence (usually just the new token; a whole
-context the first time). A sequence missing from a step's decodes (finished, aborted, preempted,
+the positions ``filled .. context_len - 1`` of each sequence (usually just the new token, by one
+indexed copy for all sequences; a whole context the first time, by one gather of its blocks). A sequence missing from a step's decodes (finished, aborted, preempted,
 prefilling again) loses its slot, so a slot never outlives the KV it copied.
 
 Budget: the buffers grow by doubling (slots and capacity) within ``budget_bytes``; a decode that
@@ -52,7 +52,7 @@ class DenseStep:
     """
 
     def __init__(self, cache: DenseDecodeCache, decodes: list[DenseDecode], fills: list[tuple[int, int, int, int]],
-                 block_size: int) -> None:  # fmt: skip
+                 wholes: list[tuple[int, int, list[int]]], block_size: int) -> None:  # fmt: skip
         self.cache = cache
         self.decodes = decodes
         self.seq_indices = frozenset(d.seq_index for d in decodes)
@@ -69,6 +69,9 @@ class DenseStep:
         fill = torch.tensor(fills, dtype=torch.int64).view(-1, 4).to(device)
         self.fill_slots, self.fill_pos = fill[:, 0], fill[:, 1]  # (F,), (F,)
         self.fill_blocks, self.fill_offsets = fill[:, 2], fill[:, 3]  # (F,), (F,)
+        # Slots filled from scratch (a sequence new to the cache): (slot, context_len, its blocks).
+        self.wholes = [(slot, ctx, torch.tensor(blocks, dtype=torch.int64, device=device))
+                       for slot, ctx, blocks in wholes]  # fmt: skip
         self.block_size = block_size
         self._masks: dict[int | None, torch.Tensor] = {}
 
@@ -78,6 +81,10 @@ class DenseStep:
         b, o = self.fill_blocks, self.fill_offsets
         k_buf[self.fill_slots, :, self.fill_pos] = k_cache_layer[b, o]  # (F, kvh, hd)
         v_buf[self.fill_slots, :, self.fill_pos] = v_cache_layer[b, o]
+        kvh, hd = k_buf.shape[1], k_buf.shape[3]
+        for slot, ctx, blocks in self.wholes:  # one gather of its blocks, then one strided copy
+            k_buf[slot, :, :ctx] = k_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
+            v_buf[slot, :, :ctx] = v_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
 
     def _mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(width, 1, 1, span) additive mask: 0 where a slot's query sees the key, -inf elsewhere."""
@@ -181,6 +188,7 @@ class DenseDecodeCache:
         free = sorted(set(range(self.slots)) - set(self._owner.values()), reverse=True)
         chosen: list[DenseDecode] = []
         fills: list[tuple[int, int, int, int]] = []
+        wholes: list[tuple[int, int, list[int]]] = []
         for seq_index, row, seq_id, ctx, table in decodes:
             if ctx > self.capacity:
                 self._owner.pop(seq_id, None)
@@ -192,13 +200,16 @@ class DenseDecodeCache:
                     continue
                 slot = self._owner[seq_id] = free.pop()
                 self._filled[seq_id] = 0
-            for pos in range(self._filled[seq_id], ctx):
-                fills.append((slot, pos, table[pos // block_size], pos % block_size))
+            if self._filled[seq_id] == 0:
+                wholes.append((slot, ctx, table[: -(-ctx // block_size)]))
+            else:
+                for pos in range(self._filled[seq_id], ctx):
+                    fills.append((slot, pos, table[pos // block_size], pos % block_size))
             self._filled[seq_id] = ctx
             chosen.append(DenseDecode(seq_index, row, slot, ctx))
         if not chosen:
             return None
-        return DenseStep(self, chosen, fills, block_size)
+        return DenseStep(self, chosen, fills, wholes, block_size)
 
     def clear(self) -> None:
         """Forget every slot (the buffers stay allocated): the next steps fill them again."""
