@@ -20,6 +20,12 @@ Every measurement cycles over a working set of ``--working-set`` bytes (default 
 CPU caches) so no number is a cache artefact. Throughput is object bytes per second; latency is per
 call (a batch call for batches). Prints a table, checks the targets, writes JSON.
 
+The real Mooncake Store runs in the same run, before Yutu's store, when its virtualenv exists
+(``bash loadtests/setup_mooncake.sh`` makes it; ``--mooncake PYTHON`` names another interpreter,
+``--mooncake off`` skips it): loadtests/mooncake_peer.py measures the same sizes, working set and
+single/batch-of-32 zero-copy puts and gets over TCP, and loadtests/mooncake_compare.py prints Yutu /
+Mooncake per row and judges issue #10's targets against it (see there).
+
 Cold and warm gets: every get row without a suffix is *cold* -- the client has no lease cache, so
 each get asks the master for replicas (one RPC) and then moves the bytes. Rows marked ``warm`` come
 from a second client with ``lease_cache=True`` that took the leases of every key untimed just
@@ -61,6 +67,7 @@ from redis.connection import PythonRespSerializer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
+from mooncake_compare import compare, default_python, run_peer  # noqa: E402
 from store_baselines import (  # noqa: E402  (this script's folder is on sys.path)
     BATCH,
     KiB,
@@ -349,7 +356,19 @@ def main() -> int:
     parser.add_argument("--out", default="bench_store.json", help="where to write the JSON results")
     parser.add_argument("--seconds", type=float, default=0.5, help="measured seconds per data point")
     parser.add_argument("--working-set", type=int, default=128, help="MiB cycled over by every measurement")
+    parser.add_argument("--mooncake", default="auto",
+                        help="the Mooncake peer's python; 'auto': loadtests/setup_mooncake.sh's if made; 'off'")  # fmt: skip
     args = parser.parse_args()
+    mooncake = (
+        None
+        if args.mooncake == "off"
+        else Path(args.mooncake)
+        if args.mooncake != "auto"
+        else default_python()
+    )
+    if args.mooncake == "auto" and not mooncake.exists():  # type: ignore[union-attr]
+        print(f"Mooncake peer skipped: no {mooncake} (run: bash loadtests/setup_mooncake.sh)", flush=True)
+        mooncake = None
     working_set = args.working_set * MiB
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="yutu-bench-store-"))
@@ -380,16 +399,24 @@ def main() -> int:
         floors = bench_floors(r, args.seconds)
         r.close()
         r_py.close()
+        peer = None
+        if mooncake is not None:
+            print("Mooncake Store...", flush=True)
+            peer = run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log")
         print("store...", flush=True)
         # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
         res = {"baselines": baselines, "floors": floors,
                "store": uvloop.run(run_store(store, working_set, args.seconds))}  # fmt: skip
+        if peer is not None:
+            res["mooncake"] = peer
     finally:
         store.close()
         shutil.rmtree(workdir, ignore_errors=True)
     rows = report(res)
     res["rows"] = rows
     res["targets"] = targets(res)
+    if "mooncake" in res:
+        res["mooncake_targets"] = compare(res, SIZES)
     res["config"] = {"working_set": working_set, "seconds": args.seconds, "cpus": os.cpu_count(), "batch": BATCH,
                      "elapsed_s": time.perf_counter() - started}  # fmt: skip
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -11,13 +11,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "loadtests"))
+
+from mooncake_compare import compare, default_python  # noqa: E402
 
 
 def test_a_short_bench_store_run_reports_every_measurement(tmp_path: Path) -> None:
     out = tmp_path / "bench_store.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "loadtests" / "bench_store.py"), "--seconds", "0.02", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "loadtests" / "bench_store.py"),
+            "--seconds",
+            "0.02",
+            "--out",
+            str(out),
+            "--mooncake",
+            "off",
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -54,3 +68,41 @@ def test_a_short_bench_store_run_reports_every_measurement(tmp_path: Path) -> No
     for t in res["targets"]:
         assert t["met"] == (t["ratio"] >= t["need"]) and t["reachable"] == (t["bound"] >= t["need"])
         assert f"[{'PASS' if t['met'] else 'MISS'}] {t['target']}: {t['ratio']:.2f}" in proc.stdout
+    assert "mooncake" not in res and "Mooncake peer" not in proc.stdout  # --mooncake off
+
+
+@pytest.mark.skipif(
+    not default_python().exists(), reason="no Mooncake virtualenv (loadtests/setup_mooncake.sh)"
+)
+def test_the_mooncake_peer_measures_every_row_and_compare_judges_them(tmp_path: Path) -> None:
+    """The real Mooncake Store (master, holder, client) runs to completion and its rows feed the
+    issue's targets: 12 rows x (TCP ratio, SHM ratio, two tails)."""
+    out = tmp_path / "mooncake.json"
+    proc = subprocess.run(
+        [str(default_python()), str(ROOT / "loadtests" / "mooncake_peer.py"), "--out", str(out), "--seconds",
+         "0.02"],
+        capture_output=True, text=True, timeout=240, env={"GLOG_minloglevel": "2", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    peer = json.loads(out.read_text())
+    sizes = [64 << 10, 1 << 20, 4 << 20]
+    ops = {"get/single", "get/batch", "put/single", "put/batch"}
+    assert set(peer["rows"]) == {str(s) for s in sizes} and peer["lease_ms"] == 5000
+    for rows in peer["rows"].values():
+        assert set(rows) == ops
+        assert all(
+            r["calls"] >= 3 and r["gbps"] > 0 and 0 < r["p50_us"] <= r["p99_us"] for r in rows.values()
+        )
+    row = {"gbps": 1.0, "p50_us": 100.0, "p99_us": 200.0, "calls": 3}  # Yutu at 1 GB/s, p99 = 2 x p50
+    res = {
+        "mooncake": peer,
+        "store": {f"{t}/{s}": {f"{op}/zero-copy": row for op in ops} for t in ("tcp", "shm") for s in sizes},
+        "floors": {"zmq_rtt": {"p50_us": 100.0}, "redis_write": {"p50_us": 50.0}},
+        "baselines": {str(s): {"socket": {"p50_us": 10.0}} for s in sizes},
+    }
+    judged = compare(res, sizes)
+    assert len(judged) == 12 * 4
+    for t in judged:
+        assert t["met"] == (t["ratio"] >= t["need"])
+        if "p99_over_p50" in t:
+            assert t["p99_over_p50"] == 2.0 and t["met"]
