@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,8 @@ def engine_only(model_dir: Path, threads: int, shapes: Shapes) -> dict[str, Any]
 
 def engine_only_subprocess(model_dir: Path, threads: int, shapes: Shapes) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--threads", str(threads)]
+    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--threads", str(threads),
+            "--shapes", json.dumps(asdict(shapes))]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -253,17 +254,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sequential", type=int, default=Shapes.sequential, help="requests of the sequential scenarios"
     )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes (a smoke run of the script, not a measurement)"
+    )
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
-    shapes = Shapes(sequential=args.sequential)
+    if args.sequential < 1:
+        raise SystemExit("bench_serving: error: --sequential must be >= 1")
+    if args.shapes is not None:
+        shapes = Shapes(**json.loads(args.shapes))
+    elif args.quick:
+        shapes = Shapes(sequential=2, prompt=128, out=6, cached_prefix=96, concurrent=4, concurrent_prompt=64,
+                        concurrent_out=6)  # fmt: skip
+    else:
+        shapes = Shapes(sequential=args.sequential)
     if args.engine_only is not None:
         print(json.dumps(engine_only(args.engine_only, args.threads, shapes)))
         return 0
     names = [n for n in args.stacks.split(",") if n]
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
-    results: dict[str, Any] = {"stacks": {}, "shapes": shapes.__dict__}
+    results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes)}
     with private_dir(Path(tempfile.gettempdir()), WORK_PREFIX) as work, shm_directory() as shm:
         for name in names:
             spec = STACKS[name]
