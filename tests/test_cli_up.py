@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import signal
@@ -92,6 +93,24 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
 
         payload = os.urandom(100_000)
         assert asyncio.run(store_roundtrip(redis_url, payload)) == payload
+
+        # `yutu status` shows the whole deployment: every instance ready, with its load
+        status = subprocess.run([sys.executable, "-m", "yutu.cli", "status", "--redis-url", redis_url, "--json"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        rows = {(r["kind"], r["instance_id"]): r for r in json.loads(status.stdout)}
+        kinds = sorted(kind for kind, _ in rows)
+        assert kinds == ["conductor", "decode", "gateway", "prefill", "store-master", "store-node"], rows
+        assert all(r["ready"] == "yes" for r in rows.values()), rows
+        decode = rows[("decode", "decode-0")]["load"]
+        assert decode["num_running"] == 0 and decode["dtype"] == "float32" and 0 <= decode["kv_usage"] <= 1
+        master = rows[("store-master", "store-master")]["load"]
+        assert master["objects"] >= 1 and master["capacity"] == 32 * 2**20  # the round trip's object
+        assert rows[("conductor", "conductor")]["load"]["policy"] == "kvcentric"
+        table = subprocess.run([sys.executable, "-m", "yutu.cli", "status", "--redis-url", redis_url],
+                               capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        assert table.splitlines()[0].split() == ["KIND", "INSTANCE", "READY", "ENDPOINT", "LOAD"]
+        assert any(line.startswith("decode") and "num_running 0" in line for line in table.splitlines())
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -33,6 +33,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "store-node": ("services.store_node.main", "KV store memory node"),
     "simulate": ("yutu.sim.main", "replay a Mooncake trace through a simulated cluster (docs/simulation.md)"),
     "calibrate": ("yutu.sim.calibrate", "measure our engine and write a simulator profile"),
+    "status": ("yutu.status", "the deployment at a glance: instances, readiness, load, store usage"),
 }
 
 USAGE = """usage: yutu <command> [options]
