@@ -22,24 +22,27 @@ class EngineCollector(Collector):
             return
         s = loop.stats
         gauges = {
-            "yutu_worker_kv_usage_ratio": ("Fraction of KV cache blocks in use", s.kv_usage),
+            "yutu_worker_kv_cache_usage_perc": (
+                "Fraction of KV cache blocks in use (1 = full), as vLLM's",
+                s.kv_usage,
+            ),
             "yutu_worker_kv_blocks_total": ("KV cache blocks in the pool", s.num_kv_blocks),
             "yutu_worker_kv_blocks_free": ("KV cache blocks free (cached or empty)", s.num_free_blocks),
-            "yutu_worker_requests_running": ("Requests in the running batch", s.num_running),
-            "yutu_worker_requests_waiting": ("Requests queued for admission", s.num_waiting),
+            "yutu_worker_num_requests_running": ("Requests in the running batch", s.num_running),
+            "yutu_worker_num_requests_waiting": ("Requests queued for admission", s.num_waiting),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "yutu_worker_prefix_cache_queries_tokens": (
-                "Prompt tokens looked up in the prefix cache",
+            "yutu_worker_prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)",
                 s.prefix_cache_queries_tokens,
             ),
-            "yutu_worker_prefix_cache_hits_tokens": (
-                "Prompt tokens served from the prefix cache",
+            "yutu_worker_prefix_cache_hits": (
+                "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits)",
                 s.prefix_cache_hit_tokens,
             ),
-            "yutu_worker_preemptions": ("Sequences preempted for lack of KV blocks", s.num_preemptions),
+            "yutu_worker_num_preemptions": ("Sequences preempted for lack of KV blocks", s.num_preemptions),
             "yutu_worker_prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens_total),
             "yutu_worker_generation_tokens": ("Tokens generated", s.generation_tokens_total),
         }

@@ -221,9 +221,13 @@ async def test_admin_endpoints_and_registry_meta(
         metrics = (await http.get(worker["admin"] + "/metrics")).text
         info = (await http.get(worker["admin"] + "/info")).json()
     for name in (
-        "yutu_worker_kv_usage_ratio",
-        "yutu_worker_prefix_cache_hits_tokens_total",
-        "yutu_worker_requests_waiting",
+        "yutu_worker_kv_cache_usage_perc",
+        "yutu_worker_prefix_cache_hits_total",
+        "yutu_worker_prefix_cache_queries_total",
+        "yutu_worker_num_requests_running",
+        "yutu_worker_num_requests_waiting",
+        "yutu_worker_num_preemptions_total",
+        "yutu_worker_generation_tokens_total",
     ):
         assert name in metrics
     assert info["model"] == checkpoint.name and info["block_size"] == 4 and info["demo"] is False
