@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from yutu.engine.testing import make_tiny_checkpoint
@@ -66,7 +67,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64",
-         "--store-segment-size", "32MiB", "--api-key", "sekrit-key"],
+         "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -90,6 +91,11 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
             model="tiny-up", prompt="hello world", max_tokens=5, temperature=0
         )
         assert completion.usage is not None and completion.usage.completion_tokens == 5
+
+        traced = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                            headers={"Authorization": "Bearer sekrit-key", "x-request-id": "trace-me-1"},
+                            json={"model": "tiny-up", "prompt": "hi", "max_tokens": 2})  # fmt: skip
+        assert traced.status_code == 200 and traced.headers["x-request-id"] == "trace-me-1"
 
         payload = os.urandom(100_000)
         assert asyncio.run(store_roundtrip(redis_url, payload)) == payload
@@ -119,6 +125,18 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert not any(alive(c) for c in children)
         assert not redis_reachable(redis_url)
+        # --log-format json reached every service: each line of each log is one JSON object, and
+        # the gateway named the traced request by its x-request-id
+        lines = {log.stem: [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+                 for log in (tmp_path / "logs").glob("*.log") if log.stem != "redis"}  # fmt: skip
+        assert {"gateway", "conductor", "prefill-0", "decode-0", "store-master", "store-node-0"} <= set(lines)
+        assert all(
+            {"ts", "level", "logger", "pid", "message"} <= set(entry)
+            for log in lines.values()
+            for entry in log
+        )
+        named = [e for e in lines["gateway"] if e.get("request_id") == "trace-me-1"]
+        assert any(str(e["message"]).startswith("request cmpl-") for e in named), lines["gateway"][-10:]
     finally:
         if proc.poll() is None:
             proc.kill()

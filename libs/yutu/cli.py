@@ -88,6 +88,13 @@ def up_parser() -> argparse.ArgumentParser:
         help="Hugging Face checkpoint dir (or hub id); none: the built-in demo model",
     )
     option(parser, "--served-model-name", default=None, help="model name clients use")
+    option(
+        parser,
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="text, or json for yutu up and every service (one object per line, with request_id)",
+    )
     option(parser, "--host", default="127.0.0.1", help="gateway bind address")
     option(parser, "--port", type=int, default=8000, help="gateway port")
     option(
@@ -196,7 +203,13 @@ def up(argv: list[str]) -> int:
     from yutu.transfer.region import reclaim_stale_regions
 
     args = up_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s yutu up: %(message)s")
+    if args.log_format == "json":
+        from yutu.logs import setup_logging
+
+        setup_logging("info", "json")
+        os.environ["YUTU_LOG_FORMAT"] = "json"  # every child it starts logs JSON too (child_env)
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s yutu up: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polls are not news
     if args.workers is not None and args.workers < 1:
         raise SystemExit("error: --workers must be at least 1")

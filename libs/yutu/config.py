@@ -100,6 +100,13 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
         help="seconds this instance's registry record outlives its last heartbeat",
     )
     option(group, "--log-level", default="info", help="debug, info, warning or error")
+    option(
+        group,
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="text, or json: one object per line with ts, level, logger, pid, message and request_id",
+    )
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -26,16 +26,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from yutu.config import advertised
+from yutu.logs import setup_logging
 from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-    )
 
 
 class Service(ABC):
@@ -150,7 +144,12 @@ class HttpServer:
         self.port: int = self.sock.getsockname()[1]
         self.url = f"http://{advertised(host, advertise_host)}:{self.port}"  # what peers dial
         config = uvicorn.Config(
-            app, log_level=log_level, lifespan="off", access_log=False, timeout_graceful_shutdown=5
+            app,
+            log_level=log_level,
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            log_config=None,  # uvicorn's loggers go through ours (text or JSON, see yutu.logs)
         )
         self._server = _Uvicorn(config)
         self._task: asyncio.Task[None] | None = None
@@ -183,7 +182,7 @@ def run_main(
         settings = build(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, getattr(args, "log_format", "text"))
     return uvloop.run(main(settings))
 
 

@@ -6,6 +6,7 @@ import uuid
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from yutu.logs import REQUEST_ID as LOG_REQUEST_ID
 from yutu.service import admin_app
 
 from services.gateway import routes_chat, routes_completions, routes_models, routes_tokenize
@@ -93,7 +94,11 @@ class RequestId:
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = LOG_REQUEST_ID.set(request_id)  # what the gateway logs for this request names it
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            LOG_REQUEST_ID.reset(token)
 
 
 def build_app(gateway: GatewayService) -> FastAPI:

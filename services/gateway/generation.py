@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -28,6 +29,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompts import ChoiceSpec
 from services.gateway.routing import Handle, Route, Router
 from services.gateway.stop import StopMatcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class Generation:
         can still answer with that status, and name the instances in its headers, before a
         response starts. ``start`` (or ``async with``) then runs them."""
         assert not self._placed and not self._started
+        log.info("request %s: %d choice(s) of %d prompt token(s)", self.request_id, len(self.choices),
+                 len(next(iter(self.choices.values())).spec.prompt_ids))  # fmt: skip
         self._placed = await self._place_waiting()
 
     def start(self) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import zmq
 
+from yutu.logs import about
 from yutu.protocol.codec import Channel
 from yutu.rpc.sockets import Endpoint, OnConnection, Sent
 
@@ -85,7 +86,8 @@ class Peer(Endpoint):
         if handler is None:
             self._drop("an unexpected %s", type(msg).__name__)
             return
-        handler(frames[0] if self._router else b"", msg)
+        with about(msg):
+            handler(frames[0] if self._router else b"", msg)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket (idempotent); for ``linger_s`` queued messages still go out."""

@@ -18,6 +18,7 @@ import msgpack
 import zmq
 
 from yutu.errors import ErrorKind, YutuError
+from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.rpc.sockets import Endpoint, OnConnection, Sent
 
@@ -50,15 +51,21 @@ class RpcServer(Endpoint):
             return
         identity, call_id, payload = frames
         try:
-            reply = self._handler(self.channel.decode(payload))
+            msg = self.channel.decode(payload)
         except Exception as exc:  # noqa: BLE001 - answered as an error, see _error_frames
             self._send([identity, call_id, *self._error_frames(exc)])
             return
-        if inspect.isawaitable(reply):
-            task = asyncio.ensure_future(self._answer_later(identity, call_id, reply))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
+        with about(msg):  # the handler's lines and the task answering later name the request
+            try:
+                reply = self._handler(msg)
+            except Exception as exc:  # noqa: BLE001 - answered as an error, see _error_frames
+                self._send([identity, call_id, *self._error_frames(exc)])
+                return
+            if inspect.isawaitable(reply):
+                task = asyncio.ensure_future(self._answer_later(identity, call_id, reply))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
         self._reply(identity, call_id, reply)
 
     async def _answer_later(self, identity: bytes, call_id: bytes, pending: Any) -> None:
