@@ -96,6 +96,19 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
                             headers={"Authorization": "Bearer sekrit-key", "x-request-id": "trace-me-1"},
                             json={"model": "tiny-up", "prompt": "hi", "max_tokens": 2})  # fmt: skip
         assert traced.status_code == 200 and traced.headers["x-request-id"] == "trace-me-1"
+        info = httpx.get(
+            f"http://127.0.0.1:{port}/info", timeout=10
+        )  # version, uptime, config, secrets hidden
+        assert info.status_code == 200 and "sekrit-key" not in info.text
+        body = info.json()
+        assert (
+            body["version"] == "0.1.0" and body["uptime_s"] > 0 and body["config"]["api_keys"] == "<redacted>"
+        )
+        assert body["config"]["port"] == port
+        docs = httpx.get(
+            f"http://127.0.0.1:{port}/docs", headers={"Authorization": "Bearer sekrit-key"}, timeout=10
+        )
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()  # OpenAPI docs on every service
 
         payload = os.urandom(100_000)
         assert asyncio.run(store_roundtrip(redis_url, payload)) == payload

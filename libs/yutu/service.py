@@ -15,8 +15,11 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import asdict, is_dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
 import uvicorn
@@ -31,6 +34,11 @@ from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
+try:
+    VERSION = version("yutu")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown (not installed)"
+
 
 class Service(ABC):
     """One Yutu process. Subclasses set ``kind`` and implement the hooks."""
@@ -42,6 +50,7 @@ class Service(ABC):
         self.stopping = asyncio.Event()
         self.http_url = ""  # where peers reach this service's HTTP app; set by serve() before startup
         self.loops = Supervisor(self.kind)  # every background task; a dead one makes us not ready
+        self.process_started_at = time.time()
 
     @abstractmethod
     async def startup(self) -> None:
@@ -83,7 +92,7 @@ class Service(ABC):
 
 
 def admin_app(service: Service) -> FastAPI:
-    app = FastAPI(title=f"yutu {service.kind} admin", docs_url=None, redoc_url=None)
+    app = FastAPI(title=f"yutu {service.kind} admin", version=VERSION, docs_url="/docs", redoc_url=None)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -103,12 +112,51 @@ def admin_app(service: Service) -> FastAPI:
 
     @app.get("/info")
     async def info() -> dict[str, Any]:
-        return {**service.info(), "problems": service.problems()}
+        """The service's own facts, plus what every service says: version, uptime, configuration
+        (secrets redacted) and the problems ``/ready`` would name."""
+        settings = getattr(service, "settings", None)
+        config = (
+            redacted(asdict(settings)) if is_dataclass(settings) and not isinstance(settings, type) else {}
+        )
+        return {
+            "version": VERSION,
+            "uptime_s": round(time.time() - service.process_started_at, 3),
+            **service.info(),
+            "config": config,
+            "problems": service.problems(),
+        }
 
     router = service.admin_router()
     if router is not None:
         app.include_router(router)
     return app
+
+
+SECRET_WORDS = ("token", "key", "password", "secret")
+
+
+def redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the value of every field named like a secret (token, key, password, secret)
+    replaced by ``"<redacted>"`` when set, recursively; everything else as it is (JSON-safe)."""
+    out: dict[str, Any] = {}
+    for name, value in config.items():
+        if isinstance(value, dict):
+            out[name] = redacted(value)
+        elif any(word in name.lower() for word in SECRET_WORDS) and value not in (
+            None,
+            "",
+            [],
+            (),
+            frozenset(),
+        ):
+            out[name] = "<redacted>"
+        elif isinstance(value, str | int | float | bool) or value is None:
+            out[name] = value
+        elif isinstance(value, list | tuple | set | frozenset):
+            out[name] = [v if isinstance(v, str | int | float | bool) or v is None else str(v) for v in value]
+        else:
+            out[name] = str(value)
+    return out
 
 
 class _Uvicorn(uvicorn.Server):
