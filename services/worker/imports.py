@@ -77,6 +77,8 @@ class KVImports:
         self.pulled_blocks = 0
         self.fetched_blocks = 0
         self.failed = 0  # imports that brought less than planned
+        self.transfer_bytes = 0  # KV bytes imported, since start (pulled from peers or fetched from the store)
+        self.transfer_seconds = 0.0  # time those imports took
 
     def expect(self, request_id: str, source: Source) -> None:
         """Say where ``request_id``'s KV comes from; its KVLoad arrives once the engine admits it."""
@@ -156,6 +158,8 @@ class KVImports:
         return (load.first_block + blocks) * self.block_size
 
     def _note_transfer(self, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes += nbytes
+        self.transfer_seconds += seconds
         if seconds > 0:
             self.transfers.append([nbytes, seconds])
             del self.transfers[:-TRANSFERS_KEPT]

@@ -33,7 +33,7 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
+        counters: dict[str, tuple[str, float]] = {
             "yutu_worker_prefix_cache_queries": (
                 "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)",
                 s.prefix_cache_queries_tokens,
@@ -46,5 +46,14 @@ class EngineCollector(Collector):
             "yutu_worker_prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens_total),
             "yutu_worker_generation_tokens": ("Tokens generated", s.generation_tokens_total),
         }
+        imports = self.service.imports
+        if imports is not None:
+            counters |= {
+                "yutu_worker_kv_import_bytes": ("KV bytes imported (pulled from peers, fetched from the store)",
+                                                imports.transfer_bytes),
+                "yutu_worker_kv_import_seconds": ("Seconds the KV imports took", imports.transfer_seconds),
+                "yutu_worker_kv_pulled_blocks": ("KV blocks pulled from prefill instances", imports.pulled_blocks),
+                "yutu_worker_kv_fetched_blocks": ("KV blocks fetched from the store", imports.fetched_blocks),
+            }  # fmt: skip
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.disagg.disagg_support import DisaggStack, Reply, prompt
@@ -66,12 +67,17 @@ def test_disaggregated_output_equals_the_mixed_worker(
         assert g.headers["x-request-id"]
     decode_info = disagg.get("decode", "decode-0", "/info")
     assert decode_info["imports"]["pulled_blocks"] > 0  # the KV came from the prefill, by transfer
+    metrics = httpx.get(disagg.admin("decode", "decode-0") + "/metrics", timeout=10).text
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line and line[0] != "#"
+    }
+    assert values["yutu_worker_kv_pulled_blocks_total"] == decode_info["imports"]["pulled_blocks"]
+    assert values["yutu_worker_kv_import_bytes_total"] >= values["yutu_worker_kv_pulled_blocks_total"] * 1024
+    assert values["yutu_worker_kv_import_seconds_total"] > 0
     assert disagg.get("prefill", "prefill-0", "/info")["holds"]["held"] == 0
 
 
 def test_a_client_request_id_is_echoed(disagg: DisaggStack) -> None:
-    import httpx
-
     resp = httpx.post(
         f"{disagg.url}/v1/completions",
         json={"model": "tiny", "prompt": prompt(20, 1), "max_tokens": 2},
