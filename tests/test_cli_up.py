@@ -218,3 +218,20 @@ def test_env_names_are_scoped_per_service() -> None:
         assert "YUTU_MODEL;" in text
     for text in (gateway, worker, master, node):
         assert "YUTU_REDIS_URL;" in text and "YUTU_REGISTRY_PREFIX;" in text
+
+
+@pytest.mark.parametrize(
+    ("engines", "cpus", "threads"),
+    [
+        (1, 2, 1),  # one mixed worker on 2 cores: one core left to the front ends (the rule in README)
+        (2, 2, 1),  # 1 prefill + 1 decode on 2 cores: at least one thread each (oversubscribed, not idle)
+        (1, 16, 15),
+        (2, 16, 7),  # 1P+1D on 16 cores: 15 shared
+        (4, 16, 3),
+        (3, 1, 1),
+    ],
+)
+def test_torch_threads_per_engine_follow_the_documented_rule(engines: int, cpus: int, threads: int) -> None:
+    from yutu.cli import engine_threads
+
+    assert engine_threads(engines, cpus) == threads
