@@ -38,7 +38,7 @@ from yutu.transfer.region import Region, check_range, validate_region_name
 from yutu.transfer.request import TransferBatch, TransferOp, TransferRequest, TransferResult, TransferStatus
 from yutu.transfer.segment import RegionDescriptor, SegmentDescriptor, local_host_id, local_pid_namespace
 from yutu.transfer.shm import ShmItem, ShmTransport
-from yutu.transfer.tcp_client import PeerAddress, TcpClient, TcpItem
+from yutu.transfer.tcp_client import INLINE_BYTES, PeerAddress, TcpClient, TcpItem
 from yutu.transfer.tcp_server import DataServer
 from yutu.transfer.tcp_wire import WireOp
 from yutu.transfer.transport import (
@@ -75,6 +75,7 @@ class TransferEngine:
         advertise_host: str | None = None,
         tcp_slice_bytes: int = 2 << 20,
         shm_dir: str | None = None,
+        tcp_inline_bytes: int = INLINE_BYTES,
     ) -> None:
         """``host``/``port``: where the TCP data server listens (port 0: any free port).
         ``tcp_connections``: pooled connections per peer. ``default_timeout_s``: batch deadline when
@@ -82,7 +83,9 @@ class TransferEngine:
         ``("tcp",)`` to force TCP; "rdma" raises ``TransportUnavailableError``). ``advertise_host``:
         the address peers dial when ``host`` is a wildcard. ``tcp_slice_bytes``: TCP transfers are
         cut into slices of this size, spread over the pooled connections. ``shm_dir``: where region
-        files are created (default ``/dev/shm``)."""
+        files are created (default ``/dev/shm``). ``tcp_inline_bytes``: TCP batches up to this size
+        run on the event loop instead of worker threads when a pooled connection is idle (0: never;
+        see ``yutu.transfer.tcp_inline``)."""
         if not isinstance(segment_name, str) or not segment_name or len(segment_name.encode()) > 255:
             raise ValueError(f"segment_name must be a non-empty str of <= 255 bytes, got {segment_name!r}")
         if default_timeout_s <= 0:
@@ -96,7 +99,9 @@ class TransferEngine:
         self._shm_dir = shm_dir
         self._incarnation = secrets.randbits(63)
         self._regions: dict[str, Region] = {}
-        self._tcp = TcpClient(tcp_connections, tcp_slice_bytes)
+        self._tcp = TcpClient(
+            tcp_connections, tcp_slice_bytes, inline_bytes=min(tcp_inline_bytes, tcp_slice_bytes)
+        )
         self._shm = ShmTransport()
         self._server: DataServer | None = None
         self._keepalive: asyncio.Task[None] | None = None

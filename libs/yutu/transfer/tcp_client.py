@@ -14,6 +14,10 @@ Failure semantics per slice: a refused request (server error reply) fails only t
 timeout fails the rest of the lane TIMED_OUT; a connection error fails the rest of the lane FAILED.
 The connection is dropped in both cases, and after a connection error the peer's idle connections
 are dropped too (they most likely point at a dead process).
+
+Small batches (at most ``inline_bytes`` in all) skip the threads when the peer has an idle pooled
+connection: they run on the event loop itself (``yutu.transfer.tcp_inline``), with the same wire
+exchange and the same outcomes; the thread path above is the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 from yutu.transfer.errors import PeerUnreachableError, TransferTimeoutError
 from yutu.transfer.request import TransferStatus
+from yutu.transfer.tcp_inline import PIPELINE_WINDOW, run_inline
 from yutu.transfer.tcp_server import DRAIN_LIMIT
 from yutu.transfer.tcp_wire import (
     REPLY,
@@ -45,7 +50,7 @@ from yutu.transfer.tcp_wire import (
 )
 from yutu.transfer.transport import COMPLETED, Outcome, Progress
 
-PIPELINE_WINDOW = 32  # slices in flight per connection
+INLINE_BYTES = 2 << 20  # batches up to this size run on the event loop (see tcp_inline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,15 @@ class PeerConnections:
                 sock.shutdown(socket.SHUT_RDWR)  # closed while we connected: the lane fails now
         return sock
 
+    def try_acquire(self) -> socket.socket | None:
+        """An idle connection if there is one, at once (never connects, never waits)."""
+        with self._cond:
+            if self._closed or not self._idle:
+                return None
+            sock = self._idle.pop()
+            self._busy.add(sock)
+            return sock
+
     def release(self, sock: socket.socket, healthy: bool) -> None:
         with self._cond:
             self._busy.discard(sock)
@@ -195,13 +209,24 @@ class PeerConnections:
 class TcpClient:
     """Runs TCP transfers for the engine; owns the pools and the worker threads."""
 
-    def __init__(self, connections: int = 4, slice_bytes: int = 2 << 20, lanes: int | None = None) -> None:
+    def __init__(
+        self,
+        connections: int = 4,
+        slice_bytes: int = 2 << 20,
+        lanes: int | None = None,
+        inline_bytes: int = INLINE_BYTES,
+    ) -> None:
         """``connections`` bounds the pool per peer; ``lanes`` (default: min(connections, CPUs)) is how
-        many of them one batch drives in parallel: more streams than cores only add contention."""
-        if connections < 1 or not 4096 <= slice_bytes <= DRAIN_LIMIT:
+        many of them one batch drives in parallel: more streams than cores only add contention.
+        ``inline_bytes``: batches up to this many bytes run on the event loop when a pooled
+        connection is idle (0: never; at most ``slice_bytes``)."""
+        if connections < 1 or not 4096 <= slice_bytes <= DRAIN_LIMIT or not 0 <= inline_bytes <= slice_bytes:
             raise ValueError(
-                f"need connections >= 1 and 4096 <= slice_bytes <= {DRAIN_LIMIT}, got {connections}, {slice_bytes}"
+                f"need connections >= 1, 4096 <= slice_bytes <= {DRAIN_LIMIT} and 0 <= inline_bytes <= "
+                f"slice_bytes, got {connections}, {slice_bytes}, {inline_bytes}"
             )
+        self.inline_bytes = inline_bytes
+        self.inline_batches = 0  # batches that ran on the event loop (for tests and stats)
         self.connections = connections
         self.lanes = max(1, min(connections, lanes or os.cpu_count() or 1))
         self.slice_bytes = slice_bytes
@@ -220,6 +245,13 @@ class TcpClient:
         """Move every item; ``on_done(index, outcome)`` is called on the loop once per item, as soon as
         all its slices are finished. Returns when all items are reported; never raises for transfer
         failures."""
+        if self.inline_bytes and sum(len(it.local) for it in items) <= self.inline_bytes:
+            pool = self._pool(peer)
+            sock = pool.try_acquire()
+            if sock is not None:
+                self.inline_batches += 1
+                await run_inline(pool, sock, items, deadline, on_done, self._ids)
+                return
         slices: list[_Slice] = []
         parts = [0] * len(items)
         step = self.slice_bytes

@@ -1,0 +1,97 @@
+"""The TCP client's inline path (small batches on the event loop) agrees with the thread path.
+
+The thread path (``tcp_inline_bytes=0``) is the reference: the same mixed batch of READs and WRITEs
+-- more requests than one pipeline window, both ops interleaved so windows alternate -- moves the
+same bytes with the same per-request results through both, against a peer in another process; a
+killed peer fails both the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from transfer_helpers import PeerProcess, digest, pattern
+from yutu.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from yutu.transfer.tcp_client import PIPELINE_WINDOW
+
+KiB = 1 << 10
+READ, WRITE = TransferOp.READ, TransferOp.WRITE
+SIZE = 4 << 20
+
+
+def mixed_batch(segment: str, sink: str) -> list[TransferRequest]:
+    """70 requests, 1.6 MiB in all (under the inline bound): 40 reads, 20 writes, 10 reads."""
+    sizes = [(7 * i % 13 + 1) * 2 * KiB + i for i in range(70)]  # odd sizes, 2-28 KiB
+    out, local = [], 0
+    for i, n in enumerate(sizes):
+        op = WRITE if 40 <= i < 60 else READ
+        region, remote = ("source", 3 + i * 40 * KiB) if op is READ else (sink, 5 + i * 30 * KiB)
+        local_offset = local if op is READ else SIZE // 2 + local
+        out.append(TransferRequest(op, "buf", local_offset, segment, region, remote, n))
+        local += n + 17
+    return out
+
+
+async def run(
+    engine: TransferEngine, peer: PeerProcess, sink: str
+) -> tuple[list[TransferStatus], np.ndarray]:
+    """Warm the pool, run the mixed batch, return the statuses and what the reads landed."""
+    assert (await engine.transfer([TransferRequest(READ, "buf", 0, "inl-peer", "source", 0, 4 * KiB)]))[0].ok
+    requests = mixed_batch("inl-peer", sink)
+    results = await engine.transfer(requests)
+    assert all(r.transport == "tcp" for r in results), [r.error for r in results if not r.ok]
+    return [r.status for r in results], engine.regions["buf"].view_numpy(0, SIZE // 2).copy()
+
+
+async def test_inline_and_thread_paths_move_the_same_bytes(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    peer = spawn_peer("inl-peer", [f"source:{SIZE}:71", f"sink-a:{SIZE}:72", f"sink-b:{SIZE}:72"], "tcp")
+    fast = make_engine("inl-fast", transports=("tcp",))
+    plain = make_engine("inl-plain", transports=("tcp",), tcp_inline_bytes=0)
+    for engine in (fast, plain):
+        engine.register_region("buf", SIZE).view_numpy()[SIZE // 2 :] = pattern(73, SIZE // 2)
+        await engine.start()
+    assert len(mixed_batch("x", "y")) > 2 * PIPELINE_WINDOW
+
+    fast_status, fast_read = await run(fast, peer, "sink-a")
+    plain_status, plain_read = await run(plain, peer, "sink-b")
+
+    # the warm-up connects on the thread path; the batch then runs inline on the pooled connection
+    assert fast._tcp.inline_batches == 1 and plain._tcp.inline_batches == 0
+    assert fast_status == plain_status == [TransferStatus.COMPLETED] * 70
+    assert np.array_equal(fast_read, plain_read)
+    source, sink = pattern(71, SIZE), pattern(72, SIZE).copy()
+    local = fast.regions["buf"].view_numpy()
+    for r in mixed_batch("inl-peer", "sink-a"):
+        if r.op is READ:
+            assert np.array_equal(fast_read[r.local_offset : r.local_offset + r.length],
+                                  source[r.remote_offset : r.remote_offset + r.length])  # fmt: skip
+        else:
+            sink[r.remote_offset : r.remote_offset + r.length] = local[
+                r.local_offset : r.local_offset + r.length
+            ]
+    assert await peer.adigest("sink-a", 0, SIZE) == await peer.adigest("sink-b", 0, SIZE) == digest(sink)
+
+
+async def test_a_killed_peer_fails_both_paths_alike(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    peer = spawn_peer("inl-peer", [f"source:{SIZE}:74"], "tcp")
+    fast = make_engine("inl-fast", transports=("tcp",))
+    plain = make_engine("inl-plain", transports=("tcp",), tcp_inline_bytes=0)
+    req = TransferRequest(READ, "buf", 0, "inl-peer", "source", 0, 64 * KiB)
+    for engine in (fast, plain):
+        engine.register_region("buf", SIZE)
+        await engine.start()
+        assert (await engine.transfer([req]))[0].ok  # a warm pooled connection
+    peer.kill()
+    fast_results = await fast.transfer([req, req], timeout_s=10)
+    plain_results = await plain.transfer([req, req], timeout_s=10)
+    assert fast._tcp.inline_batches == 1
+    for results in (fast_results, plain_results):
+        assert [r.status for r in results] == [TransferStatus.FAILED] * 2
+        # the peer was re-read from the directory and found dead, not retried or left hanging
+        assert all(f"segment 'inl-peer' (pid {peer.pid} on " in (r.error or "") for r in results)
+        assert all("is unreachable" in (r.error or "") for r in results)
