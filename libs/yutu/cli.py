@@ -258,8 +258,15 @@ def up(argv: list[str]) -> int:
         engines = [
             c.spec.name for c in group.children if c.spec.name.startswith(("worker-", "prefill-", "decode-"))
         ]
+
+        def supervised_stop() -> bool:  # children are supervised (restarted) while they find each other
+            fatal = group.supervise()
+            if fatal is not None:
+                raise RuntimeError(fatal)
+            return stop_requested
+
         if not wait_serving(f"http://{ready_host}:{args.port}", conductor_url, engines,
-                            deadline - time.monotonic(), lambda: stop_requested):  # fmt: skip
+                            deadline - time.monotonic(), supervised_stop):  # fmt: skip
             log.info("stopping before the stack was ready")
             return 0
         _banner(
