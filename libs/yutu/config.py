@@ -12,11 +12,15 @@ down; nothing below ``main`` reads the environment.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -87,7 +91,7 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
         group,
         "--advertise-host",
         default=None,
-        help="address other services use to reach this one (default: --host, or 127.0.0.1 if --host is 0.0.0.0)",
+        help="address other services use to reach this one (default: --host; for 0.0.0.0 the address on the default route's interface)",
     )
     option(
         group, "--instance-id", default=None, help="unique id of this instance (default: kind-hostname-pid)"
@@ -130,11 +134,84 @@ def default_instance_id(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{os.getpid()}"
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind addresses that mean "every interface"
+_RTF_UP = 0x1  # route flag: usable
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
+
+
 def advertised(host: str, advertise_host: str | None) -> str:
-    """The address peers should dial for a socket bound on ``host``."""
+    """The address peers should dial for a socket bound on ``host``.
+
+    An explicit ``advertise_host`` wins. A concrete ``host`` (loopback or not) is its own answer. A
+    wildcard (``0.0.0.0``, ``::``) is reachable on every interface, so peers get the one they can
+    most likely dial from another host: this host's address on the interface of the default route,
+    else the hostname's address when that is not loopback. Raises ``ValueError`` naming the fix
+    when there is neither (never 127.0.0.1: peers on other hosts would dial themselves)."""
     if advertise_host:
         return advertise_host
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if host not in WILDCARD_HOSTS:
+        return host
+    address = default_route_address() or hostname_address()
+    if address is None:
+        raise ValueError(
+            f"cannot tell which address peers should dial for a service bound on {host!r}: there is no"
+            " default route and the hostname resolves to loopback; pass --advertise-host (YUTU_ADVERTISE_HOST)"
+        )
+    return address
+
+
+def default_route_address(route_table: str = "/proc/net/route") -> str | None:
+    """This host's IPv4 address on the interface of its default route (the one of lowest metric),
+    or None without a default route or when that interface has no IPv4 address.
+
+    ``route_table`` is Linux's routing table as text (``/proc/net/route`` shows the calling process's
+    network namespace)."""
+    try:
+        rows = Path(route_table).read_text().splitlines()[1:]
+    except OSError:
+        return None
+    interface = default_route_interface(rows)
+    return None if interface is None else interface_address(interface)
+
+
+def default_route_interface(rows: list[str]) -> str | None:
+    """The interface of the default route in ``/proc/net/route`` rows (header dropped), lowest metric
+    first; None when no row is a default route (destination and mask 0, route up)."""
+    defaults: list[tuple[int, str]] = []
+    for row in rows:
+        fields = row.split()
+        if len(fields) < 8:
+            continue
+        interface, destination, flags, metric, mask = fields[0], fields[1], fields[3], fields[6], fields[7]
+        if int(destination, 16) == 0 and int(mask, 16) == 0 and int(flags, 16) & _RTF_UP:
+            defaults.append((int(metric), interface))
+    return min(defaults)[1] if defaults else None
+
+
+def interface_address(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (``SIOCGIFADDR``), or None when it has none."""
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+        except OSError:  # EADDRNOTAVAIL: no IPv4 address; ENODEV: gone
+            return None
+    address = socket.inet_ntoa(reply[20:24])  # struct ifreq: 16 bytes of name, then a sockaddr_in
+    return None if _loopback_or_unset(address) else address
+
+
+def hostname_address() -> str | None:
+    """The IPv4 address this host's name resolves to, or None when it does not resolve or is loopback."""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    return None if _loopback_or_unset(address) else address
+
+
+def _loopback_or_unset(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or ip.is_unspecified
 
 
 @dataclass(frozen=True)

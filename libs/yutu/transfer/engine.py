@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from yutu.config import advertised
 from yutu.transfer.directory import SegmentDirectory
 from yutu.transfer.errors import RegionError, SegmentNotFoundError, TransferError
 from yutu.transfer.region import Region, check_range, validate_region_name
@@ -95,7 +96,7 @@ class TransferEngine:
         self.transports = validate_transports(transports)
         self.default_timeout_s = default_timeout_s
         self._host, self._port = host, port
-        self._advertise = advertise_host or (socket.gethostname() if host in ("", "0.0.0.0", "::") else host)
+        self._advertise = advertised(host, advertise_host)  # the rule every service follows
         self._shm_dir = shm_dir
         self._incarnation = secrets.randbits(63)
         self._regions: dict[str, Region] = {}
