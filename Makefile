@@ -7,7 +7,7 @@ MODEL  ?=
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck bench clean
+.PHONY: run test lint typecheck bench clean image compose-test swarm-test k8s-check
 
 $(STAMP): pyproject.toml
 	@scripts/bootstrap.sh
@@ -31,6 +31,13 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy libs/yutu services
+
+# Containers (docs/deployment.md): each target installs Docker and starts dockerd itself when needed.
+image:
+	@scripts/docker-build.sh
+
+compose-test:
+	@scripts/compose-test.sh
 
 bench: $(STAMP)
 	$(PY) loadtests/bench_engine.py

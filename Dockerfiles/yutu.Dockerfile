@@ -1,0 +1,94 @@
+# One runtime image for every Yutu service: the entry point is `yutu`, the command picks the role
+# (`yutu gateway`, `yutu decode`, `yutu store-node`, ...). Build it with scripts/docker-build.sh,
+# which also makes the base image when no registry is reachable (docs/deployment.md).
+#
+# Works with the classic builder and with BuildKit alike (no BuildKit-only syntax).
+#   torch: the CPU build by default. Online it comes from PyTorch's own index (TORCH_INDEX);
+#          offline from a directory of wheels, the `wheels` stage: scripts/docker-build.sh packs the
+#          directory into an image and passes --build-arg WHEELS=<it>; with BuildKit,
+#          `--build-context wheels=DIR` does the same. CUDA: --build-arg TORCH_INDEX=.../whl/cu128.
+#   layers: base packages, torch, the other dependencies (from pyproject.toml alone), the demo
+#          model, then the source: editing code rebuilds only the last, small layers.
+
+ARG BASE_IMAGE=debian:bookworm-slim
+ARG WHEELS=no-wheels
+
+# No local wheels: an empty stage. Replaced by --build-arg WHEELS=<image> or --build-context wheels=DIR.
+FROM scratch AS no-wheels
+FROM ${WHEELS} AS wheels
+
+# ---- build: a virtualenv in /opt/yutu with everything installed ------------------------------
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      python3 python3-venv ca-certificates >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+# Extra CA certificates for a TLS-intercepting proxy between the build and PyPI (Dockerfiles/ca/*.crt,
+# normally none; scripts/docker-build.sh copies this machine's local CAs there). Build stage only.
+COPY Dockerfiles/ca/ /usr/local/share/ca-certificates/
+RUN update-ca-certificates >/dev/null 2>&1 && python3 -m venv /opt/yutu
+ENV PATH=/opt/yutu/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+COPY --from=wheels / /wheels/
+# torch alone first (its own layer: the largest and the least often changed).
+RUN set -e; \
+    if ls /wheels/torch-${TORCH_VERSION}[+-]*.whl >/dev/null 2>&1; then \
+      pip install -q --no-deps /wheels/torch-${TORCH_VERSION}[+-]*.whl; \
+    else \
+      pip install -q --no-deps --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"; \
+    fi; \
+    rm -rf /wheels
+# The other dependencies, from pyproject.toml only (torch held at the build installed above).
+COPY pyproject.toml /src/pyproject.toml
+RUN set -e; cd /src; \
+    python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt; \
+    python3 -c "from importlib.metadata import version; print('torch==' + version('torch'))" > /tmp/constraints.txt; \
+    pip install -q -r /tmp/requirements.txt -c /tmp/constraints.txt; \
+    rm /tmp/requirements.txt /tmp/constraints.txt
+# What the runtime never uses: torch's C++ headers, test suites and test binaries.
+RUN set -e; site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+    cd "$site/torch"; \
+    rm -rf include test share/cmake lib/libtorchbind_test.so lib/libjitbackend_test.so \
+           lib/libbackend_with_compiler.so lib/libaoti_custom_ops.so; \
+    find bin -type f ! -name torch_shm_manager -delete; \
+    cd "$site"; find numpy sympy networkx -depth -type d -name tests -exec rm -rf {} +
+# The source last: a code change rebuilds from here on.
+COPY README.md /src/README.md
+COPY libs /src/libs
+COPY services /src/services
+COPY Dockerfiles/healthcheck.py /opt/yutu/bin/yutu-health
+COPY Dockerfiles/entrypoint.sh /opt/yutu/bin/yutu-entrypoint
+RUN pip install -q --no-deps --no-build-isolation /src \
+ && pip uninstall -q -y pip \
+ && rm -rf /src \
+ && chmod 0755 /opt/yutu/bin/yutu-health /opt/yutu/bin/yutu-entrypoint
+# The built-in demo model, made here once (deterministic, no download) so no container makes it.
+ENV YUTU_CACHE_DIR=/var/cache/yutu
+RUN python3 -c "from yutu.engine.default_model import ensure_default_model as e; print(e())"
+
+# ---- runtime: Debian's python3 and the virtualenv, nothing else --------------------------------
+FROM ${BASE_IMAGE} AS runtime
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3 >/dev/null \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && useradd --uid 10001 --user-group --home-dir /home/yutu --create-home yutu \
+ && mkdir -p /var/cache/yutu && chown yutu:yutu /var/cache/yutu
+COPY --from=build /opt/yutu /opt/yutu
+COPY --from=build --chown=yutu:yutu /var/cache/yutu /var/cache/yutu
+ENV PATH=/opt/yutu/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    YUTU_CACHE_DIR=/var/cache/yutu \
+    YUTU_HOST=0.0.0.0 \
+    OMP_NUM_THREADS=1
+USER yutu
+WORKDIR /home/yutu
+# Each service's admin /health; docker-compose.yml points it at the service's own port.
+ENV YUTU_HEALTH_URL=http://127.0.0.1:9000/health
+HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=5 CMD ["yutu-health"]
+ENTRYPOINT ["yutu-entrypoint"]
+CMD ["--help"]

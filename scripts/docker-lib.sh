@@ -1,0 +1,107 @@
+# Shared by scripts/compose-test.sh and scripts/swarm-test.sh (sourced, not run).
+# Timed phases, waits on container health and on the gateway, the streaming chat check.
+
+declare -a TIMINGS=()
+PHASE_START=$(date +%s%N)
+
+seconds_since() { local ms=$(( ($(date +%s%N) - $1) / 1000000 )); printf '%d.%d' $((ms / 1000)) $(((ms % 1000) / 100)); }
+
+# phase NAME CMD...: run CMD, record and print how long it took.
+phase() {
+  local name=$1 t0; shift
+  t0=$(date +%s%N)
+  echo "== $name" >&2
+  "$@"
+  TIMINGS+=("$(printf '%-10s %7s s' "$name" "$(seconds_since "$t0")")")
+  echo "   $name: $(seconds_since "$t0") s" >&2
+}
+print_timings() {
+  echo "timings:"; printf '  %s\n' "${TIMINGS[@]}"
+  printf '  %-10s %7s s\n' total "$(seconds_since "$PHASE_START")"
+}
+
+compose_cmd() {
+  if docker compose version >/dev/null 2>&1; then echo "docker compose"; else echo "docker-compose"; fi
+}
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# wait_containers_healthy FILTER COUNT TIMEOUT: COUNT containers matching FILTER, all healthy.
+wait_containers_healthy() {
+  local filter=$1 want=$2 timeout=$3 deadline states
+  deadline=$(( $(date +%s) + timeout ))
+  while :; do
+    states=$(docker ps -a --filter "$filter" -q | xargs -r docker inspect \
+             -f '{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}')
+    if [[ $(grep -c ' running healthy$' <<<"$states") -ge $want ]] && ! grep -qv ' running healthy$' <<<"$states"; then
+      return 0
+    fi
+    if grep -qE ' (exited|dead) ' <<<"$states"; then echo "a container stopped:" >&2; echo "$states" >&2; return 1; fi
+    if [[ $(date +%s) -gt $deadline ]]; then echo "not healthy after ${timeout}s:" >&2; echo "$states" >&2; return 1; fi
+    sleep 1
+  done
+}
+
+# wait_gateway_engines URL PREFILL DECODE TIMEOUT: the gateway's /info shows that many usable instances.
+wait_gateway_engines() {
+  local url=$1 prefill=$2 decode=$3 timeout=$4
+  python3 - "$url" "$prefill" "$decode" "$timeout" <<'PY'
+import json, sys, time, urllib.request
+url, want_p, want_d, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+deadline, seen = time.monotonic() + timeout, None
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen(f"{url}/info", timeout=5) as r:
+            info = json.load(r)
+        seen = {k: sum(1 for w in info[k] if w["usable"]) for k in ("prefill", "decode")}
+        if seen["prefill"] >= want_p and seen["decode"] >= want_d:
+            print(f"   gateway sees {seen['prefill']} prefill and {seen['decode']} decode instance(s)", file=sys.stderr)
+            sys.exit(0)
+    except (OSError, ValueError, KeyError) as exc:
+        seen = repr(exc)
+    time.sleep(0.5)
+sys.exit(f"the gateway at {url} never saw {want_p} prefill + {want_d} decode usable instances (last: {seen})")
+PY
+}
+
+# check_streaming_chat URL [API_KEY]: a streamed chat completion: SSE chunks of one id, content,
+# exactly one finish_reason on the last choice chunk, then [DONE]. Prints the text.
+check_streaming_chat() {
+  python3 - "$1" "${2:-}" <<'PY'
+import json, sys, urllib.request
+url, key = sys.argv[1], sys.argv[2]
+body = {"model": json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=30))["data"][0]["id"],
+        "messages": [{"role": "user", "content": "Hello from the compose test"}],
+        "max_tokens": 16, "stream": True}
+headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
+with urllib.request.urlopen(req, timeout=120) as reply:
+    assert reply.status == 200, reply.status
+    assert reply.headers["content-type"].startswith("text/event-stream"), reply.headers["content-type"]
+    lines = [l.decode().rstrip("\r\n") for l in reply]
+data = [l[len("data: "):] for l in lines if l.startswith("data: ")]
+assert data and data[-1] == "[DONE]", f"stream did not end with [DONE]: {data[-3:]}"
+chunks = [json.loads(d) for d in data[:-1]]
+assert chunks, "no chunks before [DONE]"
+assert {c["id"] for c in chunks} == {chunks[0]["id"]}, "chunks of several ids"
+assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+choices = [ch for c in chunks for ch in c["choices"]]
+text = "".join(ch["delta"].get("content") or "" for ch in choices)
+finishes = [ch["finish_reason"] for ch in choices if ch.get("finish_reason")]
+assert text, "no content in the stream"
+assert finishes in (["length"], ["stop"]), f"finish_reason: {finishes}"
+print(f"   streamed {len(chunks)} chunks, finish_reason={finishes[0]}, text={text!r}", file=sys.stderr)
+PY
+}
+
+# check_nothing_left FILTER: no container, volume or network matches FILTER.
+check_nothing_left() {
+  local left
+  left="$(docker ps -aq --filter "$1")$(docker volume ls -q --filter "$1")$(docker network ls -q --filter "$1")"
+  if [[ -n "$left" ]]; then
+    echo "left behind ($1):" >&2
+    docker ps -a --filter "$1" >&2; docker volume ls --filter "$1" >&2; docker network ls --filter "$1" >&2
+    return 1
+  fi
+  echo "   no container, volume or network left" >&2
+}
