@@ -129,6 +129,13 @@ def up_parser() -> argparse.ArgumentParser:
         choices=DTYPES,
         help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AMX, else float32)",
     )
+    option(
+        topology,
+        "--engine-core",
+        default="process",
+        choices=("process", "thread"),
+        help="where each instance's model runs: process (its own child process) or thread (inside the worker)",
+    )
     conductor = parser.add_argument_group("conductor (disaggregated stack)")
     add_policy_options(conductor, scope="")
     option(
@@ -356,7 +363,7 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
     engine = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
               "--torch-threads", str(args.torch_threads or engine_threads(engine_processes(args))),
-              "--dtype", args.dtype]  # fmt: skip
+              "--dtype", args.dtype, "--engine-core", args.engine_core]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
     if args.workers is not None:

@@ -133,7 +133,7 @@ class ProcessGroup:
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 env=None if spec.env is None else dict(spec.env),
-                preexec_fn=_die_with(os.getpid()),
+                preexec_fn=die_with(os.getpid()),
                 start_new_session=spec.new_session,
             )
         finally:
@@ -250,7 +250,7 @@ def _answers_ready(http: httpx.Client, child: Child) -> bool:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
+def die_with(parent_pid: int) -> Callable[[], None]:
     """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
 
     def in_child() -> None:

@@ -80,3 +80,11 @@ def setup_logging(level: str, fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def current_settings() -> tuple[str, str]:
+    """(level, format) of this process's logging as ``setup_logging`` left it, for a child process
+    to log the same way."""
+    root = logging.getLogger()
+    fmt = "json" if any(isinstance(h.formatter, JsonFormatter) for h in root.handlers) else "text"
+    return logging.getLevelName(root.level).lower(), fmt

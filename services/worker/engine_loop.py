@@ -1,169 +1,122 @@
-"""The engine thread: the one place where the model runs.
+"""The engine on a thread of the worker process: the plain reference front of the engine core.
 
-The event loop never touches :class:`~yutu.engine.engine.LLMEngine` (it is not thread-safe and its
-steps take milliseconds to seconds). Commands go in through a thread-safe queue; outputs come back
-to the loop with ``call_soon_threadsafe``. When there is nothing to run, the thread sleeps on the
-queue instead of spinning::
+:class:`EngineLoop` runs :class:`~services.worker.engine_core.EngineCore` on a dedicated thread;
+all its methods are called from the event loop. Commands go in through a thread-safe queue;
+events come back to the loop with ``call_soon_threadsafe``. When there is nothing to run, the
+thread sleeps on the queue instead of spinning::
 
     event loop                     engine thread
     add()/abort()  -- commands --> apply, then step() while work is left
-    finish_load() / release() / unpin()  (the disaggregation commands, see LLMEngine)
+    finish_load() / release() / unpin() / check()  (the disaggregation commands, see LLMEngine)
     on_outputs()  <-- outputs ---  list[RequestOutput] per step (tokens; never a failed output)
     on_error()    <-- failures --  (request_id, exception) for requests refused or failed
     on_error()    <-- broken ----  ("", exception) once, when the engine is declared broken
     on_loads()    <-- imports ---  KVLoads admitted (copy their KV in, then finish_load)
     on_cache()    <-- cache -----  prefix-cache events, and the stored blocks pinned for write-behind
 
-Measurements for the conductor's cost models (decode-only steps, prompt compute times) and a
-snapshot of the queue are kept by the engine thread in :class:`LoadState` and read by the loop.
-
-Failures, from the smallest to the largest:
-
-- a request the engine refuses (a ValueError from ``add_request``): ``on_error(id, exc)``;
-- a request the engine failed in a step (``RequestOutput.error``: the step raised, or its logits were
-  not finite): ``on_error(id, RequestFailedError)``, kind INTERNAL; the engine goes on;
-- the engine is *broken*: ``max_failed_steps`` steps failed in a row with no success, ``step()``
-  raised (EngineBrokenError), or something failed outside a step. Then ``broken`` says why (set on
-  the event loop, before ``on_error("", exc)`` is called), every request still in the engine is
-  aborted, and the thread stays up only to answer commands: each later ``add`` fails at once with
-  :class:`EngineUnavailableError` (kind UNAVAILABLE). Nothing is retried; the worker stays up to
-  report the reason (``/ready``, registry meta) and a supervisor or operator replaces it.
+The engine thread and the event loop share the process's GIL, so the loop's Python per token
+lands on the engine's critical path; :class:`~services.worker.engine_process.EngineProcess` (the
+default, same interface) runs the same core in a process of its own. Failures: see
+:mod:`services.worker.engine_core`; once broken, ``broken`` says why (set on the event loop,
+before ``on_error("", exc)``) and each later ``add`` fails with :class:`EngineUnavailableError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import itertools
 import queue
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 from yutu.engine.engine import EngineStats, KVLoad, LLMEngine, RequestOutput
-from yutu.engine.errors import EngineBrokenError, RequestFailedError
 from yutu.engine.sampling import SamplingParams
-from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
 
-log = logging.getLogger(__name__)
+from services.worker.engine_core import (
+    MAX_FAILED_STEPS,
+    Abort,
+    Add,
+    Check,
+    Command,
+    EngineCore,
+    EngineUnavailableError,
+    FinishLoad,
+    LoadState,
+    Release,
+    Stop,
+    Unpin,
+)
 
-MAX_FAILED_STEPS = 3  # consecutive failed steps (no success between) that make the engine broken
-
-
-class EngineUnavailableError(YutuError):
-    """The worker's engine is broken: the request was not run. Retry on another worker."""
-
-    kind = ErrorKind.UNAVAILABLE
-
-
-MEASUREMENTS_KEPT = 512  # measurements the loop has not collected yet are dropped past this
-QUEUE_SNAPSHOT_S = 0.05  # the queue snapshot is refreshed at most this often
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generated: tuple[int, ...] = ()
-    import_tokens: int = 0
-    prefill_only: bool = False
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _FinishLoad:
-    request_id: str
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class _Release:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Unpin:
-    block_ids: list[int]
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _FinishLoad | _Release | _Unpin | _Stop
+__all__ = ["EngineLoop", "EngineUnavailableError", "LoadState", "MAX_FAILED_STEPS", "OnCache", "OnLoads"]
 
 OnLoads = Callable[[list[KVLoad]], None]
 OnCache = Callable[[list[CacheEvent], list[tuple[bytes, int]]], None]  # events, pinned (key, block)
+OnOutputs = Callable[[list[RequestOutput]], None]
+OnError = Callable[[str, BaseException], None]
 
 
-@dataclass
-class LoadState:
-    """What the engine thread measured and queued, for load reports (read on the event loop).
+class _Queue:
+    """The core's command source: a thread-safe queue."""
 
-    The engine thread appends to the deques and replaces the lists (never mutates them in place),
-    so the loop can read them without a lock.
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def get(self) -> Command:
+        return self.queue.get()
+
+    def get_nowait(self) -> Command | None:
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class EngineFront:
+    """What the worker's event loop sees of its engine core, wherever the core runs.
+
+    Subclasses send commands (``_send``) and call ``_event_*`` on the event loop as events arrive.
     """
 
-    prefills: deque[list[float]] = field(default_factory=lambda: deque(maxlen=MEASUREMENTS_KEPT))
-    steps: deque[list[float]] = field(default_factory=lambda: deque(maxlen=MEASUREMENTS_KEPT))
-    queued: list[list[int]] = field(default_factory=list)  # [prompt_len, reused, computed] per prefill
-    decoding: list[list[int]] = field(default_factory=list)  # [context_tokens, remaining] per decode
-
-    @staticmethod
-    def drain(measurements: deque[list[float]]) -> list[list[float]]:
-        out = []
-        while measurements:
-            out.append(measurements.popleft())
-        return out
-
-
-class EngineLoop:
-    """Owns an :class:`LLMEngine` on a dedicated thread; all methods are called from the event loop."""
+    stats: EngineStats  # the engine's latest; replaced (never mutated) after every step
 
     def __init__(
         self,
-        engine: LLMEngine,
-        loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[RequestOutput]], None],
-        on_error: Callable[[str, BaseException], None],
-        max_failed_steps: int = MAX_FAILED_STEPS,
+        on_outputs: OnOutputs,
+        on_error: OnError,
         *,
         on_loads: OnLoads | None = None,
         on_cache: OnCache | None = None,
-        pin_stored: bool = False,
     ) -> None:
-        """``on_loads``: needed when requests import KV. ``on_cache``: prefix-cache events are
-        recorded and delivered (``pin_stored``: each stored block is pinned for the caller, who
-        unpins it with ``unpin``)."""
-        if max_failed_steps < 1:
-            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
-        self.engine = engine
-        self._loop = loop
         self._on_outputs = on_outputs
         self._on_error = on_error
-        self._max_failed_steps = max_failed_steps
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._on_loads = on_loads
         self._on_cache = on_cache
-        self._pin_stored = pin_stored
-        if on_cache is not None:
-            engine.block_manager.record_events = True
         self.load = LoadState()
-        self._snapshot_at = 0.0
-        self.stats: EngineStats = engine.stats()  # replaced (never mutated) after every step
         self.broken: str | None = None  # why the engine cannot serve; set on the event loop, never reset
-        self.failure: BaseException | None = None  # set if the engine thread itself died
+        self.failure: BaseException | None = None  # set if the engine core itself died
+        self._checks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._check_ids = itertools.count(1)
 
-    def start(self) -> None:
-        self._thread.start()
+    def _send(self, command: Command) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Stop the core after the step it is in; wait until it has stopped."""
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process, if the core runs in one."""
+        return None
+
+    def _fail_soon(self, request_id: str, exc: BaseException) -> None:
+        raise NotImplementedError
 
     def add(
         self,
@@ -181,167 +134,139 @@ class EngineLoop:
             exc = EngineUnavailableError(
                 f"this worker's engine is broken ({self.broken}); retry on another worker"
             )
-            self._loop.call_soon(self._on_error, request_id, exc)
+            self._fail_soon(request_id, exc)
             return
-        self._commands.put(_Add(request_id, prompt_token_ids, params, generated, import_tokens, prefill_only))
+        self._send(Add(request_id, prompt_token_ids, params, generated, import_tokens, prefill_only))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._send(Abort(request_id))
 
     def finish_load(self, request_id: str, num_tokens: int) -> None:
-        self._commands.put(_FinishLoad(request_id, num_tokens))
+        self._send(FinishLoad(request_id, num_tokens))
 
     def release(self, request_id: str) -> None:
-        self._commands.put(_Release(request_id))
+        self._send(Release(request_id))
 
     def unpin(self, block_ids: list[int]) -> None:
-        """Thread-safe: write-behind calls it from the event loop when it is done with blocks."""
+        """Write-behind calls it from the event loop when it is done with blocks."""
         if block_ids:
-            self._commands.put(_Unpin(list(block_ids)))
+            self._send(Unpin(list(block_ids)))
+
+    async def check(self) -> dict[str, Any]:
+        """The block manager's invariants, checked by the core between two steps. Raises
+        AssertionError naming the broken invariant, RuntimeError when the engine is broken."""
+        token = next(self._check_ids)
+        future = self._checks[token] = asyncio.get_running_loop().create_future()
+        self._send(Check(token))
+        try:
+            return await future
+        finally:
+            self._checks.pop(token, None)
+
+    # -- events, on the event loop ---------------------------------------------------------------
+
+    def _event_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self.stats = stats
+        if outputs:
+            self._on_outputs(outputs)
+
+    def _event_check(self, token: int, result: dict[str, Any] | str) -> None:
+        future = self._checks.get(token)
+        if future is None or future.done():
+            return
+        if isinstance(result, str):
+            error: Exception = RuntimeError(result) if "broken" in result else AssertionError(result)
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _event_broken(self, reason: str, exc: BaseException) -> None:
+        if self.broken is None:
+            self.broken = reason
+            self._on_error("", exc)
+
+
+class EngineLoop(EngineFront):
+    """Owns an :class:`LLMEngine` on a dedicated thread; all methods are called from the event loop."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: OnOutputs,
+        on_error: OnError,
+        max_failed_steps: int = MAX_FAILED_STEPS,
+        *,
+        on_loads: OnLoads | None = None,
+        on_cache: OnCache | None = None,
+        pin_stored: bool = False,
+    ) -> None:
+        """``on_loads``: needed when requests import KV. ``on_cache``: prefix-cache events are
+        recorded and delivered (``pin_stored``: each stored block is pinned for the caller, who
+        unpins it with ``unpin``)."""
+        super().__init__(on_outputs, on_error, on_loads=on_loads, on_cache=on_cache)
+        self.engine = engine
+        self._loop = loop
+        self._commands = _Queue()
+        self._core = EngineCore(
+            engine, self._commands, _LoopEvents(self, loop), max_failed_steps,
+            record_cache=on_cache is not None, pin_stored=pin_stored, load=self.load,
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.stats = engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _send(self, command: Command) -> None:
+        self._commands.queue.put(command)
+
+    def _fail_soon(self, request_id: str, exc: BaseException) -> None:
+        self._loop.call_soon(self._on_error, request_id, exc)
 
     async def stop(self) -> None:
-        self._commands.put(_Stop())
+        self._send(Stop())
         await asyncio.to_thread(self._thread.join)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # -- the engine thread -----------------------------------------------------------------------
-
     def _run(self) -> None:
-        try:
-            try:
-                self._serve()
-                return
-            except Exception as exc:  # noqa: BLE001 - the engine is broken, the worker is not
-                reason = f"{type(exc).__name__}: {exc}"
-                log.exception("engine broken: %s", reason)
-                self._loop.call_soon_threadsafe(self._declare_broken, reason, exc)
-            self._serve_broken()
-        except BaseException as exc:  # noqa: BLE001 - even the broken mode failed: the thread dies
-            log.exception("engine thread died")
-            self.failure = exc
-            self._loop.call_soon_threadsafe(self._declare_broken, f"engine thread died: {exc!r}", exc)
+        self._core.serve()
+        self.failure = self._core.failure
 
-    def _serve(self) -> None:
-        """Apply commands and step until a stop command (returns) or a broken engine (raises)."""
-        while True:
-            # Idle: sleep until a command comes. Busy: take what is queued, then step.
-            command: _Command | None
-            if self.engine.has_unfinished_requests():
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            else:
-                command = self._commands.get()
-            while command is not None:
-                if isinstance(command, _Stop):
-                    return
-                self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            self._publish_cache()
-            if self.engine.has_unfinished_requests():
-                outputs = self.engine.step()  # contains its own failures; raises only when broken
-                self.stats = self.engine.stats()
-                self._measure(outputs)
-                self._deliver(outputs)
-                self._publish_cache()
-                loads = self.engine.take_loads()
-                if loads:
-                    assert self._on_loads is not None, "a request imports KV but nobody copies it"
-                    self._loop.call_soon_threadsafe(self._on_loads, loads)
-                failed = self.engine.consecutive_failed_steps
-                if failed >= self._max_failed_steps:
-                    raise EngineBrokenError(
-                        f"{failed} engine steps failed in a row (last: {self.engine.last_failure})"
-                    )
-            else:
-                self.stats = self.engine.stats()
-                self.load.queued, self.load.decoding = self.engine.queue_snapshot()
 
-    def _serve_broken(self) -> None:
-        """Abort what the engine holds, then answer commands without running anything until stopped."""
-        try:
-            aborted = self.engine.abort_all()
-            self.stats = self.engine.stats()
-            log.info("broken engine: aborted %d request(s)", len(aborted))
-        except Exception:  # noqa: BLE001 - a broken engine may fail this too; nothing runs on it anyway
-            log.exception("broken engine: could not abort its requests")
-        while True:
-            command = self._commands.get()
-            if isinstance(command, _Stop):
-                return
-            if isinstance(command, _Add):  # queued before the event loop learnt we were broken
-                exc = EngineUnavailableError("this worker's engine is broken; retry on another worker")
-                self._loop.call_soon_threadsafe(self._on_error, command.request_id, exc)
+class _LoopEvents:
+    """The core's events, handed to the event loop (called on the engine thread)."""
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        tokens = [out for out in outputs if not out.failed]
-        failed = [out for out in outputs if out.failed]
-        if tokens:
-            self._loop.call_soon_threadsafe(self._on_outputs, tokens)
-        for out in failed:  # after the tokens: a request may have got some before its step failed
-            exc = RequestFailedError(out.error or "the engine failed this request")
-            self._loop.call_soon_threadsafe(self._on_error, out.request_id, exc)
+    def __init__(self, front: EngineLoop, loop: asyncio.AbstractEventLoop) -> None:
+        self._front = front
+        self._loop = loop
 
-    def _apply(self, command: _Add | _Abort | _FinishLoad | _Release | _Unpin) -> None:
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-        elif isinstance(command, _FinishLoad):
-            self.engine.finish_load(command.request_id, command.num_tokens)
-        elif isinstance(command, _Release):
-            self.engine.release(command.request_id)
-        elif isinstance(command, _Unpin):
-            self.engine.block_manager.unpin(command.block_ids)
-        else:
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.prompt_token_ids,
-                    command.params,
-                    generated=command.generated,
-                    import_tokens=command.import_tokens,
-                    prefill_only=command.prefill_only,
-                )
-            except ValueError as exc:  # the engine's typed input errors are ValueErrors
-                self._loop.call_soon_threadsafe(self._on_error, command.request_id, exc)
+    def outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        # Stats are replaced here, not on the loop: a later idle snapshot must never be overwritten
+        # by a step's stats delivered after it. A plain attribute replacement is safe from this thread.
+        self._front.stats = stats
+        if outputs:
+            self._loop.call_soon_threadsafe(self._front._on_outputs, outputs)
 
-    def _publish_cache(self) -> None:
-        """Hand the prefix-cache events to the loop, pinning stored blocks for write-behind first."""
-        if self._on_cache is None:
-            return
-        events = self.engine.take_cache_events()
-        if not events:
-            return
-        pinned: list[tuple[bytes, int]] = []
-        if self._pin_stored:
-            bm = self.engine.block_manager
-            stored = [e for e in events if e.stored and bm.block_key(e.block_id) == e.key]
-            bm.pin([e.block_id for e in stored])
-            pinned = [(e.key, e.block_id) for e in stored]
-        self._loop.call_soon_threadsafe(self._on_cache, events, pinned)
+    def error(self, request_id: str, exc: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._front._on_error, request_id, exc)
 
-    def _measure(self, outputs: list[RequestOutput]) -> None:
-        """Keep the step's measurements and (at most every QUEUE_SNAPSHOT_S) the queue's state."""
-        step = self.engine.last_step
-        if step is not None and step.num_decodes and not step.num_prefill_tokens:
-            self.load.steps.append([step.num_decodes, step.decode_kv_tokens, step.seconds])
-        for out in outputs:
-            if out.prefill_s is not None and out.prefill_s > 0:
-                self.load.prefills.append([out.num_prompt_tokens, out.num_cached_tokens, out.prefill_s])
-        now = time.monotonic()
-        if now - self._snapshot_at >= QUEUE_SNAPSHOT_S:
-            self._snapshot_at = now
-            self.load.queued, self.load.decoding = self.engine.queue_snapshot()
+    def loads(self, loads: list[KVLoad]) -> None:
+        assert self._front._on_loads is not None, "a request imports KV but nobody copies it"
+        self._loop.call_soon_threadsafe(self._front._on_loads, loads)
 
-    # -- the event loop --------------------------------------------------------------------------
+    def cache(self, events: list[CacheEvent], pinned: list[tuple[bytes, int]]) -> None:
+        assert self._front._on_cache is not None
+        self._loop.call_soon_threadsafe(self._front._on_cache, events, pinned)
 
-    def _declare_broken(self, reason: str, exc: BaseException) -> None:
-        if self.broken is None:
-            self.broken = reason
-            self._on_error("", exc)
+    def check(self, token: int, result: dict[str, Any] | str) -> None:
+        self._loop.call_soon_threadsafe(self._front._event_check, token, result)
+
+    def measured(self, load: LoadState, stats: EngineStats) -> None:
+        self._front.stats = stats  # ``load`` is the front's own LoadState: nothing to copy
+
+    def broken(self, reason: str, exc: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._front._event_broken, reason, exc)

@@ -37,7 +37,7 @@ from yutu.protocol.prefill import KVHandle
 from yutu.rpc import Peer, Sent
 from yutu.supervise import Supervisor
 
-from services.worker.engine_loop import EngineLoop
+from services.worker.engine_loop import EngineFront
 from services.worker.imports import FromPeer, FromStore, KVImports
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ _SHUTDOWN_LINGER_S = 1.0  # the last deltas still go out this long after the soc
 class GenerateRole:
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine_loop: EngineFront,
         imports: KVImports,
         root_key: bytes,
         block_size: int,

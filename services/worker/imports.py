@@ -28,7 +28,7 @@ from yutu.worker.kv_io import fetch_from_store, pull_blocks
 from yutu.worker.kv_region import KVRegion
 from yutu.worker.write_behind import WriteBehind
 
-from services.worker.engine_loop import EngineLoop
+from services.worker.engine_loop import EngineFront
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ TRANSFERS_KEPT = 512
 class KVImports:
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine_loop: EngineFront,
         transfer: TransferEngine,
         region: KVRegion,
         store: StoreClient | None,
@@ -77,7 +77,9 @@ class KVImports:
         self.pulled_blocks = 0
         self.fetched_blocks = 0
         self.failed = 0  # imports that brought less than planned
-        self.transfer_bytes = 0  # KV bytes imported, since start (pulled from peers or fetched from the store)
+        self.transfer_bytes = (
+            0  # KV bytes imported, since start (pulled from peers or fetched from the store)
+        )
         self.transfer_seconds = 0.0  # time those imports took
 
     def expect(self, request_id: str, source: Source) -> None:
@@ -89,7 +91,7 @@ class KVImports:
         return self._sources.pop(request_id, None)
 
     def on_loads(self, loads: list[KVLoad]) -> None:
-        """EngineLoop callback (on the event loop): start copying each admitted load."""
+        """Engine front callback (on the event loop): start copying each admitted load."""
         for load in loads:
             task = asyncio.create_task(self._load(load), name=f"kv-import-{load.seq_id}")
             self._tasks.add(task)

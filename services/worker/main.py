@@ -38,7 +38,10 @@ async def _main(settings: WorkerSettings) -> int:
         service, HttpServer(admin_app(service), settings.host, settings.admin_port, settings.advertise_host)
     )
     failure = service._loop_engine.failure if service._loop_engine is not None else None
-    return 1 if failure is not None else 0
+    if failure is not None:
+        log.error("exiting with status 1: the engine died under the worker (%s)", failure)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":  # python -m services.worker.main: the same as `yutu worker`

@@ -27,7 +27,7 @@ from yutu.rpc import RpcServer
 from yutu.worker.holds import Holds
 from yutu.worker.kv_region import KVRegion
 
-from services.worker.engine_loop import EngineLoop
+from services.worker.engine_loop import EngineFront
 from services.worker.imports import FromStore, KVImports
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class PrefillRole:
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine_loop: EngineFront,
         imports: KVImports,
         region: KVRegion,
         instance_id: str,

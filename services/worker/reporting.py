@@ -22,11 +22,12 @@ from yutu.rpc import KVEventPublisher, Publisher
 from yutu.supervise import Supervisor
 from yutu.worker.write_behind import WriteBehind
 
-from services.worker.engine_loop import EngineLoop, LoadState
+from services.worker.engine_core import LoadState
+from services.worker.engine_loop import EngineFront
 
 
 class CacheEvents:
-    """Publishes the engine's prefix-cache changes and feeds write-behind (EngineLoop's on_cache)."""
+    """Publishes the engine's prefix-cache changes and feeds write-behind (the engine front's on_cache)."""
 
     def __init__(
         self,
@@ -83,7 +84,7 @@ class LoadReporter:
         host: str,
         instance_id: str,
         role: str,
-        engine_loop: EngineLoop,
+        engine_loop: EngineFront,
         block_size: int,
         extra: Callable[[], tuple[int, list[list[float]]]],  # (held requests, transfers since last)
         supervisor: Supervisor,

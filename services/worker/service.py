@@ -27,6 +27,7 @@ it, requests in flight fail with ``internal_error``, new ones with ``service_una
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import asdict
@@ -41,6 +42,7 @@ from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
+from yutu.logs import current_settings
 from yutu.protocol import prefill as p
 from yutu.protocol.prefill import KVHandle
 from yutu.registry import Registration, Registry, ServiceRecord
@@ -51,7 +53,9 @@ from yutu.transfer import SegmentDirectory, TransferEngine
 from yutu.worker.kv_region import KVRegion
 from yutu.worker.write_behind import WriteBehind
 
-from services.worker.engine_loop import EngineLoop
+from services.worker.engine_core import EngineInfo
+from services.worker.engine_loop import EngineFront, EngineLoop
+from services.worker.engine_process import EngineProcess
 from services.worker.generate_role import GenerateRole
 from services.worker.imports import FromPeer, KVImports
 from services.worker.metrics import EngineCollector
@@ -70,11 +74,12 @@ class WorkerService(Service):
         self.kind = settings.kind  # before Service.__init__: its supervisor is named after it
         super().__init__()
         self.settings = settings
-        self.engine: LLMEngine | None = None
+        self.engine: LLMEngine | None = None  # only with --engine-core thread
+        self.engine_info: EngineInfo | None = None
         self.model_dir: Path | None = None
         self.served_model_name = ""
         self.demo = False
-        self._loop_engine: EngineLoop | None = None
+        self._loop_engine: EngineFront | None = None
         self._redis: aioredis.Redis | None = None
         self._transfer: TransferEngine | None = None
         self._region: KVRegion | None = None
@@ -95,8 +100,6 @@ class WorkerService(Service):
 
     async def startup(self) -> None:
         s = self.settings
-        if s.torch_threads > 0:
-            torch.set_num_threads(s.torch_threads)
         self.model_dir = await asyncio.to_thread(resolve_model, s.model)
         self._redis = aioredis.from_url(s.redis_url)
         self._registry = Registry(self._redis, s.registry_prefix)
@@ -115,12 +118,12 @@ class WorkerService(Service):
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
             dtype=s.dtype,
-            kv_cache_factory=self._region.factory,
         )
-        log.info("loading model from %s (%s role)", self.model_dir, s.role)
-        self.engine = await asyncio.to_thread(LLMEngine, config)
+        log.info("loading model from %s (%s role, engine in a %s)", self.model_dir, s.role, s.engine_core)
+        await self._start_engine(config)
         await self._transfer.start()  # publishes the segment with the KV cache region
-        self.demo = bool(self.engine.model_config.yutu_demo)
+        assert self.engine_info is not None
+        self.demo = self.engine_info.demo
         self.served_model_name = s.served_model_name or served_model_name(s.model, self.model_dir)
         if self.demo:
             log.warning(
@@ -129,7 +132,6 @@ class WorkerService(Service):
                 self.served_model_name,
             )
         self.metrics.register(EngineCollector(self))
-        self._start_engine_loop()
         endpoints = self._start_channel()
         if s.role != "mixed":
             assert self._loop_engine is not None
@@ -153,39 +155,55 @@ class WorkerService(Service):
         self.loops.every("worker-meta", _META_REFRESH_S, self._refresh_meta)
         log.info("%s %s serving %r: %s", s.role, s.instance_id, self.served_model_name, endpoints)
 
-    def _start_engine_loop(self) -> None:
+    async def _start_engine(self, config: EngineConfig) -> None:
+        """Load the model and start the engine core (in a child process, or on a thread)."""
         s = self.settings
-        assert self.engine is not None and self._transfer is not None and self._region is not None
-        loop = asyncio.get_running_loop()
+        assert self._transfer is not None and self._region is not None
         self.cache_events = CacheEvents(s.host, s.block_size, "CPU", self.loops, None)
-        self._loop_engine = EngineLoop(
-            self.engine,
-            loop,
-            self._on_outputs,
-            self._on_error,
-            on_loads=self._on_loads,
-            on_cache=self._on_cache,
-            pin_stored=s.kv_store and s.write_behind_blocks > 0,
-        )
+        pin_stored = s.kv_store and s.write_behind_blocks > 0
+        front: EngineFront
+        if s.engine_core == "process":
+            process = EngineProcess(
+                config, self._region, self._on_outputs, self._on_error, on_loads=self._on_loads,
+                on_cache=self._on_cache, pin_stored=pin_stored, torch_threads=s.torch_threads,
+                log_settings=current_settings(),
+            )  # fmt: skip
+            self._loop_engine = front = process
+            await process.start()
+            assert process.task is not None and process.info is not None
+            self.loops.watch("engine-events", process.task)
+            self.engine_info = process.info
+        else:
+            if s.torch_threads > 0:
+                torch.set_num_threads(s.torch_threads)
+            config = dataclasses.replace(config, kv_cache_factory=self._region.factory)
+            self.engine = await asyncio.to_thread(LLMEngine, config)
+            self.engine_info = EngineInfo.of(self.engine, torch.get_num_threads())
+            thread = EngineLoop(
+                self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_error,
+                on_loads=self._on_loads, on_cache=self._on_cache, pin_stored=pin_stored,
+            )  # fmt: skip
+            self._loop_engine = front = thread
+            thread.start()
         self.imports = KVImports(
-            self._loop_engine, self._transfer, self._region, None, None, s.block_size, self._release_remote
+            front, self._transfer, self._region, None, None, s.block_size, self._release_remote
         )
-        self._loop_engine.start()
 
     def _start_channel(self) -> dict[str, str]:
         s = self.settings
-        assert self._loop_engine is not None and self.engine is not None and self.imports is not None
+        info = self.engine_info
+        assert self._loop_engine is not None and info is not None and self.imports is not None
         assert self._region is not None
         if s.role == "prefill":
             self.prefill = PrefillRole(
-                self._loop_engine, self.imports, self._region, s.instance_id, self.engine.root_key,
+                self._loop_engine, self.imports, self._region, s.instance_id, info.root_key,
                 s.block_size, s.kv_lease_s, s.host, s.zmq_port, s.advertise_host, self._check_prompt,
             )  # fmt: skip
             self.prefill.start()
             self.loops.every("kv-holds", 1.0, self.prefill.expire)
             return {"prefill": self.prefill.endpoint}
         self.generate = GenerateRole(
-            self._loop_engine, self.imports, self.engine.root_key, s.block_size, s.host, s.zmq_port,
+            self._loop_engine, self.imports, info.root_key, s.block_size, s.host, s.zmq_port,
             self._check_prompt, self.loops,
         )  # fmt: skip
         return {"generate": self._advertise(self.generate.endpoint)}
@@ -272,7 +290,10 @@ class WorkerService(Service):
             await self._redis.aclose()
 
     def is_ready(self) -> bool:
-        return self._accepting and self._loop_engine is not None and self._loop_engine.alive
+        # A broken engine is not "not ready yet": problems() names it (and an engine process
+        # that ended is not alive).
+        front = self._loop_engine
+        return self._accepting and front is not None and (front.alive or front.broken is not None)
 
     @property
     def in_flight(self) -> int:
@@ -329,8 +350,8 @@ class WorkerService(Service):
         task.add_done_callback(_log_release_failure)
 
     def _check_prompt(self, ids: Any) -> str | None:
-        assert self.engine is not None
-        vocab = self.engine.model_config.vocab_size
+        assert self.engine_info is not None
+        vocab = self.engine_info.vocab_size
         if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
             return f"prompt must be a non-empty list of token ids in [0, {vocab})"
         return None
@@ -354,17 +375,18 @@ class WorkerService(Service):
     # -- registry, admin -------------------------------------------------------------------------
 
     def _meta(self) -> dict[str, Any]:
-        assert self.engine is not None
-        stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
+        info = self.engine_info
+        assert info is not None and self._loop_engine is not None
+        stats = self._loop_engine.stats
         return {
             "model": self.served_model_name,
             "model_dir": str(self.model_dir),
             "role": self.settings.role,
-            "max_model_len": self.engine.max_model_len,
+            "max_model_len": info.max_model_len,
             "block_size": self.settings.block_size,
             "block_bytes": 0 if self._region is None else self._region.block_bytes,
-            "dtype": str(self.engine.dtype).removeprefix("torch."),
-            "kv_salt": self.engine.kv_salt,  # what block keys are salted with (model and dtype)
+            "dtype": info.dtype,
+            "kv_salt": info.kv_salt,  # what block keys are salted with (model and dtype)
             "max_num_seqs": self.settings.max_num_seqs,
             "segment": self.settings.instance_id,
             "kv_store": self.store is not None,
@@ -386,16 +408,19 @@ class WorkerService(Service):
             "role": self.settings.role,
             "instance_id": self.settings.instance_id,
         }
-        if self.engine is not None:
-            stats = self._loop_engine.stats if self._loop_engine is not None else self.engine.stats()
+        engine = self.engine_info
+        if engine is not None and self._loop_engine is not None:
+            stats = self._loop_engine.stats
             info |= {
                 "model": self.served_model_name,
                 "model_dir": str(self.model_dir),
                 "demo": self.demo,
-                "max_model_len": self.engine.max_model_len,
+                "max_model_len": engine.max_model_len,
                 "block_size": self.settings.block_size,
-                "torch_threads": torch.get_num_threads(),
-                "dtype": str(self.engine.dtype).removeprefix("torch."),
+                "torch_threads": engine.torch_threads,
+                "engine_core": self.settings.engine_core,
+                "engine_pid": self._loop_engine.pid,
+                "dtype": engine.dtype,
                 "in_flight": self.in_flight,
                 "broken": self.broken,
                 "engine": asdict(stats),
@@ -425,13 +450,8 @@ class WorkerService(Service):
         async def check_integrity() -> dict[str, Any]:
             # Read-only check of the block manager's invariants; the result is a snapshot and may race
             # with a step, so tests call it only when the worker is idle.
-            assert self.engine is not None
-            self.engine.block_manager.check_integrity()
-            return {
-                "ok": True,
-                "used_blocks": self.engine.block_manager.num_used_blocks,
-                "held": self.engine.num_held,
-            }
+            assert self._loop_engine is not None
+            return await self._loop_engine.check()
 
         return router
 

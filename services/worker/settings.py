@@ -21,6 +21,9 @@ ROLES = ("mixed", "prefill", "decode")
 SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
 
 
+ENGINE_CORES = ("process", "thread")
+
+
 @dataclass(frozen=True)
 class WorkerSettings(ServiceSettings):
     role: str  # "mixed" | "prefill" | "decode"
@@ -35,6 +38,7 @@ class WorkerSettings(ServiceSettings):
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
+    engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
     admin_port: int  # 0: any free port
     kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
@@ -72,6 +76,7 @@ class WorkerSettings(ServiceSettings):
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
             dtype=args.dtype,
+            engine_core=args.engine_core,
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
             kv_store=args.kv_store,
@@ -112,6 +117,14 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         choices=DTYPES,
         help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32"
         " (every instance sharing KV must use the same)",
+    )
+    own(
+        engine,
+        "--engine-core",
+        default="process",
+        choices=ENGINE_CORES,
+        help="where the model runs: process (a child process, so the worker's event loop never holds"
+        " the model step's GIL) or thread (a thread of the worker process: the plain reference)",
     )
     kv = parser.add_argument_group("KV cache sharing")
     own(

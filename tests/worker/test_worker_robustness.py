@@ -34,6 +34,7 @@ from yutu.errors import ErrorKind
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import admin_app
 
+from services.worker.engine_core import EngineInfo
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
 from services.worker.generate_role import GenerateRole
 from services.worker.service import WorkerService
@@ -257,6 +258,9 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
         step_raises=EngineBrokenError("the KV block pool is inconsistent after a failed step")
     )
     service.engine = engine  # type: ignore[assignment]
+    service.engine_info = EngineInfo(
+        100, False, engine.max_model_len, "float32", engine.kv_salt, b"\0" * 16, 1
+    )
     service.model_dir, service.served_model_name = tmp_path, MODEL_NAME
     failed: list[tuple[bytes, str, ErrorKind, str]] = []
     failed_event = asyncio.Event()
@@ -357,6 +361,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         enable_prefix_caching=True,
         torch_threads=1,
         dtype="float32",
+        engine_core="thread",
         zmq_port=0,
         admin_port=0,
         role="mixed",

@@ -36,17 +36,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", arch="llama", seed=3)
 
 
-@pytest.fixture(scope="module")
-def worker(checkpoint: Path, redis_url: str) -> Iterator[dict[str, str]]:
-    prefix = "yutu-worker-test"
+@pytest.fixture(scope="module", params=["process", "thread"])
+def worker(checkpoint: Path, redis_url: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """A worker with its engine core in a child process (the default) or on a thread (the plain
+    reference): every test of this module runs against both, to the same expected tokens."""
+    prefix = f"yutu-worker-test-{request.param}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
          "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "128", "--block-size", "4",
-         "--torch-threads", "1", "--log-level", "warning"],
+         "--torch-threads", "1", "--log-level", "warning", "--engine-core", request.param],
     )  # fmt: skip
     try:
         record = asyncio.run(_wait_registered(redis_url, prefix, proc))
-        yield {**record, "prefix": prefix}
+        yield {**record, "prefix": prefix, "core": request.param}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -231,6 +233,8 @@ async def test_admin_endpoints_and_registry_meta(
     ):
         assert name in metrics
     assert info["model"] == checkpoint.name and info["block_size"] == 4 and info["demo"] is False
+    assert info["engine_core"] == worker["core"] and info["torch_threads"] == 1
+    assert (info["engine_pid"] is not None) == (worker["core"] == "process")
     registry = Registry.from_url(redis_url, worker["prefix"])
     record = await registry.get("worker", "w-test")
     await registry.close()

@@ -31,13 +31,21 @@ class KVRegion:
 
     def factory(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Register the region for a cache of ``shape`` and ``dtype``; return the tensor over it."""
+        return self.register(shape, dtype).view_torch(dtype, shape)
+
+    def register(self, shape: tuple[int, ...], dtype: torch.dtype | str) -> Region:
+        """Register the region for a cache of ``shape`` and ``dtype`` (a torch dtype or its name,
+        e.g. ``"bfloat16"``) without a tensor over it: an engine process maps its file itself."""
         if self.region is not None:
             raise RuntimeError(f"the KV region {self.name!r} is already registered")
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+            assert isinstance(dtype, torch.dtype), f"not a torch dtype: {dtype!r}"
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.num_blocks = shape[0]
         self.block_bytes = math.prod(shape[1:]) * itemsize
         self.region = self.engine.register_region(self.name, self.num_blocks * self.block_bytes)
-        return self.region.view_torch(dtype, shape)
+        return self.region
 
     def offset(self, block_id: int) -> int:
         return block_id * self.block_bytes

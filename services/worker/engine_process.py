@@ -1,0 +1,458 @@
+"""The engine core in a process of its own (the default; ``--engine-core process``).
+
+The worker's event loop and an engine *thread* share one GIL: every microsecond of Python the
+loop spends per token (framing, sending, bookkeeping) is taken from the model step, and a send
+on the loop waits for the engine thread to let the GIL go (measured: ~0.3 ms per token at batch
+1). As vLLM V1 keeps its EngineCore in its own process, the worker starts one child process that
+runs :class:`~services.worker.engine_core.EngineCore` -- the same code the thread front runs --
+and keeps its sockets, transfer engine, store client and HTTP app in the worker process::
+
+    worker process (event loop)                      engine process (spawned)
+    EngineProcess.add()/abort()/...  -- PUSH ipc -->  commands -> EngineCore.serve()
+    callbacks on the loop           <-- PULL ipc --  one message per step: tokens + stats
+                                                     (+ measurements), errors, loads, cache
+
+The KV cache stays in the worker's registered region: the child asks for a region of the shape
+its memory budget gives, the worker registers it with its transfer engine and answers with the
+file, and the child maps that file, so peers read and write blocks the model uses without a copy.
+Messages are pickled (same Python, same code on both ends). The child ignores SIGINT (the
+worker decides when to stop), dies with the worker (PR_SET_PDEATHSIG), and if it dies on its own
+the engine is *broken* (``broken`` says how it ended), exactly as when the thread's engine breaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from yutu.engine.engine import EngineConfig, EngineStats, KVLoad, RequestOutput
+from yutu.errors import ErrorKind, YutuError
+from yutu.kv.block_manager import CacheEvent
+from yutu.worker.kv_region import KVRegion
+
+from services.worker.engine_core import (
+    MAX_FAILED_STEPS,
+    Command,
+    EngineInfo,
+    LoadState,
+    Stop,
+)
+from services.worker.engine_loop import EngineFront, OnCache, OnError, OnLoads, OnOutputs
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a model can take long; a child that died is noticed at once
+STOP_TIMEOUT_S = 10.0  # after this the child is killed
+
+
+class EngineProcessError(YutuError):
+    """The engine process could not start or ended on its own."""
+
+    kind = ErrorKind.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class ChildArgs:
+    config: EngineConfig  # without kv_cache_factory: the child maps the worker's region
+    commands: str  # ipc endpoint the child PULLs commands from
+    events: str  # ipc endpoint the child PUSHes events to
+    parent_pid: int
+    torch_threads: int  # 0: torch's default
+    max_failed_steps: int
+    record_cache: bool
+    pin_stored: bool
+    log_level: str
+    log_format: str
+
+
+def _dumps(message: object) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class EngineProcess(EngineFront):
+    """Owns the engine process; all methods are called from the event loop."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        region: KVRegion,
+        on_outputs: OnOutputs,
+        on_error: OnError,
+        max_failed_steps: int = MAX_FAILED_STEPS,
+        *,
+        on_loads: OnLoads | None = None,
+        on_cache: OnCache | None = None,
+        pin_stored: bool = False,
+        torch_threads: int = 0,
+        log_settings: tuple[str, str] = ("info", "text"),
+    ) -> None:
+        """``log_settings``: (level, format) the child logs with (see ``yutu.logs``)."""
+        super().__init__(on_outputs, on_error, on_loads=on_loads, on_cache=on_cache)
+        self._region = region
+        self._dir = tempfile.mkdtemp(prefix="yutu-engine-")
+        self._ctx = zmq.asyncio.Context()
+        self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # commands are few and small: never drop or block
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.setsockopt(zmq.RCVHWM, 0)
+        self._events.setsockopt(zmq.LINGER, 0)
+        commands, events = f"ipc://{self._dir}/commands", f"ipc://{self._dir}/events"
+        self._commands.bind(commands)
+        self._events.bind(events)
+        self._args = ChildArgs(
+            dataclasses.replace(config, kv_cache_factory=None), commands, events, os.getpid(),
+            torch_threads, max_failed_steps, on_cache is not None, pin_stored, *log_settings,
+        )  # fmt: skip
+        self._process: Any = None  # multiprocessing's SpawnProcess
+        self._drain: zmq.Socket[bytes] | None = None
+        self._stopping = False
+        self.task: asyncio.Task[None] | None = None  # reads the child's events once started
+        self.info: EngineInfo | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:  # noqa: ASYNC109 - one wait, named
+        """Start the child, register its KV region, wait until its engine is loaded. Raises
+        EngineProcessError (or the engine's own error, e.g. a ValueError for a bad config)."""
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=child_main, args=(self._args,), name="yutu-engine", daemon=True
+        )
+        self._process.start()
+        log.info("engine process %d starting", self._process.pid)
+        try:
+            await asyncio.wait_for(self._handshake(), timeout_s)
+        except BaseException:
+            await self._end_child()
+            raise
+        self._drain = zmq.Socket.shadow(self._events.underlying)  # sync twin: drains without a wait
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._child_ended)
+        self.task = asyncio.ensure_future(self._read_events())
+
+    async def _handshake(self) -> None:
+        while True:
+            message = await self._next_event()
+            tag = message[0]
+            if tag == "region":
+                _, shape, dtype_name = message
+                region = self._region.register(tuple(shape), dtype_name)
+                self._send_raw(("region", region.path, region.size, region.inode))
+            elif tag == "ready":
+                _, self.info, self.stats = message
+                log.info("engine process %d ready", self._process.pid)
+                return
+            elif tag == "failed":
+                raise message[1]
+            else:
+                raise EngineProcessError(f"engine process sent {tag!r} before it was ready")
+
+    async def _next_event(self) -> tuple[Any, ...]:
+        """The child's next message; raises EngineProcessError when the child ended instead."""
+        receive = asyncio.ensure_future(self._events.recv())
+        ended = asyncio.ensure_future(self._ended())
+        try:
+            done, _ = await asyncio.wait({receive, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if receive in done:
+            message: tuple[Any, ...] = pickle.loads(receive.result())
+            return message
+        receive.cancel()
+        raise EngineProcessError(f"the engine process ended during start-up ({self._exit_status()})")
+
+    async def _ended(self) -> None:
+        """Returns when the child process has ended."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        sentinel = self._process.sentinel
+        loop.add_reader(sentinel, lambda: None if ended.done() else ended.set_result(None))
+        try:
+            await ended
+        finally:
+            loop.remove_reader(sentinel)
+
+    def _exit_status(self) -> str:
+        code = self._process.exitcode if self._process is not None else None
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    async def stop(self) -> None:
+        """Stop the core (it finishes the step it is in), then the process; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._process is not None and self._process.is_alive():
+            self._send(Stop())
+        await self._end_child()
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        if self._process is not None:
+            with contextlib.suppress(ValueError, OSError):  # already removed when it ended first
+                asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._commands.close()
+        self._events.close()
+        self._ctx.term()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._dir):
+                os.unlink(os.path.join(self._dir, name))
+            os.rmdir(self._dir)
+
+    async def _end_child(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        self._stopping = True
+        await asyncio.to_thread(process.join, STOP_TIMEOUT_S)
+        if process.is_alive():
+            log.warning("engine process %d did not stop in %.0f s: killing it", process.pid, STOP_TIMEOUT_S)
+            process.kill()
+            await asyncio.to_thread(process.join)
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # -- commands and events ---------------------------------------------------------------------
+
+    def _send(self, command: Command) -> None:
+        self._send_raw(command)
+
+    def _send_raw(self, message: object) -> None:
+        # A PUSH with no high-water mark never blocks: this returns at once on the event loop.
+        self._commands.send(_dumps(message), zmq.NOBLOCK)
+
+    def _fail_soon(self, request_id: str, exc: BaseException) -> None:
+        asyncio.get_running_loop().call_soon(self._on_error, request_id, exc)
+
+    async def _read_events(self) -> None:
+        """Dispatch the child's events as they come (one message per step when decoding)."""
+        while True:
+            self._dispatch(pickle.loads(await self._events.recv()))
+            self._dispatch_queued()
+
+    def _dispatch_queued(self) -> None:
+        assert self._drain is not None
+        while True:  # what else is queued, without a wait per message
+            try:
+                frame = self._drain.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(pickle.loads(frame))
+
+    def _child_ended(self) -> None:
+        """The child process ended: unless we are stopping it, the engine is broken."""
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._stopping:
+            return
+        self._process.join(1.0)  # it has ended (its sentinel says so): this reaps it for its status
+        self._dispatch_queued()  # what it sent before it ended (say, why it broke) comes first
+        if self.task is not None:
+            self.task.cancel()
+        reason = f"the engine process ended ({self._exit_status()})"
+        log.error("%s", reason)
+        exc = EngineProcessError(reason)
+        self.failure = exc
+        self._event_broken(reason, exc)
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        tag = message[0]
+        if tag == "out":
+            _, outputs, stats, steps, prefills, queue = message
+            self._measured(steps, prefills, queue)
+            self._event_outputs(outputs, stats)
+        elif tag == "error":
+            _, request_id, kind, text = message
+            self._on_error(request_id, YutuError(text, ErrorKind(kind)) if kind else ValueError(text))
+        elif tag == "loads":
+            assert self._on_loads is not None, "a request imports KV but nobody copies it"
+            self._on_loads(message[1])
+        elif tag == "cache":
+            assert self._on_cache is not None
+            self._on_cache(message[1], message[2])
+        elif tag == "load":
+            _, stats, steps, prefills, queue = message
+            self.stats = stats
+            self._measured(steps, prefills, queue)
+        elif tag == "check":
+            self._event_check(message[1], message[2])
+        elif tag == "broken":
+            _, reason, kind, text = message
+            self._event_broken(reason, YutuError(text, ErrorKind(kind)) if kind else RuntimeError(text))
+        else:
+            log.warning("engine process sent an unknown message %r", tag)
+
+    def _measured(
+        self,
+        steps: list[list[float]],
+        prefills: list[list[float]],
+        queue: tuple[list[list[int]], list[list[int]]] | None,
+    ) -> None:
+        self.load.steps.extend(steps)
+        self.load.prefills.extend(prefills)
+        if queue is not None:
+            self.load.queued, self.load.decoding = queue
+
+
+# -- the child -----------------------------------------------------------------------------------
+
+
+def _error_parts(exc: BaseException) -> tuple[str, str]:
+    """(kind, message) of an error to rebuild on the worker's side: kind "" for a ValueError."""
+    if isinstance(exc, YutuError):
+        return exc.kind.value, str(exc)
+    if isinstance(exc, ValueError):
+        kind = ErrorKind.TOO_LARGE.value if type(exc).__name__ == "PromptTooLongError" else ""
+        return kind, str(exc)
+    return ErrorKind.INTERNAL.value, f"{type(exc).__name__}: {exc}"
+
+
+class _SocketCommands:
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+
+    def get(self) -> Command:
+        command: Command = pickle.loads(self._socket.recv())
+        return command
+
+    def get_nowait(self) -> Command | None:
+        try:
+            command: Command = pickle.loads(self._socket.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+        return command
+
+
+class _SocketEvents:
+    """The core's events, sent to the worker. Measurements ride with the next step's message."""
+
+    def __init__(self, socket: zmq.Socket[bytes], load: LoadState) -> None:
+        self._socket = socket
+        self._load = load
+        self._queue_sent: tuple[list[list[int]], list[list[int]]] | None = None
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        self._socket.send(_dumps(message))
+
+    def _changes(
+        self,
+    ) -> tuple[list[list[float]], list[list[float]], tuple[list[list[int]], list[list[int]]] | None]:
+        load = self._load
+        queue = (load.queued, load.decoding)
+        fresh = None if self._queue_sent is not None and queue[0] is self._queue_sent[0] else queue
+        self._queue_sent = queue
+        return LoadState.drain(load.steps), LoadState.drain(load.prefills), fresh
+
+    def outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._send(("out", outputs, stats, *self._changes()))
+
+    def measured(self, load: LoadState, stats: EngineStats) -> None:
+        if load.steps or load.prefills:
+            return  # a step's measurement: sent with its outputs, next
+        self._send(("load", stats, *self._changes()))
+
+    def error(self, request_id: str, exc: BaseException) -> None:
+        self._send(("error", request_id, *_error_parts(exc)))
+
+    def loads(self, loads: list[KVLoad]) -> None:
+        self._send(("loads", loads))
+
+    def cache(self, events: list[CacheEvent], pinned: list[tuple[bytes, int]]) -> None:
+        self._send(("cache", events, pinned))
+
+    def check(self, token: int, result: dict[str, Any] | str) -> None:
+        self._send(("check", token, result))
+
+    def broken(self, reason: str, exc: BaseException) -> None:
+        self._send(("broken", reason, *_error_parts(exc)))
+
+
+_MAPPINGS: list[mmap.mmap] = []  # the child's view of the worker's KV region, kept for its lifetime
+
+
+def _map_region(path: str, size: int, inode: int) -> memoryview:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_ino != inode:
+            raise EngineProcessError(f"the KV region file {path} is not the one the worker registered")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    _MAPPINGS.append(mm)
+    return memoryview(mm)
+
+
+def child_main(args: ChildArgs) -> None:
+    """The engine process: load the model into the worker's region, then serve the core."""
+    from yutu.launcher import die_with
+    from yutu.logs import setup_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the worker's to handle
+    die_with(args.parent_pid)()
+    setup_logging(args.log_level, args.log_format)
+
+    import torch
+    from yutu.engine.engine import LLMEngine
+
+    from services.worker.engine_core import EngineCore
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.setsockopt(zmq.RCVHWM, 0)
+    commands.connect(args.commands)
+    events = ctx.socket(zmq.PUSH)
+    events.setsockopt(zmq.SNDHWM, 0)
+    events.connect(args.events)
+
+    def factory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        events.send(_dumps(("region", list(shape), str(dtype).removeprefix("torch."))))
+        tag, path, size, inode = pickle.loads(commands.recv())
+        assert tag == "region", f"expected the KV region, got {tag!r}"
+        flat = torch.frombuffer(_map_region(path, size, inode), dtype=dtype)
+        return flat.view(shape)
+
+    try:
+        engine = LLMEngine(dataclasses.replace(args.config, kv_cache_factory=factory))
+    except BaseException as exc:  # noqa: BLE001 - the worker reports it as its start-up failure
+        try:
+            pickle.dumps(exc)
+            failure: BaseException = exc
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text then
+            failure = EngineProcessError(f"{type(exc).__name__}: {exc}")
+        events.send(_dumps(("failed", failure)))
+        events.close(linger=5000)
+        ctx.term()
+        return
+    load = LoadState()
+    sink = _SocketEvents(events, load)
+    events.send(_dumps(("ready", EngineInfo.of(engine, torch.get_num_threads()), engine.stats())))
+    core = EngineCore(
+        engine, _SocketCommands(commands), sink, args.max_failed_steps,
+        record_cache=args.record_cache, pin_stored=args.pin_stored, load=load,
+    )  # fmt: skip
+    core.serve()
+    events.close(linger=5000)
+    commands.close(linger=0)
+    ctx.term()
