@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from yutu.engine.demo_tokenizer import CHAT_TEMPLATE, demo_corpus
 from yutu.engine.testing import make_tiny_checkpoint
-from yutu.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from yutu.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, ReferenceDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world! The jade rabbit pounds mooncakes.",
@@ -150,8 +150,18 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
-def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Random) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(tok, prompt)
+DETOKENIZERS = [IncrementalDetokenizer, ReferenceDetokenizer]
+Detokenizer = type[IncrementalDetokenizer] | type[ReferenceDetokenizer]
+
+
+def _stream(
+    tok: Tokenizer,
+    prompt: list[int],
+    ids: list[int],
+    rng: random.Random,
+    cls: Detokenizer = IncrementalDetokenizer,
+) -> tuple[list[str], str]:
+    detok = cls(tok, prompt)
     deltas: list[str] = []
     i = 0
     while i < len(ids):
@@ -161,35 +171,56 @@ def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Rando
     return deltas, detok.flush()
 
 
+@pytest.mark.parametrize("cls", DETOKENIZERS)
 @pytest.mark.parametrize("seed", range(20))
-def test_incremental_detokenizer_random_streams(tok: Tokenizer, seed: int) -> None:
+def test_incremental_detokenizer_random_streams(tok: Tokenizer, seed: int, cls: Detokenizer) -> None:
     """Random ids (so random bytes: broken UTF-8 too, and special tokens) equal one full decode."""
     rng = random.Random(seed)
     prompt = tok.encode(rng.choice(TEXTS[:3])) if seed % 2 else []
     ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
-    deltas, tail = _stream(tok, prompt, ids, rng)
+    deltas, tail = _stream(tok, prompt, ids, rng, cls)
     assert "".join(deltas) + tail == tok.decode(ids)
 
 
+@pytest.mark.parametrize("seed", range(100))
+def test_the_streaming_detokenizer_agrees_with_the_reference_delta_for_delta(
+    tok: Tokenizer, seed: int
+) -> None:
+    rng = random.Random(1000 + seed)
+    prompt = tok.encode(rng.choice(TEXTS)) if seed % 3 else []
+    if seed % 2:  # random ids: broken UTF-8 and special tokens
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 80))]
+    else:  # real text, multi-byte characters split across ids
+        ids = tok.encode(" ".join(rng.sample(TEXTS, 2)), add_special_tokens=False)
+    fast = _stream(tok, prompt, ids, random.Random(seed), IncrementalDetokenizer)
+    reference = _stream(tok, prompt, ids, random.Random(seed), ReferenceDetokenizer)
+    assert fast == reference
+
+
+@pytest.mark.parametrize("cls", DETOKENIZERS)
 @pytest.mark.parametrize("text", TEXTS)
-def test_incremental_detokenizer_never_emits_half_characters(tok: Tokenizer, text: str) -> None:
+def test_incremental_detokenizer_never_emits_half_characters(
+    tok: Tokenizer, text: str, cls: Detokenizer
+) -> None:
     ids = tok.encode(text, add_special_tokens=False)
     prompt = tok.encode("Question: 你好?")
-    deltas, tail = _stream(tok, prompt, ids, random.Random(0))
+    deltas, tail = _stream(tok, prompt, ids, random.Random(0), cls)
     assert "".join(deltas) == text and tail == ""
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_incremental_detokenizer_holds_back_partial_emoji(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("cls", DETOKENIZERS)
+def test_incremental_detokenizer_holds_back_partial_emoji(tok: Tokenizer, cls: Detokenizer) -> None:
     ids = tok.encode("a🐇", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [])
+    detok = cls(tok, [])
     assert detok.push(ids[:1]) == "a"
     assert [detok.push([i]) for i in ids[1:-1]] == [""] * (len(ids) - 2)
     assert detok.push(ids[-1:]) == "🐇"
     assert detok.flush() == "" and detok.token_ids == ids
 
 
-def test_incremental_detokenizer_keeps_sentencepiece_spaces() -> None:
+@pytest.mark.parametrize("cls", DETOKENIZERS)
+def test_incremental_detokenizer_keeps_sentencepiece_spaces(cls: Detokenizer) -> None:
     """Metaspace decoders (Llama 2, Mistral) drop the leading space of a decode's first token; the
     detokenizer decodes with prompt context, so the space between prompt and answer survives."""
     backend = Backend(models.BPE(unk_token="<unk>"))
@@ -204,5 +235,5 @@ def test_incremental_detokenizer_keeps_sentencepiece_spaces() -> None:
     ids = tok.encode(text)
     split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]) == "Question:")
     assert tok.decode(ids[split:]) == "the moon rabbit pounds herbs"  # the space is lost alone
-    detok = IncrementalDetokenizer(tok, ids[:split])
+    detok = cls(tok, ids[:split])
     assert "".join(detok.push([i]) for i in ids[split:]) + detok.flush() == " the moon rabbit pounds herbs"
