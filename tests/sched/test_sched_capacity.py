@@ -14,7 +14,7 @@ from yutu.sched import (
     policy_by_name,
 )
 
-from tests.sched.sched_support import cluster, costs, decode, prefill, request, step
+from tests.sched.sched_support import PROMPT, cluster, costs, decode, prefill, prefill_time, request, step
 
 
 def place(view: ClusterView, name: str = "kvcentric", **options: object) -> Placement | Rejection:
@@ -63,9 +63,35 @@ def test_no_decode_with_free_blocks_is_overloaded_until_the_first_departure() ->
     assert out.cause is RejectCause.NO_CAPACITY
     assert out.error_kind is ErrorKind.OVERLOADED
     assert out.reason == (
-        "kvcentric: no decode instance has 11 free KV blocks for a 161-token prompt (most free: 10)"
+        "kvcentric: no decode instance has 11 free KV blocks for a 161-token prompt when its prefill "
+        "ends (most free: 10)"
     )
-    assert out.retry_after_s == 1000 * step(1)
+    # Sent again that much later, its prefill ends when the sequence leaves.
+    assert out.retry_after_s == 1000 * step(1) - prefill_time(PROMPT)
+
+
+@pytest.mark.parametrize(("remaining", "placed"), [(1, True), (1000, False)])
+def test_decode_blocks_are_forecast_for_the_prefill_end(remaining: int, placed: bool) -> None:
+    # 10 blocks free now, 11 needed. The running sequence holds ceil(64 / 16) = 4 blocks; with one
+    # token left it leaves after one step, long before the prefill ends (161/1024 s): 14 free then.
+    d0 = decode("d0", free=10, running=(RunningDecode(64, remaining),))
+    out = place(cluster((prefill("p0"),), (d0,)), **SLO)
+    assert isinstance(out, Placement) is placed, out
+    if not placed:
+        assert isinstance(out, Rejection) and out.cause is RejectCause.NO_CAPACITY
+
+
+def test_incoming_requests_that_leave_before_the_prefill_ends_give_their_blocks_back() -> None:
+    # 11 free now; an incoming request takes 7 (100-token prompt) but arrives at 0 with 2 tokens to
+    # emit: it is gone after one step, before this prefill ends. One that stays would leave 4.
+    gone = IncomingDecode(arrival_s=0.0, prompt_len=100, max_tokens=2)
+    stays = IncomingDecode(arrival_s=0.0, prompt_len=100, max_tokens=1000)
+    assert isinstance(
+        place(cluster((prefill("p0"),), (decode("d0", free=11, incoming=(gone,)),)), **SLO), Placement
+    )
+    out = place(cluster((prefill("p0"),), (decode("d0", free=11, incoming=(stays,)),)), **SLO)
+    assert isinstance(out, Rejection) and out.cause is RejectCause.NO_CAPACITY
+    assert "(most free: 4)" in out.reason
 
 
 def test_every_batch_full_is_overloaded_with_a_clamped_retry() -> None:

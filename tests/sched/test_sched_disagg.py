@@ -95,6 +95,40 @@ def test_no_prefill_instance_with_room_the_decode_prefills() -> None:
     assert "no prefill instance has free KV blocks" in out.reason
 
 
+BUSY = (RunningDecode(50, 1000), RunningDecode(50, 1000))  # two sequences decoding for a long while
+FULL = (prefill("p0", free=10),)  # the prompt needs 11 blocks: no prefill instance has room
+
+
+@pytest.mark.parametrize("options", [{}, {"slo_tbt_s": 0.1}])
+def test_an_overflow_prefill_that_would_stall_a_busy_batch_queues_on_a_prefill_instance(
+    options: dict[str, object],
+) -> None:
+    # Unchunked, the whole prefill (161/1024 s) would ride one step of the two sequences: step(3)
+    # + 0.157 s > 0.1 s. Without a TBT SLO a busy batch is never stalled for an overflow.
+    out = place("kvcentric", cluster(FULL, (decode("d0", running=BUSY),)), **options)
+    assert isinstance(out, Placement)
+    assert (out.prefill_id, out.decode_id) == ("p0", "d0")
+    assert out.ttft_s == prefill_time(PROMPT)
+    assert "queued there, as no decode instance can take its prefill's stall" in out.reason
+
+
+def test_a_chunked_overflow_prefill_runs_on_a_decode_that_can_carry_its_chunks() -> None:
+    # 16-token chunks: the dearest costs 16/1024 s; step(2) + 16/1024 s <= 0.1 s.
+    busy = decode("d0", running=BUSY, chunk_tokens=16)
+    out = place("kvcentric", cluster(FULL, (busy,)), slo_tbt_s=0.1)
+    assert isinstance(out, Placement)
+    assert (out.prefill_id, out.decode_id) == (None, "d0")
+    assert out.ttft_s == step(2) + prefill_time(PROMPT)
+    assert "no prefill instance has free KV blocks for it" in out.reason
+
+
+def test_an_overflow_prefill_goes_to_the_decode_it_does_not_hurt() -> None:
+    # d0 is busy (unchunked: it cannot take the stall), d1 idle: d1 prefills it.
+    out = place("kvcentric", cluster(FULL, (decode("d0", running=BUSY), decode("d1"))), slo_tbt_s=0.1)
+    assert isinstance(out, Placement)
+    assert (out.prefill_id, out.decode_id) == (None, "d1")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_no_decode_instance_is_unavailable(name: str) -> None:
     out = place(name, cluster((prefill("p0"),), ()))

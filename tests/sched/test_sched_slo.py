@@ -16,7 +16,17 @@ from yutu.sched import (
     policy_by_name,
 )
 
-from tests.sched.sched_support import PROMPT, cluster, costs, decode, prefill, prefill_time, request, step
+from tests.sched.sched_support import (
+    PROMPT,
+    cluster,
+    costs,
+    decode,
+    prefill,
+    prefill_time,
+    request,
+    step,
+    transfer_time,
+)
 
 ALL = sorted(POLICIES)
 
@@ -64,8 +74,9 @@ def test_rejected_on_todays_load_but_accepted_on_the_load_at_prefill_end(name: s
 
 @pytest.mark.parametrize("name", ALL)
 def test_accepted_on_todays_load_but_rejected_on_the_load_at_prefill_end(name: str) -> None:
-    # Today: idle. But 4 requests placed earlier finish their prefills at 1/16 s, before this one
-    # (161/1024 s), and stay for 1000 steps of step(1) s: the request would make a batch of 5.
+    # Today: idle. But 4 requests placed earlier finish their prefills at 1/16 s and join after their
+    # handoff (7 blocks: transfer_time(7) = 1/16 s), before this one (161/1024 s + transfer_time(11)),
+    # and stay for 1000 steps: the request would make a batch of 5.
     arriving = tuple(IncomingDecode(arrival_s=2.0**-4, prompt_len=100, max_tokens=1001) for _ in range(4))
     d0 = decode("d0", incoming=arriving)
     out = place(name, cluster((prefill("p0"),), (d0,)), slo_tbt_s=step(2))
@@ -73,11 +84,49 @@ def test_accepted_on_todays_load_but_rejected_on_the_load_at_prefill_end(name: s
     assert out.cause is RejectCause.TBT_SLO
     assert out.tbt_s == step(5)
     assert out.ttft_s == prefill_time(PROMPT)
-    # They leave at 1/16 + 1000 * step(1) s; sent that much later, the request would run alone.
-    assert out.retry_after_s == 2.0**-4 + 1000 * step(1) - prefill_time(PROMPT)
+    # At the step of that batch, step(5), they leave at 1/8 + 1000 * step(5) s; sent that much later,
+    # the request would join an empty batch.
+    joins = prefill_time(PROMPT) + transfer_time(11)
+    assert out.retry_after_s == 2.0**-3 + 1000 * step(5) - joins
     assert out.reason == (
-        f"{name}: predicted TBT {step(5):.4f}s > SLO {step(2):.4f}s on decode d0 at batch 5 when the prefill ends"
+        f"{name}: predicted TBT {step(5):.4f}s > SLO {step(2):.4f}s on decode d0 at batch 5, the heaviest "
+        "forecast while it decodes"
     )
+
+
+def place_long(view: ClusterView, max_tokens: int, **options: object) -> Placement | Rejection:
+    return policy_by_name("kvcentric", costs=costs(), **options).place(
+        view, request(max_tokens=max_tokens), 0.0
+    )
+
+
+@pytest.mark.parametrize(("arrival", "accepted"), [(1.0, False), (20.0, True)])
+def test_tbt_is_judged_on_the_heaviest_batch_of_the_decode_lifetime(arrival: float, accepted: bool) -> None:
+    # Idle when this request joins (161/1024 s + its handoff), but 4 requests placed earlier end
+    # their prefills at ``arrival`` and stay. The request decodes 999 tokens at step(1) s (~8.8 s):
+    # arriving at 1 s they join its batch (5 sequences, TBT step(5) > SLO step(2)); arriving at
+    # 20 s it has long left.
+    later = tuple(IncomingDecode(arrival_s=arrival, prompt_len=100, max_tokens=1001) for _ in range(4))
+    out = place_long(cluster((prefill("p0"),), (decode("d0", incoming=later),)), 1000, slo_tbt_s=step(2))
+    if accepted:
+        assert isinstance(out, Placement), out
+        assert out.tbt_s == step(1)
+        return
+    assert isinstance(out, Rejection), out
+    assert out.cause is RejectCause.TBT_SLO
+    assert out.tbt_s == step(5)
+    # At step(5) the 4 leave at 1 + transfer_time(7) + 1000 * step(5) s; joining then, it runs alone.
+    joins = prefill_time(PROMPT) + transfer_time(11)
+    assert out.retry_after_s == 1.0 + transfer_time(7) + 1000 * step(5) - joins
+
+
+def test_the_lifetime_forecast_prefers_the_decode_nobody_will_join() -> None:
+    # Both idle at the prefill's end; d0 gets 2 committed requests 1 s later, d1 none.
+    later = tuple(IncomingDecode(arrival_s=1.0, prompt_len=100, max_tokens=1001) for _ in range(2))
+    view = cluster((prefill("p0"),), (decode("d0", incoming=later), decode("d1")))
+    out = place_long(view, 1000)
+    assert isinstance(out, Placement)
+    assert (out.decode_id, out.tbt_s) == ("d1", step(1))
 
 
 def test_tbt_slo_no_load_can_meet_retries_late() -> None:

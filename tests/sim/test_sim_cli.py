@@ -90,7 +90,9 @@ def test_learned_cost_models_converge_to_the_profile(tmp_path: Path) -> None:
 
     profile = tiny_profile(prefill=(0.0, 2.0**-6, 2.0**-12), decode=(2.0**-5, 2.0**-9, 2.0**-12))
     requests = load_trace(trace(tmp_path), block_size=4)
-    sim = Simulation(SimConfig(prefill=2, decode=2, profile=profile, learn_costs=True), requests)
+    # One decode instance, so steps of batch 1 and 2 are measured (on two, the TBT forecast over each
+    # request's lifetime keeps these short requests apart: every step would run one sequence).
+    sim = Simulation(SimConfig(prefill=2, decode=1, profile=profile, learn_costs=True), requests)
     assert not sim.costs.prefill.calibrated
     sim.run()
     assert sim.costs.prefill.calibrated and sim.costs.decode.calibrated

@@ -112,7 +112,7 @@ def test_the_scenario_has_every_kind_of_state(both: tuple[Simulation, ClusterVie
     assert [len(p.queue) for p in ours.prefills] == [4, 3, 4]
     assert all(p.queue[0].computed_tokens > 0 for p in ours.prefills)  # each runs a half-done prompt
     assert all(p.queue[1].reused_tokens > 0 for p in ours.prefills)  # queued prompts with a planned prefix
-    assert [len(d.running) for d in ours.decodes] == [3, 1] and [len(d.incoming) for d in ours.decodes] == [
+    assert [len(d.running) for d in ours.decodes] == [2, 2] and [len(d.incoming) for d in ours.decodes] == [
         6,
         5,
     ]

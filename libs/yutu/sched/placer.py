@@ -3,19 +3,31 @@
 ``Placer.place(view, request, now)``, in order:
 
 1. No decode instance live: Rejection NO_DECODE (503).
-2. Decode capacity: drop decode instances without ``ceil((L + 1) / bs)`` free blocks after their
-   incoming requests take theirs; none left: Rejection NO_CAPACITY -- with an SLO set. Without one,
-   nothing is turned away: the request goes where it would wait least (it queues there).
-3. Prefill: estimate every prefill instance (prefix plan with fetch-or-recompute, queue, TTFT:
+2. Prefill: estimate every prefill instance (prefix plan with fetch-or-recompute, queue, TTFT:
    ``yutu.sched.estimate``), drop those without free blocks for the blocks they would allocate, and
-   let the policy choose (``choose_prefill``). None live or none with room: the decode prefills.
-4. Decode: forecast each remaining decode's batch at the prefill's end (``yutu.sched.forecast``),
-   drop those whose batch would be full, and let the policy choose (``choose_decode``).
-5. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
+   let the policy choose (``choose_prefill``). None live: the decode prefills. None with room: a
+   decode prefills it only where that stalls nobody's decode past the TBT SLO (see "Overflow");
+   otherwise it queues on the policy's choice among all prefill instances (their blocks free as
+   their queues drain; the TTFT check judges the wait).
+3. Decode: forecast each decode when the request joins it, its KV handed over after the prefill
+   (``yutu.sched.forecast``; the forecast's constant step is today's, or the step of the heaviest
+   forecast batch when that is longer: the others then leave later too): drop those without
+   ``ceil((L + 1) / bs)`` blocks free then (running sequences that will have left give theirs back;
+   incoming requests take theirs) or whose batch would be full, and let the policy choose
+   (``choose_decode``). None left: Rejection NO_CAPACITY -- with an SLO set. Without one, nothing
+   is turned away: the request goes where it would wait least (it queues there).
+4. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
    the chosen decode's own cache and the store, that decode prefills them itself.
-6. Early rejection: a predicted TTFT above ``slo_ttft_s`` or TBT (on the forecast load, the request
-   included) above ``slo_tbt_s`` rejects the request with a ``retry_after_s`` estimate -- once the
-   cost model behind the prediction is calibrated (measured, or a trusted prior).
+5. Early rejection: a predicted TTFT above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
+   request with a ``retry_after_s`` estimate -- once the cost model behind the prediction is
+   calibrated (measured, or a trusted prior). The TBT is the one of the heaviest batch forecast over
+   the request's decode lifetime (committed placements that arrive while it decodes included).
+
+Overflow: a decode instance prefilling a prompt stalls its running batch. Unchunked
+(``DecodeView.chunk_tokens`` None, the simulator) the whole prefill rides one step; chunked (a real
+worker, its ``max_num_batched_tokens``) each step carries one chunk, the last and dearest costing
+``prefill(L, L - chunk)``. A decode is affordable for an overflow prefill when nothing runs there
+when it starts, or when its step plus that stall stays within the TBT SLO (calibrated models only).
 
 Candidates reach the policy sorted by instance id, so the outcome never depends on snapshot order.
 Deterministic: the same policy state, view, request and ``now`` give the same answer.
@@ -35,28 +47,35 @@ from yutu.sched.forecast import (
     DecodeLoad,
     decode_blocks,
     departures,
-    free_blocks_after_incoming,
+    free_blocks_at,
     load_at,
+    peak_load,
     step_now,
     tbt_retry_after,
     tbt_with,
+    with_handoffs,
 )
 from yutu.sched.options import PolicyOptions
 from yutu.sched.outcome import RETRY_MAX_S, Placement, RejectCause, Rejection, clamp_retry
+from yutu.sched.prefix import cdiv
 from yutu.sched.view import ClusterView, DecodeView, RequestView
 
 NO_DECODE_RETRY_S = 5.0  # a replacement decode instance registers within seconds
+NO_ROOM = "no prefill instance has free KV blocks for it"
 
 
 @dataclass(frozen=True)
 class DecodeCandidate:
-    """A decode instance as the policy weighs it: its load when the request's prefill ends."""
+    """A decode instance as the policy weighs it: its forecast load while the request decodes."""
 
     view: DecodeView
     ready_at_s: float  # when the request's prefill is predicted to end
-    load: DecodeLoad  # forecast batch at ready_at_s, before the request joins
-    tbt_s: float  # predicted TBT once the request joins
+    joins_at_s: float  # when it is predicted to join the batch (its KV handed over)
+    load: DecodeLoad  # the heaviest forecast batch of its decode lifetime, before it joins
+    tbt_s: float  # predicted TBT in that batch, the request included
     step_s: float  # the step time at today's load the forecast used
+    joins: DecodeLoad  # forecast batch at ready_at_s, when it joins
+    free_blocks: int  # forecast free blocks at ready_at_s (may be negative)
     local: Estimate | None = None  # set when this decode prefills the request itself
 
     @property
@@ -99,61 +118,48 @@ class Placer(ABC):
             return self._reject(
                 request, RejectCause.NO_DECODE, "no decode instance is live", NO_DECODE_RETRY_S
             )
-        need = decode_blocks(request.prompt_len, view.block_size)
-        roomy = [d for d in _by_id(view.decodes) if free_blocks_after_incoming(d, view.block_size) >= need]
-        queue_when_full = self.options.slo_ttft_s is None and self.options.slo_tbt_s is None
-        if not roomy and queue_when_full:
-            roomy = _by_id(view.decodes)  # every one is full: wait on one rather than refuse
-        if not roomy:
-            most = max(free_blocks_after_incoming(d, view.block_size) for d in view.decodes)
-            return self._reject(
-                request,
-                RejectCause.NO_CAPACITY,
-                f"no decode instance has {need} free KV blocks for a {request.prompt_len}-token prompt "
-                f"(most free: {most})",
-                self._next_departure(view.decodes, now, now),
-            )
-        prefill, note = self._choose_prefill(view, request)
+        decodes = _by_id(view.decodes)
+        prefill, note, waiting = self._choose_prefill(view, request)
+        built: list[DecodeCandidate] = []
         if prefill is None:
-            cands = [c for d in roomy if (c := self._local(view, request, d, now)) is not None]
-        else:
-            ready = now + prefill.ttft_s
-            cands = [
-                c for d in roomy if (c := self._candidate(d, ready, now, request.prompt_len)) is not None
-            ]
-        if not cands and queue_when_full:  # every batch is full: join the queue of one
-            if prefill is None:
-                maybe = [self._local(view, request, d, now, full_ok=True) for d in roomy]
-            else:
-                maybe = [
-                    self._candidate(d, now + prefill.ttft_s, now, request.prompt_len, full_ok=True)
-                    for d in roomy
-                ]
-            cands = [c for c in maybe if c is not None]
+            maybe = [self._local(view, request, d, now, overflow=bool(waiting)) for d in decodes]
+            built = [c for c in maybe if c is not None]
+            if not built:  # no decode can afford the prefill's stall: queue on a prefill instance
+                prefill = self.choose_prefill(waiting)
+                note = f"{NO_ROOM}: queued there, as no decode instance can take its prefill's stall"
+        if prefill is not None:
+            built = [self._candidate(view, request, d, now + prefill.ttft_s, now) for d in decodes]
+        need = decode_blocks(request.prompt_len, view.block_size)
+        roomy = [c for c in built if c.free_blocks >= need]
+        cands = [c for c in roomy if c.joins.batch_size < c.view.max_batch]
+        if not cands and self.options.slo_ttft_s is None and self.options.slo_tbt_s is None:
+            # Without an SLO nothing is turned away: wait for a slot, else for blocks, on one.
+            with_slot = [c for c in built if c.joins.batch_size < c.view.max_batch]
+            cands = roomy or with_slot or built
         if not cands:
-            return self._reject(
-                request,
-                RejectCause.NO_CAPACITY,
-                "every decode instance with free KV blocks has a full batch when the prefill ends",
-                self._next_departure(roomy, now, now if prefill is None else now + prefill.ttft_s),
-            )
+            return self._no_capacity(request, built, roomy, need, now)
         decode = self.choose_decode(cands)
         if prefill is not None and self.options.disagg_threshold > 0:
-            local = self._local(view, request, decode.view, now)
-            if local is not None:
-                assert local.local is not None
-                left = uncached_tokens(request, local.local.reach, view.block_size)
+            local_here = self._local(view, request, decode.view, now)
+            if local_here is not None:
+                assert local_here.local is not None
+                left = uncached_tokens(request, local_here.local.reach, view.block_size)
                 if left <= self.options.disagg_threshold:
-                    decode, prefill = local, None
+                    decode, prefill = local_here, None
                     note = f"{left} uncached tokens <= disagg_threshold {self.options.disagg_threshold}"
         return self._judge(request, prefill, decode, now, note)
 
     # ------------------------------------------------------------------ steps
 
-    def _choose_prefill(self, view: ClusterView, request: RequestView) -> tuple[Estimate | None, str]:
+    def _choose_prefill(
+        self, view: ClusterView, request: RequestView
+    ) -> tuple[Estimate | None, str, list[Estimate]]:
+        """``(chosen, note, waiting)``: the policy's choice among prefill instances with room, or None
+        with ``waiting`` = every live one's estimate when none has room (empty when none is live)."""
         if not view.prefills:
-            return None, "no prefill instance is live"
+            return None, "no prefill instance is live", []
         fits: list[Estimate] = []
+        every: list[Estimate] = []
         for p in _by_id(view.prefills):
             est = estimate(
                 view,
@@ -165,31 +171,46 @@ class Placer(ABC):
                 self.costs,
                 self.options.balancing_threshold,
             )
+            every.append(est)
             if prefill_blocks(request, est.plan, view.block_size) <= p.free_blocks:
                 fits.append(est)
         if not fits:
-            return None, "no prefill instance has free KV blocks for it"
-        return self.choose_prefill(fits), "prefill and decode disaggregated"
+            return None, NO_ROOM, every
+        return self.choose_prefill(fits), "prefill and decode disaggregated", []
 
     def _candidate(
         self,
+        view: ClusterView,
+        request: RequestView,
         d: DecodeView,
         ready: float,
         now: float,
-        prompt_len: int,
         local: Estimate | None = None,
-        full_ok: bool = False,
-    ) -> DecodeCandidate | None:
-        step = step_now(d, self.costs.decode)
-        load = load_at(d, max(ready, now), now, step)
-        if load.batch_size >= d.max_batch and not full_ok:
-            return None
-        return DecodeCandidate(d, ready, load, tbt_with(load, prompt_len, self.costs.decode), step, local)
+    ) -> DecodeCandidate:
+        """The forecast for ``d`` when the request's prefill ends at ``ready`` (module docstring, 3)."""
+        model = self.costs.decode
+
+        def handoff(prompt_len: int) -> float:
+            return self.costs.transfer.predict(cdiv(prompt_len, view.block_size) * view.bytes_per_block)
+
+        d = with_handoffs(d, handoff)
+        start = max(ready if local is not None else ready + handoff(request.prompt_len), now)
+        step = step_now(d, model)
+        peak = peak_load(d, start, request.max_tokens, request.prompt_len, now, step, model)
+        tbt = tbt_with(peak, request.prompt_len, model)
+        if tbt > step:  # the others decode at the heavier step too, and leave later: forecast again
+            step = tbt
+            peak = peak_load(d, start, request.max_tokens, request.prompt_len, now, step, model)
+            tbt = tbt_with(peak, request.prompt_len, model)
+        joins = load_at(d, start, now, step)
+        free = free_blocks_at(d, start, now, step, view.block_size)
+        return DecodeCandidate(d, ready, start, peak, tbt, step, joins, free, local)
 
     def _local(
-        self, view: ClusterView, request: RequestView, d: DecodeView, now: float, full_ok: bool = False
+        self, view: ClusterView, request: RequestView, d: DecodeView, now: float, overflow: bool = False
     ) -> DecodeCandidate | None:
-        """``d`` prefilling the request itself: the step it runs now is its queue."""
+        """``d`` prefilling the request itself: the step it runs now is its queue. With ``overflow``
+        (a prefill instance could take it instead): None unless ``d`` can afford the stall."""
         wait = step_now(d, self.costs.decode) if d.running else 0.0
         est = estimate(
             view,
@@ -201,7 +222,55 @@ class Placer(ABC):
             self.costs,
             self.options.balancing_threshold,
         )
-        return self._candidate(d, now + est.ttft_s, now, request.prompt_len, est, full_ok)
+        if overflow and not self._affords(view, request, d, est, now):
+            return None
+        return self._candidate(view, request, d, now + est.ttft_s, now, est)
+
+    def _affords(
+        self, view: ClusterView, request: RequestView, d: DecodeView, est: Estimate, now: float
+    ) -> bool:
+        """Whether ``d``'s running batch can carry the prefill of ``est`` (module docstring, Overflow)."""
+        model = self.costs.decode
+        start = now + est.queue_s
+        running = load_at(d, start, now, step_now(d, model))
+        if running.batch_size == 0:
+            return True
+        slo = self.options.slo_tbt_s
+        if slo is None or not model.calibrated or not self.costs.prefill.calibrated:
+            return False
+        if d.chunk_tokens is None:
+            stall = est.transfer_s + est.prefill_s
+        else:
+            length = request.prompt_len
+            last = max(est.plan.fetch_end * view.block_size, length - d.chunk_tokens)
+            stall = self.costs.prefill.predict(length, last)
+        return model.predict(running.batch_size, running.kv_tokens) + stall <= slo
+
+    def _no_capacity(
+        self,
+        request: RequestView,
+        built: Sequence[DecodeCandidate],
+        roomy: Sequence[DecodeCandidate],
+        need: int,
+        now: float,
+    ) -> Rejection:
+        after = max((c.ready_at_s for c in built), default=now)
+        retry = self._next_departure([c.view for c in built], now, after)
+        if not roomy:
+            most = max((c.free_blocks for c in built), default=0)
+            return self._reject(
+                request,
+                RejectCause.NO_CAPACITY,
+                f"no decode instance has {need} free KV blocks for a {request.prompt_len}-token prompt "
+                f"when its prefill ends (most free: {max(0, most)})",
+                retry,
+            )
+        return self._reject(
+            request,
+            RejectCause.NO_CAPACITY,
+            "every decode instance with free KV blocks has a full batch when the prefill ends",
+            retry,
+        )
 
     def _judge(
         self, request: RequestView, prefill: Estimate | None, decode: DecodeCandidate, now: float, note: str
@@ -234,10 +303,11 @@ class Placer(ABC):
         if slo_tbt is not None and tbt > slo_tbt:
             wait = tbt_retry_after(
                 decode.view,
-                decode.ready_at_s,
+                decode.joins_at_s,
                 now,
                 decode.step_s,
                 request.prompt_len,
+                request.max_tokens,
                 slo_tbt,
                 self.costs.decode,
             )
@@ -245,14 +315,14 @@ class Placer(ABC):
                 request,
                 RejectCause.TBT_SLO,
                 f"predicted TBT {tbt:.4f}s > SLO {slo_tbt:.4f}s on decode {decode.instance_id} at "
-                f"batch {decode.load.batch_size + 1} when the prefill ends",
+                f"batch {decode.load.batch_size + 1}, the heaviest forecast while it decodes",
                 RETRY_MAX_S if wait is None else wait,
                 ttft,
                 tbt,
             )
         reason = (
             f"{self.name}: {where} ({chosen.summary()}); decode {decode.instance_id} (tbt {tbt:.4f}s at "
-            f"batch {decode.load.batch_size + 1} when the prefill ends); {note}"
+            f"batch {decode.load.batch_size + 1}, the heaviest while it decodes); {note}"
         )
         return Placement(
             request_id=request.request_id,

@@ -147,9 +147,12 @@ class IncomingDecode:
 class DecodeView:
     """A live decode instance.
 
-    ``free_blocks``: KV blocks free now as the instance reports them; the policies subtract what
-    ``incoming`` requests will take. ``max_batch``: the most sequences it runs in one step.
+    ``free_blocks``: KV blocks free now as the instance reports them; the policies add back what
+    running sequences free by the time a request joins and subtract what ``incoming`` requests take.
+    ``max_batch``: the most sequences it runs in one step.
     ``cached``: its local prefix cache (used when it prefills a short uncached remainder itself).
+    ``chunk_tokens``: prompt tokens one of its steps computes when it prefills (chunked prefill, the
+    engine's ``max_num_batched_tokens``); None: a prefill it runs rides one step whole.
     """
 
     instance_id: str
@@ -159,10 +162,13 @@ class DecodeView:
     incoming: tuple[IncomingDecode, ...] = ()
     cached: KeySet = field(default_factory=frozenset)
     bandwidth_bps: float | None = None
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_count(f"DecodeView({self.instance_id}).free_blocks", self.free_blocks)
         _check_count(f"DecodeView({self.instance_id}).max_batch", self.max_batch, 1)
+        if self.chunk_tokens is not None:
+            _check_count(f"DecodeView({self.instance_id}).chunk_tokens", self.chunk_tokens, 1)
         if self.bandwidth_bps is not None:
             _check_seconds(f"DecodeView({self.instance_id}).bandwidth_bps", self.bandwidth_bps, positive=True)
 
