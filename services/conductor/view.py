@@ -9,8 +9,19 @@ Fed by three streams and read once per placement as a plain :class:`yutu.sched.C
 Placements the conductor made but no report reflects yet are kept as *pending* per instance, so two
 requests placed within one report interval see each other: a prefill instance's queue and free
 blocks count them, a decode instance lists them as incoming (the sched package's contract).
-A pending entry is dropped once a report made well after it arrives (the instance then counts it
-itself), or after ``pending_ttl_s`` at the latest.
+
+- On a prefill instance a pending entry is dropped once a report received ``REPORT_LAG_S`` after the
+  placement arrives (the instance then queues it itself), or when its first token comes.
+- On a decode instance it stays until a report *shows* it: load reports name no requests, but a
+  sequence's ``context_tokens + remaining_max_tokens`` is ``prompt_len + max_tokens`` for all its
+  life (the engine counts the prefill's token as generated), its *signature*. A report shows a
+  handed-over request when it lists more running sequences of that signature than the fewest any
+  report listed since the handoff (the others of that signature can only have left since; several
+  pending requests of one signature are shown oldest first). Until its first token comes it cannot
+  be running there; its forecast arrival is then its predicted prefill end, or now if that passed.
+- Bounds, so a lost request cannot hold capacity: ``pending_ttl_s`` after the placement until its
+  first token, ``handoff_ttl_s`` after the first token (a request the first token finished, or one
+  that ended between two reports, is never shown).
 
 All times are the conductor's monotonic clock, passed in; nothing here reads a clock or does I/O.
 """
@@ -50,6 +61,12 @@ class Pending:
     placed_at: float
     ready_at: float  # predicted end of its prefill (when a decode instance gets it)
     handed_at: float | None = None  # its first token came: the decode instance has it from now on
+    floor: int | None = None  # on a decode: fewest running sequences of its signature seen since then
+
+    @property
+    def signature(self) -> int:
+        """``context_tokens + remaining_max_tokens`` of its row in a decode's report, all its life."""
+        return self.prompt_len + self.max_tokens
 
 
 @dataclass
@@ -71,15 +88,28 @@ class Instance:
     def max_batch(self) -> int:
         return max(1, int(self.record.meta.get("max_num_seqs", 64)))
 
+    @property
+    def chunk_tokens(self) -> int | None:
+        """Its prefill chunk (``max_num_batched_tokens`` in its record), None when it does not say."""
+        value = self.record.meta.get("max_num_batched_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     def endpoint(self, name: str) -> str | None:
         return self.record.endpoints.get(name)
 
 
 class GlobalView:
-    def __init__(self, block_size: int, report_stale_s: float, pending_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        report_stale_s: float,
+        pending_ttl_s: float = 30.0,
+        handoff_ttl_s: float = 10.0,
+    ) -> None:
         self.block_size = block_size
         self.report_stale_s = report_stale_s
         self.pending_ttl_s = pending_ttl_s
+        self.handoff_ttl_s = handoff_ttl_s
         self.instances: dict[str, Instance] = {}
         self.store_keys: set[str] = set()
         self.bytes_per_block = 0  # from the workers' records (all must agree)
@@ -120,17 +150,11 @@ class GlobalView:
             return True  # an old report arriving late
         instance.report = report
         instance.report_at = now
-        instance.pending = [p for p in instance.pending if self._unreported(instance, p, now)]
-        return True
-
-    @staticmethod
-    def _unreported(instance: Instance, p: Pending, now: float) -> bool:
-        """Whether a report received at ``now`` may not count ``p`` yet (so the view must)."""
         if instance.role == "prefill":
-            return p.placed_at > now - REPORT_LAG_S
-        if p.handed_at is not None:  # at the decode instance since then
-            return p.handed_at > now - REPORT_LAG_S
-        return p.ready_at > now or p.placed_at > now - REPORT_LAG_S
+            instance.pending = [p for p in instance.pending if p.placed_at > now - REPORT_LAG_S]
+        else:
+            instance.pending = _unshown(instance.pending, report)
+        return True
 
     def on_kv_events(self, source: str, batch: KVEventBatch) -> None:
         keys = self.store_keys if source == STORE else self._cached(source)
@@ -161,27 +185,38 @@ class GlobalView:
         reused = (
             placement.plan.fetch_end if placement.plan.fetch_blocks else placement.plan.local_blocks
         ) * self.block_size
-        pending = Pending(
-            request.request_id, request.prompt_len, min(reused, request.prompt_len - 1), request.max_tokens,
-            blocks, now, placement.ready_at_s,
-        )  # fmt: skip
+        for other in self.instances.values():  # a placement again (its prefill failed) replaces it
+            if other.pending:
+                other.pending = [p for p in other.pending if p.request_id != request.request_id]
         for instance_id in {placement.prefill_id, placement.decode_id} - {None}:
             instance = self.instances.get(str(instance_id))
             if instance is not None:
-                instance.pending.append(pending)
+                instance.pending.append(
+                    Pending(
+                        request.request_id,
+                        request.prompt_len,
+                        min(reused, request.prompt_len - 1),
+                        request.max_tokens,
+                        blocks,
+                        now,
+                        placement.ready_at_s,
+                    )  # fmt: skip
+                )
 
     def prefill_done(self, request_id: str, now: float) -> None:
         """A request's first token came (the gateway said so): its prefill no longer queues anywhere,
-        and its decode instance has it (its next report counts it)."""
+        and its decode instance has it (a later report shows it running: module docstring)."""
         for instance in self.instances.values():
             if not instance.pending:
                 continue
             if instance.role == "prefill":
                 instance.pending = [p for p in instance.pending if p.request_id != request_id]
-            else:
-                for p in instance.pending:
-                    if p.request_id == request_id and p.handed_at is None:
-                        p.handed_at = now
+                continue
+            for p in instance.pending:
+                if p.request_id == request_id and p.handed_at is None:
+                    p.handed_at = now
+                    if instance.report is not None:
+                        p.floor = _count(instance.report, p.signature)
 
     def live(self, role: str, now: float, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Instances of ``role`` that may take work: listed, reporting, not broken, not excluded."""
@@ -202,13 +237,18 @@ class GlobalView:
         """The view a policy places one request on."""
         self._expire(now)
         prefills = tuple(self._prefill_view(i) for i in self.live("prefill", now, exclude))
-        decodes = tuple(self._decode_view(i) for i in self.live("decode", now, exclude))
+        decodes = tuple(self._decode_view(i, now) for i in self.live("decode", now, exclude))
         return ClusterView(prefills, decodes, self.store_keys, max(1, self.bytes_per_block), self.block_size)
 
     def _expire(self, now: float) -> None:
         for instance in self.instances.values():
             if instance.pending:
-                instance.pending = [p for p in instance.pending if now - p.placed_at < self.pending_ttl_s]
+                instance.pending = [p for p in instance.pending if not self._expired(p, now)]
+
+    def _expired(self, p: Pending, now: float) -> bool:
+        if p.handed_at is None:
+            return now - p.placed_at >= self.pending_ttl_s
+        return now - p.handed_at >= self.handoff_ttl_s
 
     def _prefill_view(self, instance: Instance) -> PrefillView:
         report = instance.report
@@ -222,11 +262,13 @@ class GlobalView:
         free = report.free_blocks - sum(p.blocks for p in instance.pending)
         return PrefillView(instance.instance_id, instance.cached, max(0, free), tuple(queue))
 
-    def _decode_view(self, instance: Instance) -> DecodeView:
+    def _decode_view(self, instance: Instance, now: float) -> DecodeView:
         report = instance.report
         assert report is not None
         running = tuple(RunningDecode(max(1, d[0]), max(0, d[1])) for d in report.decoding if d)
-        incoming = tuple(IncomingDecode(p.ready_at, p.prompt_len, p.max_tokens) for p in instance.pending)
+        incoming = tuple(
+            IncomingDecode(_arrival(p, now), p.prompt_len, p.max_tokens) for p in instance.pending
+        )
         return DecodeView(
             instance.instance_id,
             max(0, report.free_blocks),
@@ -234,7 +276,42 @@ class GlobalView:
             running,
             incoming,
             instance.cached,
+            chunk_tokens=instance.chunk_tokens,
         )
+
+
+def _arrival(p: Pending, now: float) -> float:
+    """When ``p`` joins its decode's batch: at its first token once that came; before, at its predicted
+    prefill end, or now when that has passed (a prefill running late has not handed anything over)."""
+    return p.handed_at if p.handed_at is not None else max(p.ready_at, now)
+
+
+def _count(report: LoadReport, signature: int) -> int:
+    """Running sequences of ``report`` with ``signature`` (``Pending.signature``)."""
+    return sum(1 for d in report.decoding if len(d) >= 2 and d[0] + d[1] == signature)
+
+
+def _unshown(pending: list[Pending], report: LoadReport) -> list[Pending]:
+    """The decode instance's pending requests ``report`` does not show running (module docstring)."""
+    groups: dict[int, list[Pending]] = {}
+    for p in pending:
+        if p.handed_at is not None:
+            groups.setdefault(p.signature, []).append(p)
+    shown: set[int] = set()
+    for signature, group in groups.items():
+        count = _count(report, signature)
+        known = [p.floor for p in group if p.floor is not None]
+        if not known:  # handed over before any report: this one sets the floor, conservatively
+            for p in group:
+                p.floor = count
+            continue
+        new = max(0, count - min(known))
+        group.sort(key=lambda p: (p.handed_at, p.placed_at))
+        for p in group[:new]:
+            shown.add(id(p))
+        for p in group[new:]:
+            p.floor = count if new else min(count, p.floor if p.floor is not None else count)
+    return [p for p in pending if id(p) not in shown]
 
 
 def _hex(block_hash: bytes | int) -> str:

@@ -91,10 +91,15 @@ def test_pending_placements_count_until_a_later_report() -> None:
     assert view.snapshot(now=10.12).prefills[0].queue == ()
     view.on_report(report("p0", 3, "prefill"), now=10.3)
     assert view.snapshot(now=10.3).prefills[0].queue == ()
-    view.on_report(report("d0", 2, "decode"), now=10.15)  # handed over just now: not reported yet
-    assert len(view.snapshot(now=10.15).decodes[0].incoming) == 1
-    view.on_report(report("d0", 3, "decode"), now=10.3)  # a report made after the handoff counts it
-    assert view.snapshot(now=10.3).decodes[0].incoming == ()
+    view.on_report(report("d0", 2, "decode", decoding=[[80, 10]]), now=10.15)  # not running there yet
+    (incoming,) = view.snapshot(now=10.15).decodes[0].incoming
+    assert (incoming.arrival_s, incoming.prompt_len) == (10.12, 40)  # it joins from its first token on
+    # Its KV still on the way 180 ms after the first token: the report does not list it, the view does.
+    view.on_report(report("d0", 3, "decode", decoding=[[80, 10]]), now=10.3)
+    assert len(view.snapshot(now=10.3).decodes[0].incoming) == 1
+    # Running: prompt + its first token, 7 of its 8 tokens left (signature 40 + 8).
+    view.on_report(report("d0", 4, "decode", decoding=[[80, 10], [41, 7]]), now=10.4)
+    assert view.snapshot(now=10.4).decodes[0].incoming == ()
     assert view.snapshot(now=10.6, exclude=frozenset({"d0"})).decodes == ()
 
 
@@ -113,18 +118,89 @@ def test_a_policy_places_on_the_snapshot() -> None:
     assert (outcome.prefill_id, outcome.decode_id, outcome.plan.local_blocks) == ("p1", "d0", 8)
 
 
-def test_a_decode_counts_an_unobserved_placement_until_its_predicted_prefill_end() -> None:
-    view = GlobalView(BS, report_stale_s=5.0)
+def decode_view(**kw: object) -> GlobalView:
+    view = GlobalView(BS, report_stale_s=5.0, **kw)  # type: ignore[arg-type]
     view.update_records([record("decode", "d0", pid=101)])
+    return view
+
+
+def place_on_d0(
+    view: GlobalView, rid: str, now: float, prefill: str | None = "p0", ready: float = 1.5
+) -> None:
+    request = RequestView(rid, (), 40, 8)
+    plan = PrefixPlan(0, 0, 40)
+    view.note_placement(Placement(rid, prefill, "d0", plan, 0.4, 0.01, ready, "p", "t"), request, now=now)
+
+
+def incoming(view: GlobalView, now: float) -> list[float]:
+    return [i.arrival_s for i in view.snapshot(now=now).decodes[0].incoming]
+
+
+def test_a_prefill_running_late_still_counts_on_its_decode() -> None:
+    view = decode_view()
     view.on_report(report("d0", 1, "decode"), now=1.0)
-    request = RequestView("r9", (), 40, 8)
-    view.note_placement(
-        Placement("r9", None, "d0", PrefixPlan(0, 0, 40), 0.4, 0.01, 1.5, "p", "t"), request, now=1.1
-    )
+    place_on_d0(view, "r9", now=1.1, prefill=None)  # the decode prefills it itself
     view.on_report(report("d0", 2, "decode"), now=1.3)  # nobody said its first token came
-    assert len(view.snapshot(now=1.3).decodes[0].incoming) == 1
-    view.on_report(report("d0", 3, "decode"), now=1.6)  # past its predicted ready time
-    assert view.snapshot(now=1.6).decodes[0].incoming == ()
+    assert incoming(view, 1.3) == [1.5]
+    view.on_report(report("d0", 3, "decode", queued=[[40, 0, 16]]), now=1.6)  # past its predicted end
+    assert incoming(view, 1.6) == [1.6]  # still coming: it cannot join before its prefill ends
+    view.on_report(report("d0", 4, "decode"), now=31.0)
+    assert incoming(view, 31.0) == [31.0]
+    assert incoming(view, 31.1) == []  # no first token within pending_ttl_s of the placement: given up
+
+
+def test_a_sequence_of_the_same_shape_already_running_does_not_show_a_handed_over_request() -> None:
+    view = decode_view()
+    view.on_report(report("d0", 1, "decode", decoding=[[44, 4]]), now=1.0)  # another 40 + 8 sequence
+    place_on_d0(view, "r1", now=1.1)
+    view.prefill_done("r1", now=1.5)
+    view.on_report(report("d0", 2, "decode", decoding=[[45, 3]]), now=1.7)  # the other one, a step on
+    assert incoming(view, 1.7) == [1.5]
+    view.on_report(report("d0", 3, "decode", decoding=[]), now=1.9)  # it left; ours not yet there
+    assert incoming(view, 1.9) == [1.5]
+    view.on_report(report("d0", 4, "decode", decoding=[[41, 7]]), now=2.1)  # ours
+    assert incoming(view, 2.1) == []
+
+
+def test_requests_of_one_signature_are_shown_oldest_first() -> None:
+    view = decode_view()
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    place_on_d0(view, "r1", now=1.1)
+    place_on_d0(view, "r2", now=1.2)
+    view.prefill_done("r2", now=1.4)
+    view.prefill_done("r1", now=1.5)
+    view.on_report(report("d0", 2, "decode", decoding=[[41, 7]]), now=1.6)  # one of them runs
+    assert incoming(view, 1.6) == [1.5]  # r2, handed over first, is the one shown
+    view.on_report(report("d0", 3, "decode", decoding=[[42, 6]]), now=1.8)  # still only one
+    assert incoming(view, 1.8) == [1.5]
+    view.on_report(report("d0", 4, "decode", decoding=[[43, 5], [41, 7]]), now=2.0)
+    assert incoming(view, 2.0) == []
+
+
+def test_a_handed_over_request_no_report_shows_is_dropped_after_handoff_ttl() -> None:
+    view = decode_view(handoff_ttl_s=2.0)
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    place_on_d0(view, "r1", now=1.1)
+    view.prefill_done("r1", now=1.5)  # e.g. its first token was its last: it never runs there
+    view.on_report(report("d0", 2, "decode"), now=3.4)
+    assert incoming(view, 3.4) == [1.5]
+    assert incoming(view, 3.5) == []
+
+
+def test_a_placement_again_replaces_the_first() -> None:
+    view = decode_view()
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    place_on_d0(view, "r1", now=1.1, ready=1.5)
+    place_on_d0(view, "r1", now=1.3, ready=2.5)  # its prefill instance failed: placed again
+    assert incoming(view, 1.3) == [2.5]
+
+
+def test_the_decode_prefill_chunk_comes_from_its_record() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("decode", "d0", max_num_batched_tokens=512), record("decode", "d1", pid=101)])
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    view.on_report(report("d1", 1, "decode"), now=1.0)
+    assert [d.chunk_tokens for d in view.snapshot(now=1.0).decodes] == [512, None]
 
 
 def test_the_ttft_correction_tracks_measured_over_predicted_and_never_loosens() -> None:

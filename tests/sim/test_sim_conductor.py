@@ -8,9 +8,10 @@ conductor's pending placements for requests on their way to a decode instance. B
 ``ClusterView`` (the simulator's ``Simulation.view``, the conductor's ``GlobalView.snapshot``) and
 the same ``yutu.sched`` policy places probe requests on each: the placements must be equal.
 
-The instant is one the conductor sees exactly: no placement within its report lag (50 ms) and no
-KV in flight for longer (the conductor forgets a handed-over request 50 ms after its first token
-until the decode reports it; the simulator lists it as incoming until its KV arrives).
+The instant is one the conductor sees exactly: no placement within a prefill report's lag (50 ms,
+``REPORT_LAG_S``: a report received later is taken to queue it). Two requests' KV has been on its way
+to their decode for longer than that (132 and 157 ms, a slow network): the conductor keeps them
+until a decode report shows them running, as the simulator lists them until their KV arrives.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from yutu.sim.config import SimConfig
 from yutu.sim.simulator import Simulation
 from yutu.sim.trace import TraceRequest
 
-from services.conductor.view import STORE, GlobalView
+from services.conductor.view import REPORT_LAG_S, STORE, GlobalView
 from tests.sim.sim_support import BS, req, tiny_profile
 
 T = 2.07  # the snapshot instant: queues, batches and incoming requests everywhere, none placed in the last 50 ms
@@ -32,7 +33,7 @@ T = 2.07  # the snapshot instant: queues, batches and incoming requests everywhe
 
 def scenario() -> Simulation:
     prof = tiny_profile(
-        prefill=(0.0, 2.0**-5, 0.0), decode=(2.0**-4, 2.0**-8, 0.0), network_bps=2.0**14, max_batch=4
+        prefill=(0.0, 2.0**-5, 0.0), decode=(2.0**-4, 2.0**-8, 0.0), network_bps=2.0**11, max_batch=4
     )
     trace: list[TraceRequest] = []
     for i in range(24):
@@ -112,11 +113,17 @@ def test_the_scenario_has_every_kind_of_state(both: tuple[Simulation, ClusterVie
     assert [len(p.queue) for p in ours.prefills] == [4, 3, 4]
     assert all(p.queue[0].computed_tokens > 0 for p in ours.prefills)  # each runs a half-done prompt
     assert all(p.queue[1].reused_tokens > 0 for p in ours.prefills)  # queued prompts with a planned prefix
-    assert [len(d.running) for d in ours.decodes] == [2, 2] and [len(d.incoming) for d in ours.decodes] == [
-        6,
-        5,
-    ]
+    assert [len(d.running) for d in ours.decodes] == [1, 2]
+    assert [len(d.incoming) for d in ours.decodes] == [8, 5]
     assert all(len(p.cache) > 0 for p in sim.prefills) and len(sim.store) > 0
+    assert all(not 0 <= T - r.arrival_s < REPORT_LAG_S for r in sim.records.values())
+    in_flight = sorted(
+        round(T - r.first_token_s, 3)
+        for d in sim.decodes
+        for i in d.incoming
+        if (r := sim.records[i]).first_token_s is not None
+    )
+    assert in_flight == [0.132, 0.157]  # handed over longer ago than the report lag
 
 
 def test_both_views_hold_the_same_cluster(both: tuple[Simulation, ClusterView, ClusterView]) -> None:

@@ -9,7 +9,8 @@ wait for a batch slot) and then the step durations (the TBT's input).
 
 A request placed here is *incoming* until its KV arrives (``arrive``), then *waiting* until the
 batch and the KV blocks have room (reserved at the join for its prompt and all its output tokens),
-then running.
+then running. An incoming request joins, as the conductor forecasts it, at its predicted prefill
+end (or now, once that has passed) until its first token is out (``handed``), then from that token.
 ``local`` jobs (the decode prefilling a request itself: no prefill instance had room, or conditional
 disaggregation) ride the next step, which then lasts their prefill time plus the decode step.
 
@@ -54,6 +55,7 @@ class DecodeInstance:
         self._ends: list[tuple[int, int]] = []  # heap of (end_step, request index)
         self.waiting: deque[Sequence] = deque()
         self.incoming: dict[int, IncomingDecode] = {}
+        self._handed: set[int] = set()  # incoming requests whose first token is out
         self.local: deque[LocalJob] = deque()
         self._riding: list[LocalJob] = []  # local jobs in the step running now
         self.step = 0  # steps completed
@@ -73,6 +75,18 @@ class DecodeInstance:
         """A placement names this instance: list it as incoming until its KV arrives."""
         self.incoming[record.index] = IncomingDecode(ready_at, record.prompt_len, record.output_len)
 
+    def handed(self, record: RequestRecord, now: float) -> None:
+        """Its prefill ended at ``now`` (the conductor hears of the first token): it joins from then."""
+        inc = self.incoming.get(record.index)
+        if inc is not None:
+            self.incoming[record.index] = IncomingDecode(now, inc.prompt_len, inc.max_tokens)
+            self._handed.add(record.index)
+
+    def forget(self, record: RequestRecord) -> None:
+        """It will not come (refused when its KV arrived)."""
+        self.incoming.pop(record.index, None)
+        self._handed.discard(record.index)
+
     def fits(self, seq: Sequence) -> bool:
         room = self.profile.decode_kv_blocks - self.reserved_blocks
         # An empty instance takes any one sequence: one larger than all its KV must still run.
@@ -80,13 +94,13 @@ class DecodeInstance:
 
     def arrive(self, record: RequestRecord) -> Sequence:
         """The request's KV is here: it waits for the next step boundary with room."""
-        self.incoming.pop(record.index, None)
+        self.forget(record)
         seq = Sequence(record, self.blocks_for(record))
         self.waiting.append(seq)
         return seq
 
     def add_local(self, job: LocalJob) -> None:
-        self.incoming.pop(job.record.index, None)
+        self.forget(job.record)
         self.local.append(job)
 
     # -- steps ------------------------------------------------------------------------------------
@@ -176,7 +190,10 @@ class DecodeInstance:
             )
             for s in self.running.values()
         )
-        incoming = list(self.incoming.values())
+        incoming = [
+            i if index in self._handed else IncomingDecode(max(i.arrival_s, now), i.prompt_len, i.max_tokens)
+            for index, i in self.incoming.items()
+        ]
         incoming += [IncomingDecode(now, s.record.prompt_len, s.record.output_len) for s in self.waiting]
         incoming += [IncomingDecode(now, j.record.prompt_len, j.record.output_len) for j in self.local]
         if not forecast:

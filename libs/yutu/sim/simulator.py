@@ -197,6 +197,7 @@ class Simulation:
             self.costs.prefill.observe(r.prompt_len, job.reused_tokens, r.prefill_s)
             if r.fetched_blocks:
                 self.costs.transfer.observe(r.fetched_blocks * self.profile.bytes_per_block, r.transfer_s)
+        self.decodes[job.decode_index].handed(job.record, now)
         handoff = self.profile.transfer_s(job.request.input_length * self.profile.kv_bytes_per_token)
         self._push(now + handoff, KV, job.record.index)
         nxt = prefill.start(now, self.store, self._slowdown())
@@ -208,7 +209,7 @@ class Simulation:
         d = self._decode_at[record.decode_id]
         decode = self.decodes[d]
         if self.config.rejection is Rejection.AFTER_PREFILL and self._refuses(decode, record):
-            decode.incoming.pop(record.index, None)
+            decode.forget(record)
             record.rejected = DECODE_REFUSED
             self.wasted_prefill_s += record.prefill_s + record.transfer_s
             return
