@@ -8,9 +8,9 @@ loadtests/setup_mooncake.sh) and returns its rows; ``compare`` judges Yutu's row
 - every Yutu TCP and SHM zero-copy row's p99 within 3x of its p50;
 - over shared memory, every row ahead of Mooncake's TCP row (>= 1.0x).
 
-A single 64 KiB op is bounded by its fixed costs, not by bytes: a get is one ZeroMQ round trip to the
-master plus one TCP exchange with the node; a put is two master round trips, a Redis metadata write
-and one exchange. ``compare`` prints that bound (from the same run's floors and socket baseline) next
+A single 64 KiB op is bounded by its fixed costs, not by bytes: a get is one round trip to the
+master (its stream RPC: a plain TCP round trip at least) plus one TCP exchange with the node; a put
+is two master round trips and one exchange (its Redis metadata write is written behind). ``compare`` prints that bound (from the same run's floors and socket baseline) next
 to the 64 KiB single rows.
 """
 
@@ -59,9 +59,8 @@ def need(op: str, mode: str, size: int) -> float:
 def small_bound_us(res: dict[str, Any], op: str, size: int) -> float:
     """Microseconds a single op of ``size`` bytes cannot go below in this design (fixed costs only)."""
     floors, socket = res["floors"], res["baselines"][str(size)]["socket"]
-    rtt, write = floors["zmq_rtt"]["p50_us"], floors["redis_write"]["p50_us"]
-    wire = socket["p50_us"]
-    return rtt + wire if op == "get" else 2 * rtt + write + wire
+    rtt, wire = floors["tcp_rtt"]["p50_us"], socket["p50_us"]  # the master's stream RPC; one exchange
+    return rtt + wire if op == "get" else 2 * rtt + wire
 
 
 def compare(res: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
@@ -104,7 +103,7 @@ def compare(res: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
         bound = small_bound_us(res, op, size)
         mine = res["store"][f"tcp/{size}"][f"{op}/single/zero-copy"]["p50_us"]
         theirs = mc[str(size)][f"{op}/single"]["p50_us"]
-        print(f"[info] {size // KiB} KiB single {op}: fixed costs alone {bound:.0f} us (ZeroMQ round trip"
-              f"{'s x2 + Redis metadata write' if op == 'put' else ''} + one socket exchange) -> at best "
+        print(f"[info] {size // KiB} KiB single {op}: fixed costs alone {bound:.0f} us (TCP round trip"
+              f"{'s x2' if op == 'put' else ''} to the master + one socket exchange) -> at best "
               f"x{theirs / bound:.2f} Mooncake's p50 of {theirs:.0f} us; ours {mine:.0f} us")  # fmt: skip
     return out

@@ -2,7 +2,7 @@
 
 memcpy and a raw loopback TCP stream of blocks of the object size, Redis SET/GET of the same values
 (redis-py's sync client, single and 32 per pipeline), and the protocol's fixed costs ("design
-floors"): a bare ZeroMQ round trip and a Redis write of one metadata record. Every measurement
+floors"): a bare TCP and a bare ZeroMQ round trip, and a Redis write of one metadata record. Every measurement
 cycles over a working set past the CPU caches.
 """
 
@@ -137,10 +137,61 @@ def _zmq_echo(endpoint: str) -> None:
         sock.send_multipart(sock.recv_multipart())
 
 
+def _tcp_echo(port: int) -> None:
+    """A bare TCP server that echoes every 77-byte message: the other end of ``bench_floors``."""
+    with socket.create_server(("127.0.0.1", port)) as listener:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(77)
+        view = memoryview(buf)
+        while True:
+            got = 0
+            while got < len(buf):
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    return
+                got += n
+            conn.sendall(buf)
+
+
+def _tcp_rtt(seconds: float) -> dict[str, float]:
+    """A request/response of 77 bytes (a stream RPC frame's 13-byte header and 64 bytes) between
+    two processes over loopback TCP: what the master's stream RPC (yutu.rpc.stream) costs at least."""
+    port = free_port()
+    echo = mp.get_context("spawn").Process(target=_tcp_echo, args=(port,), daemon=True)
+    echo.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the TCP echo process did not come up") from None
+                time.sleep(0.05)
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            msg, reply = b"q" * 77, bytearray(77)
+
+            def rtt(_: int) -> None:
+                sock.sendall(msg)
+                got = 0
+                while got < 77:
+                    got += sock.recv_into(memoryview(reply)[got:])
+
+            return _timed_sync(rtt, seconds)
+    finally:
+        echo.kill()
+        echo.join(5)
+
+
 def bench_floors(r: redis.Redis, seconds: float) -> dict[str, dict[str, float]]:
-    """The fixed costs the store protocol cannot avoid (see the module docstring), as p50s: a
-    ZeroMQ round trip between two processes (8-byte id and a 64-byte message, like a small RPC) and
-    a Redis HSET of one 120-byte record."""
+    """The fixed costs of the store protocol (see the module docstring), as p50s: a plain TCP round
+    trip between two processes (the master's stream RPC, what clients use), a ZeroMQ round trip
+    (8-byte id and a 64-byte message: the master's ZeroMQ RPC, the reference) and a Redis HSET of
+    one 120-byte record (written behind a put_end since the write-behind, see
+    services.store_master.settle: information only)."""
     import zmq
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -165,6 +216,7 @@ def bench_floors(r: redis.Redis, seconds: float) -> dict[str, dict[str, float]]:
         sock.close()
         echo.kill()
         echo.join(5)
+    out["tcp_rtt"] = _tcp_rtt(seconds)
     record = os.urandom(120)
     out["redis_write"] = _timed_sync(lambda i: r.hset("bench:floors", str(i % 1024), record), seconds)
     r.delete("bench:floors")

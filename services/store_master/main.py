@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_options(parser)
     g = parser.add_argument_group("store master")
     own(g, "--port", default=0, type=int, help="RPC port (ZeroMQ); 0 picks a free port")
+    own(
+        g,
+        "--stream-port",
+        default=0,
+        type=int,
+        help="the same RPC over a plain TCP stream, what clients use when advertised (0: any free port; -1: off)",
+    )
     own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
     own(g, "--kv-events", default=True, type=bool, help="publish BlockStored/BlockRemoved KV events")
     own(g, "--kv-events-port", default=0, type=int, help="KV events PUB port; 0 picks a free port")
@@ -84,6 +91,7 @@ def settings_from_args(args: argparse.Namespace) -> MasterSettings:
         policy=policy,
         sweep_interval_s=args.sweep_interval,
         persist=args.persist,
+        stream_port=None if args.stream_port < 0 else args.stream_port,
     )
 
 

@@ -27,6 +27,7 @@ from yutu.protocol.kv_events import AllBlocksCleared, BlockHash, BlockStored, KV
 from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import KVEventPublisher, RpcServer
+from yutu.rpc.stream import StreamRpcServer
 from yutu.service import Service
 
 from services.store_master.admin import build_router
@@ -55,6 +56,7 @@ class StoreMasterService(Service):
         self._redis: aioredis.Redis | None = None
         self._persister: Persister | None = None
         self._rpc: RpcServer | None = None
+        self._stream: StreamRpcServer | None = None  # the same RPC without ZeroMQ's thread hops
         self._events: KVEventPublisher | None = None
         self._registration: Registration | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -102,10 +104,15 @@ class StoreMasterService(Service):
                 self.loops.watch("kv-events-replay", replay)
         self._rpc = RpcServer(p.CHANNEL, self._handle, s.host, s.port)
         self._rpc.start()
+        if s.stream_port is not None:
+            self._stream = StreamRpcServer(p.CHANNEL, self._handle, s.host, s.stream_port)
+            await self._stream.start()
         self._sweeper = self.loops.spawn("store-sweeper", self._sweep_loop())
         if self._watch is not None:
             self._watcher = self.loops.spawn("metadata-watch", self._watch.run())
         endpoints = {"rpc": self._advertise(self._rpc.endpoint)}
+        if self._stream is not None:
+            endpoints["rpc_stream"] = self._advertise(self._stream.endpoint)
         if self._events is not None:
             endpoints["kv_events"] = self._advertise(self._events.endpoint)
             if self._events.replay_endpoint is not None:
@@ -137,6 +144,8 @@ class StoreMasterService(Service):
         await asyncio.gather(*loops, return_exceptions=True)
         if self._rpc is not None:
             await self._rpc.close()
+        if self._stream is not None:
+            await self._stream.close()
         if self._persister is not None:
             await self._persister.close()
         if self._events is not None:

@@ -21,11 +21,14 @@ class MasterSettings(ServiceSettings):
     policy: StatePolicy
     sweep_interval_s: float  # how often liveness, put timeouts, retired space and watermark are checked
     persist: bool  # keep metadata in Redis (and recover it at start)
+    stream_port: int | None = 0  # the same RPC over a plain TCP stream (yutu.rpc.stream); 0: any; None: off
 
     def __post_init__(self) -> None:
         if self.sweep_interval_s <= 0:
             raise ValueError(f"--sweep-interval must be positive, got {self.sweep_interval_s}")
-        for name in ("port", "admin_port", "kv_events_port"):
+        for name in ("port", "admin_port", "kv_events_port", "stream_port"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be a port number (0 for any), got {value}")

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "loadtests"))
 
-from mooncake_compare import compare, default_python  # noqa: E402
+from mooncake_compare import compare, default_python, small_bound_us  # noqa: E402
 
 
 def test_a_short_bench_store_run_reports_every_measurement(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_a_short_bench_store_run_reports_every_measurement(tmp_path: Path) -> No
             assert set(base[name]) == {"put/single", "get/single", "put/batch", "get/batch"}
         for op, best in base["redis"].items():  # per operation, the faster client configuration
             assert best["gbps"] == max(base["redis-hiredis"][op]["gbps"], base["redis-py"][op]["gbps"])
-    assert set(res["floors"]) == {"zmq_rtt", "redis_write"}
+    assert set(res["floors"]) == {"tcp_rtt", "zmq_rtt", "redis_write"}
     assert all(f["p50_us"] > 0 for f in res["floors"].values())
     assert (
         len(res["targets"]) == 4 + 3 * 2 * 2
@@ -97,7 +97,11 @@ def test_the_mooncake_peer_measures_every_row_and_compare_judges_them(tmp_path: 
     res = {
         "mooncake": peer,
         "store": {f"{t}/{s}": {f"{op}/zero-copy": row for op in ops} for t in ("tcp", "shm") for s in sizes},
-        "floors": {"zmq_rtt": {"p50_us": 100.0}, "redis_write": {"p50_us": 50.0}},
+        "floors": {
+            "tcp_rtt": {"p50_us": 30.0},
+            "zmq_rtt": {"p50_us": 100.0},
+            "redis_write": {"p50_us": 50.0},
+        },
         "baselines": {str(s): {"socket": {"p50_us": 10.0}} for s in sizes},
     }
     judged = compare(res, sizes)
@@ -106,3 +110,6 @@ def test_the_mooncake_peer_measures_every_row_and_compare_judges_them(tmp_path: 
         assert t["met"] == (t["ratio"] >= t["need"])
         if "p99_over_p50" in t:
             assert t["p99_over_p50"] == 2.0 and t["met"]
+    # the fixed-cost bound of a single 64 KiB op: stream RPC round trips and one socket exchange
+    assert small_bound_us(res, "get", 64 << 10) == 30.0 + 10.0
+    assert small_bound_us(res, "put", 64 << 10) == 2 * 30.0 + 10.0

@@ -49,7 +49,7 @@ async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster)
         (n,) = await registry.list("store-node")
     finally:
         await registry.close()
-    assert set(m.endpoints) == {"rpc", "kv_events", "kv_events_replay", "admin"}
+    assert set(m.endpoints) == {"rpc", "rpc_stream", "kv_events", "kv_events_replay", "admin"}
     assert n.meta == {"segment": "n0", "size": 2 << 20, "disk_capacity": 0} and "transfer" in n.endpoints
 
     req = zmq.asyncio.Context.instance().socket(zmq.DEALER)

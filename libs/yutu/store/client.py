@@ -66,6 +66,7 @@ class StoreClientConfig:
     host: str = "127.0.0.1"  # where this client's data server listens (used when it contributes memory)
     tcp_connections: int = 4
     rpc_timeout_s: float = 10.0
+    master_stream: bool = True  # talk to the master over its stream RPC when advertised (yutu.store.master)
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     lease_cache: bool = False  # reuse replica descriptors while their read lease lasts (module doc)
@@ -130,7 +131,7 @@ class StoreClient:
             self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))
             await engine.publish()
         self.master = MasterClient(
-            c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s
+            c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s, c.master_stream
         )
         await self.master.connect()
         self._datapath = DataPath(

@@ -1,0 +1,188 @@
+"""The store channel's stream RPC (yutu.rpc.stream) answers exactly like the ZeroMQ reference
+(yutu.rpc.reqrep), fails calls on a dropped connection at once, reconnects, and is what store
+clients use when the master advertises it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from typing import Any
+
+import pytest
+from yutu.errors import ErrorKind, YutuError
+from yutu.protocol import store as p
+from yutu.rpc import RpcClient, RpcServer
+from yutu.rpc.stream import HEADER, NotConnectedError, StreamRpcClient, StreamRpcServer
+
+from tests.store.conftest import Cluster
+
+
+class Handler:
+    """Deterministic answers covering every path of a server: plain, awaited, typed error,
+    unexpected exception, a reply the channel cannot encode, and a call held until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    def __call__(self, msg: Any) -> Any:
+        if isinstance(msg, p.Exists):
+            if msg.key == "missing":
+                raise YutuError("object 'missing' not found", ErrorKind.NOT_FOUND)
+            if msg.key == "crash":
+                raise RuntimeError("handler bug")
+            if msg.key == "unencodable":
+                return object()
+            if msg.key == "held":
+                return self._held()
+            return p.ExistsReply(msg.key == "here")
+        if isinstance(msg, p.BatchExists):
+            return self._later([k == "here" for k in msg.keys])
+        raise YutuError(f"{type(msg).__name__} is not served here", ErrorKind.INVALID_REQUEST)
+
+    async def _later(self, flags: list[bool]) -> p.BatchExistsReply:
+        await asyncio.sleep(0.001 * len(flags))  # later for longer batches: answers come out of order
+        return p.BatchExistsReply(flags)
+
+    async def _held(self) -> p.ExistsReply:
+        await self.release.wait()
+        return p.ExistsReply(True)
+
+
+async def outcome(client: RpcClient | StreamRpcClient, msg: Any) -> Any:
+    try:
+        return await client.call(msg, timeout_s=5.0)
+    except YutuError as exc:
+        return ("error", exc.kind, str(exc))
+
+
+CALLS: list[Any] = [
+    p.Exists("here"),
+    p.Exists("elsewhere"),
+    p.Exists("missing"),
+    p.Exists("crash"),
+    p.Exists("unencodable"),
+    p.BatchExists(["here", "x", "here"]),
+    p.GetStats(),
+]
+
+
+async def test_stream_answers_every_call_exactly_like_the_zeromq_reference() -> None:
+    handler = Handler()
+    zmq_server = RpcServer(p.CHANNEL, handler)
+    zmq_server.start()
+    stream_server = StreamRpcServer(p.CHANNEL, handler)
+    await stream_server.start()
+    zmq_client = RpcClient(p.CHANNEL, zmq_server.endpoint)
+    stream_client = StreamRpcClient(p.CHANNEL, stream_server.endpoint)
+    try:
+        reference = [await outcome(zmq_client, m) for m in CALLS]
+        streamed = [await outcome(stream_client, m) for m in CALLS]
+        assert streamed == reference
+        assert reference[0] == p.ExistsReply(True) and reference[1] == p.ExistsReply(False)
+        assert reference[2] == ("error", ErrorKind.NOT_FOUND, "object 'missing' not found")
+        assert reference[3] == ("error", ErrorKind.INTERNAL, "RuntimeError: handler bug")
+        assert reference[4][:2] == ("error", ErrorKind.INTERNAL)
+        assert reference[5] == p.BatchExistsReply([True, False, True])
+        assert reference[6] == ("error", ErrorKind.INVALID_REQUEST, "GetStats is not served here")
+        # many calls in flight on one connection, answered out of order, each to its caller
+        batches = [p.BatchExists(["here"] * n + ["no"]) for n in range(40, 0, -1)]
+        replies = await asyncio.gather(*(stream_client.call(b) for b in batches))
+        assert [r.exists for r in replies] == [[True] * n + [False] for n in range(40, 0, -1)]
+    finally:
+        await zmq_client.close()
+        await stream_client.close()
+        await zmq_server.close()
+        await stream_server.close()
+
+
+async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_reconnects() -> None:
+    handler = Handler()
+    server = StreamRpcServer(p.CHANNEL, handler)
+    await server.start()
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    client = StreamRpcClient(p.CHANNEL, server.endpoint, timeout_s=30.0)
+    try:
+        assert await client.call(p.Exists("here")) == p.ExistsReply(True)
+        held = asyncio.ensure_future(client.call(p.Exists("held")))
+        await asyncio.sleep(0.05)  # the request is at the server, its handler waiting
+        assert not held.done()
+        started = time.monotonic()
+        await server.close()
+        with pytest.raises(YutuError) as err:
+            await held
+        assert err.value.kind is ErrorKind.UNAVAILABLE and "connection to" in str(err.value)
+        assert time.monotonic() - started < 5.0  # not the 30 s timeout
+        # a call while nothing listens waits for the server to come back (as ZeroMQ reconnects)
+        pending = asyncio.ensure_future(client.call(p.Exists("here"), timeout_s=20.0))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        server = StreamRpcServer(p.CHANNEL, handler, port=port)
+        await server.start()
+        assert await pending == p.ExistsReply(True)
+        # and with no server at all, a call says so within its timeout
+        await server.close()
+        fresh = StreamRpcClient(p.CHANNEL, server.endpoint)
+        with pytest.raises(NotConnectedError) as refused:
+            await fresh.call(p.Exists("here"), timeout_s=0.5)
+        assert refused.value.kind is ErrorKind.UNAVAILABLE and "is the server running?" in str(refused.value)
+        await fresh.close()
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_garbled_stream_costs_its_own_connection_only() -> None:
+    server = StreamRpcServer(p.CHANNEL, Handler())
+    await server.start()
+    host, port = server.endpoint[len("tcp://") :].rsplit(":", 1)
+    client = StreamRpcClient(p.CHANNEL, server.endpoint)
+    try:
+        assert await client.call(p.Exists("here")) == p.ExistsReply(True)
+        loop = asyncio.get_running_loop()
+        for garbage in (
+            HEADER.pack(1 << 30, 1, b"Q"),  # longer than any frame may be
+            HEADER.pack(3, 1, b"K") + b"abc",  # a reply sent to a server
+        ):
+            raw = socket.create_connection((host, int(port)))
+            raw.sendall(garbage)
+            raw.settimeout(5.0)
+            assert await loop.run_in_executor(None, raw.recv, 16) == b""  # closed by the server
+            raw.close()
+        # an undecodable request is answered as an invalid request, the connection stays
+        raw = socket.create_connection((host, int(port)))
+        raw.sendall(HEADER.pack(4, 7, b"Q") + b"\xc1zzz")
+        raw.settimeout(5.0)
+        head = await loop.run_in_executor(None, raw.recv, HEADER.size)
+        length, call_id, status = HEADER.unpack(head)
+        assert (call_id, status) == (7, b"E")
+        raw.close()
+        assert await client.call(p.Exists("elsewhere")) == p.ExistsReply(False)
+    finally:
+        await client.close()
+        await server.close()
+    assert struct.calcsize("<IQc") == HEADER.size == 13
+
+
+async def test_store_clients_use_the_stream_endpoint_when_the_master_advertises_it(
+    store_cluster: Cluster,
+) -> None:
+    store_cluster.master()
+    store_cluster.node("n0")
+    streamed = await store_cluster.client()
+    plain = await store_cluster.client(master_stream=False)
+    assert streamed.master is not None and plain.master is not None
+    assert (streamed.master.endpoint or "").startswith("stream+tcp://127.0.0.1:")
+    assert (plain.master.endpoint or "").startswith("tcp://127.0.0.1:")
+    assert await streamed.put("via-stream", b"s" * 5000)
+    assert await plain.put("via-zmq", b"z" * 7000)
+    for client in (streamed, plain):
+        assert await client.get_batch(["via-stream", "via-zmq", "nowhere"]) == [
+            b"s" * 5000,
+            b"z" * 7000,
+            None,
+        ]
+        with pytest.raises(YutuError) as err:
+            await client.get("nowhere")
+        assert err.value.kind is ErrorKind.NOT_FOUND
