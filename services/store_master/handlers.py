@@ -22,7 +22,7 @@ from services.store_master.batching import each
 from services.store_master.objects import Replica
 from services.store_master.replies import descriptors
 from services.store_master.room import Room
-from services.store_master.settle import Settler
+from services.store_master.settle import Durability, Settler
 from services.store_master.state import MasterState, NoSpaceError, check_int
 from services.store_master.tasks import TaskDispatcher
 
@@ -72,8 +72,8 @@ class Handlers:
             p.TasksDone: self.tasks_done,
         }
 
-    async def _settled(self, durable: bool = True) -> None:
-        await self.settler.settle(durable)
+    async def _settled(self, durability: Durability = Durability.NOW) -> None:
+        await self.settler.settle(durability)
 
     # -- segments --------------------------------------------------------------------------------
 
@@ -128,7 +128,7 @@ class Handlers:
             except NoSpaceError:
                 slot = await self._start_with_room(m.key, m.size, m)
         finally:
-            await self._settled(durable=False)  # see the settle module's docstring
+            await self._settled(Durability.SOON)  # see the settle module's docstring
         return p.PutStartReply(m.key, slot.put_id, slot.replicas)
 
     async def batch_put_start(self, m: p.BatchPutStart) -> p.BatchPutStartReply:
@@ -140,18 +140,30 @@ class Handlers:
                 lambda ks: self._start_with_room(ks[0], ks[1], m),
             )
         finally:
-            await self._settled(durable=False)
+            await self._settled(Durability.SOON)
         return p.BatchPutStartReply(results)
 
     async def put_end(self, m: p.PutEnd) -> p.Ack:
+        released = True  # a failed put_end settles NOW, as before
         try:
-            self.state.put_end(m.key, m.put_id)
+            released = self.state.put_end(m.key, m.put_id)
         finally:
-            await self._settled()
+            await self._settled(Durability.NOW if released else Durability.BEHIND)
         return p.Ack(1)
 
     async def batch_put_end(self, m: p.BatchPutEnd) -> p.BatchReply:
-        return await self._pairs(m.keys, m.put_ids, self.state.put_end)
+        """Each key's put_end; written behind unless one of them released space (see settle)."""
+        _lists("keys and put_ids", m.keys, m.put_ids)
+        released = False
+
+        def one(pair: tuple[str, str]) -> int:
+            nonlocal released
+            released = self.state.put_end(*pair) or released
+            return 1
+
+        results = await each(list(zip(m.keys, m.put_ids, strict=True)), one)
+        await self._settled(Durability.NOW if released else Durability.BEHIND)
+        return p.BatchReply(results)
 
     async def put_revoke(self, m: p.PutRevoke) -> p.Ack:
         try:

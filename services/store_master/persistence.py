@@ -10,8 +10,10 @@ and disk-tier tasks in flight are not stored either; a restarted master starts w
 
 :class:`Persister` batches writes: operations mark what they changed, then ``await commit()``.
 One pipeline writes everything marked so far (the current in-memory value of each marked record,
-or a delete when it is gone), so concurrent operations share round trips and an operation is
-acknowledged only after its metadata is in Redis.
+or a delete when it is gone), so concurrent operations share round trips. An operation that awaits
+``commit`` is acknowledged only after its metadata is in Redis; one that only asks for
+``commit_soon`` (a put_end written behind, a put_start) is written within that delay -- which
+operations may do that is :mod:`services.store_master.settle`'s rule.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from services.store_master.state import MasterState
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # a failed background commit is tried again this much later (or by the next commit)
 
 
 class MetadataStore:
@@ -95,7 +99,7 @@ class Persister:
     another task); callers arriving meanwhile wait for it and, if their marks came after it took
     its snapshot, one of them writes the next batch. A failed write keeps the marks for the next.
     :meth:`commit_soon` schedules a commit that nobody waits for (a failure is logged and the marks
-    stay for the next commit).
+    stay for the next commit, tried again after ``RETRY_S`` at the latest).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class Persister:
         self._inflight: asyncio.Future[None] | None = None
         self._background: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None
         self.writes = 0  # pipelines written (for /stats)
 
     def mark(self, objects: set[str], segments: set[str]) -> None:
@@ -138,22 +143,31 @@ class Persister:
     def commit_soon(self, delay_s: float = 0.0) -> None:
         """Write what is marked within ``delay_s`` without waiting for it; a commit made meanwhile
         (which writes every marked record's current value) makes the background one a no-op, so
-        records that change again soon are written once. At most one background commit runs."""
-        if self._timer is not None or self._written >= self._marked:
+        records that change again soon are written once. At most one background commit runs; a
+        shorter ``delay_s`` than the pending timer's brings it forward."""
+        if self._written >= self._marked:
             return
-        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start_background)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay_s
+        if self._timer is not None:
+            if self._timer.when() <= due:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_at(due, self._start_background)
 
     def _start_background(self) -> None:
         self._timer = None
         if self._written < self._marked and (self._background is None or self._background.done()):
             self._background = asyncio.ensure_future(self._commit_logged())
+        # else: the running background commit loops until every mark made meanwhile is written
 
     async def _commit_logged(self) -> None:
         try:
             while self._written < self._marked:  # marks made while this ran are written too
                 await self.commit()
         except YutuError as exc:
-            log.warning("background metadata commit failed (kept for the next one): %s", exc)
+            log.warning("background metadata commit failed (kept, retried in %.0f s): %s", RETRY_S, exc)
+            self._retry = asyncio.get_running_loop().call_later(RETRY_S, self.commit_soon)
 
     async def _write(self) -> None:
         self._inflight = asyncio.get_running_loop().create_future()
@@ -183,9 +197,10 @@ class Persister:
 
     async def close(self) -> None:
         """Write what is still marked."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._retry):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._retry = None
         if self._background is not None:
             await asyncio.gather(self._background, return_exceptions=True)
         if self.dirty:

@@ -81,11 +81,14 @@ class Puts:
         self.core.effects.dirty_objects.add(key)
         return put_id, pending.replicas
 
-    def put_end(self, key: str, put_id: str) -> None:
-        """Make the pending put readable; replaced replicas (upsert) are released."""
+    def put_end(self, key: str, put_id: str) -> bool:
+        """Make the pending put readable; replaced replicas (upsert) are released. True when it
+        released anything (space, a disk file or a disk-tier move): then its record must be in
+        Redis before the space can serve another object (see services.store_master.settle)."""
         entry, pending = self._pending(key, put_id)
         now = self.core.clock()
         was_readable = entry.readable
+        released = bool(entry.replicas) or entry.busy is not None
         if entry.busy is not None:  # an upsert overtook a disk-tier move: that move no longer applies
             self.core.disk.forget(entry)
             entry.busy = None
@@ -104,6 +107,7 @@ class Puts:
             self.core.effects.events.append(
                 BlockStored([key_to_hash(key)], block_size=self.core.policy.block_size)
             )
+        return released
 
     def put_revoke(self, key: str, put_id: str) -> None:
         """Abandon a pending put; its space is freed at once (the writer says it stopped)."""

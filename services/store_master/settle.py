@@ -1,22 +1,40 @@
 """Settling the effects of the master's state operations: Redis persistence, KV events and
 disk-tier tasks.
 
-A handler runs a synchronous state operation, then ``await settler.settle()``: what the operation
-changed is marked for Redis and committed, its KV events are published, its disk-tier tasks go to
-their nodes' queues. When there is nothing to wait for, ``settle`` finishes without suspending, so
-a handler that only reads or only allocates replies in the same step (see
+A handler runs a synchronous state operation, then ``await settler.settle(...)``: what the
+operation changed is marked for Redis and committed, its KV events are published, its disk-tier
+tasks go to their nodes' queues. When there is nothing to wait for, ``settle`` finishes without
+suspending, so a handler that only reads or only allocates replies in the same step (see
 :mod:`services.store_master.eager`).
 
-What waits for Redis: every acknowledged change that must survive a master restart -- put_end,
-revoke, remove, mounts -- is committed before its reply. A put_start's allocation is committed in
-the background instead (``settle(durable=False)``), within ``BACKGROUND_COMMIT_DELAY_S``: the put
-is not acknowledged until put_end, whose commit writes the object's current record anyway. If the
-master dies before that background write, the restarted master does not know the put, the writer's
-put_end is refused with NOT_FOUND ("put the object again") and the space counts as free; a
-restored pending put whose write did land is reclaimed after ``put_timeout_s`` as before.
+How durable, per operation (:class:`Durability`):
+
+- ``NOW``: committed to Redis before the reply -- revoke, remove, mounts, and every operation
+  that gives space back or makes disk-tier tasks (an upsert's put_end, evictions). Space that a
+  record in Redis still names is never handed to another object before that record is gone, so
+  a master that crashes and recovers from Redis never serves an object whose bytes were
+  overwritten.
+- ``BEHIND``: a put_end that made a new object readable and released nothing. Its KV event goes
+  out at once and its record is written within ``WRITE_BEHIND_S`` (one Redis write for every put
+  finished in that window) instead of before the reply: the put costs no Redis round trip. A
+  graceful stop writes what is pending (``Persister.close``), and any ``NOW`` operation's commit
+  writes it too. What it relaxes: if the master process *crashes* (SIGKILL, power), the puts
+  acknowledged in its last ``WRITE_BEHIND_S`` are not known after the restart -- a get answers
+  NOT_FOUND and the space counts as free, as for an object that was evicted: this is a cache, the
+  writer puts it again on its next miss. Such a lost put is never served wrong: the restarted
+  master has no record of it at all. (Redis itself, with ``appendfsync everysec``, may lose up to
+  a second of writes on a crash of its own.)
+- ``SOON``: a put_start's allocation, committed in the background within
+  ``BACKGROUND_COMMIT_DELAY_S`` unless its put_end (whose commit writes the record's current value)
+  comes first. If the master dies before that write, the restarted master does not know the put,
+  the writer's put_end is refused with NOT_FOUND ("put the object again") and the space counts as
+  free; a restored pending put whose write did land is reclaimed after ``put_timeout_s``. A
+  put_start that evicted (KV events) or made tasks is committed ``NOW``.
 """
 
 from __future__ import annotations
+
+import enum
 
 from yutu.rpc import KVEventPublisher
 
@@ -28,6 +46,16 @@ from services.store_master.tasks import TaskDispatcher
 # A put_start's record is written this long after it unless its put_end (whose commit writes the
 # record's then-current value) comes first: one Redis write per put instead of two.
 BACKGROUND_COMMIT_DELAY_S = 0.05
+# The most a BEHIND put_end's record lags its reply (the bound on what a master crash can lose).
+WRITE_BEHIND_S = 0.005
+
+
+class Durability(enum.Enum):
+    """When an operation's metadata reaches Redis (see the module docstring)."""
+
+    NOW = "now"  # before the reply
+    BEHIND = "behind"  # within WRITE_BEHIND_S; events at once (put_end that released nothing)
+    SOON = "soon"  # within BACKGROUND_COMMIT_DELAY_S unless it evicted or made tasks (put_start)
 
 
 class Settler:
@@ -48,17 +76,21 @@ class Settler:
         self.events = events
         self.tasks = tasks
 
-    async def settle(self, durable: bool = True) -> list[NodeTask]:
+    async def settle(self, durability: Durability = Durability.NOW) -> list[NodeTask]:
         """Carry out the effects of the operations run so far; returns the disk-tier tasks they
-        made. ``durable=False``: metadata-only effects are written to Redis in the background."""
+        made. Tasks (and tasks that failed) always commit ``NOW``."""
         effects = self.state.take_effects()
         persister = self.persister
         if persister is not None and (effects.dirty_objects or effects.dirty_segments):
             persister.mark(effects.dirty_objects, effects.dirty_segments)
-            if durable or effects.events or effects.tasks or effects.failed_tasks:
-                await persister.commit()
-            else:
+            if durability is Durability.BEHIND and not (effects.tasks or effects.failed_tasks):
+                persister.commit_soon(WRITE_BEHIND_S)
+            elif durability is Durability.SOON and not (
+                effects.events or effects.tasks or effects.failed_tasks
+            ):
                 persister.commit_soon(BACKGROUND_COMMIT_DELAY_S)
+            else:
+                await persister.commit()
         if self.events is not None and effects.events:
             await self.events.publish(effects.events)
         if effects.tasks:

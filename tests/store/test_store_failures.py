@@ -8,6 +8,7 @@ import time
 
 import msgpack
 import pytest
+import redis
 import zmq
 import zmq.asyncio
 from yutu.errors import ErrorKind, YutuError
@@ -19,13 +20,20 @@ from yutu.transfer import TransferOp, TransferRequest, TransferStatus
 from tests.store.conftest import Cluster
 
 
-async def _rpc_endpoint(cluster: Cluster) -> str:
+async def _rpc_endpoint(cluster: Cluster, name: str = "rpc") -> str:
+    """The newest master's ZeroMQ endpoint (``rpc_stream``: its stream one)."""
     registry = Registry.from_url(cluster.redis_url, cluster.prefix)
     try:
         records = await registry.list("store-master")
-        return max(records, key=lambda r: r.started_at).endpoints["rpc"]
+        return max(records, key=lambda r: r.started_at).endpoints[name]
     finally:
         await registry.close()
+
+
+def _in_redis(cluster: Cluster, key: str) -> bool:
+    """Whether the master's record of ``key`` reached Redis (a put_end is written behind)."""
+    with redis.Redis.from_url(cluster.redis_url) as r:
+        return bool(r.hexists(f"{cluster.prefix}:store:objects", key))
 
 
 async def test_node_killed_during_reads(store_cluster: Cluster) -> None:
@@ -86,6 +94,9 @@ async def test_master_restart_recovers_metadata(store_cluster: Cluster) -> None:
     blobs = {f"r{i}": os.urandom(50_000 + i) for i in range(20)}
     assert await client.put_batch(blobs, replicas=2) == [True] * 20
     before = master.get("/segments").json()
+    store_cluster.wait_for(
+        lambda: all(_in_redis(store_cluster, k) for k in blobs), 5, "the puts written behind"
+    )
     master.kill()  # no goodbye: everything the next master knows comes from Redis
     master = store_cluster.restart(master)
     after = master.get("/segments").json()
@@ -194,9 +205,12 @@ async def test_clients_and_nodes_follow_a_master_that_moves(store_cluster: Clust
     await client.put("moved", b"m" * 4096)
     assert client.master is not None
     old = client.master.endpoint
+    store_cluster.wait_for(lambda: _in_redis(store_cluster, "moved"), 5, "the put written behind")
     first.kill()
     second = store_cluster.master(name="master2", port="0", node_ttl="6")
-    new = await _rpc_endpoint(store_cluster)  # the most recently started master
+    new = "stream+" + await _rpc_endpoint(
+        store_cluster, "rpc_stream"
+    )  # the newest master, as clients name it
     assert new != old
     assert await client.get("moved") == b"m" * 4096  # first call times out; the registry names the new one
     assert client.master.endpoint == new

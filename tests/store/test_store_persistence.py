@@ -9,6 +9,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from yutu.errors import YutuError
 
+from services.store_master import persistence
 from services.store_master.persistence import Persister
 
 
@@ -69,4 +70,37 @@ async def test_failed_background_commit_keeps_the_marks_for_the_next_commit() ->
     persister.mark(set(), set())
     await persister.commit()
     assert store.writes == [({"a": b"v"}, {})]
+    await persister.close()
+
+
+async def test_a_sooner_background_commit_brings_the_pending_one_forward() -> None:
+    """A put_end written behind (WRITE_BEHIND_S) after a put_start's background commit (50 ms):
+    the write happens at the sooner deadline, once, with every mark made by then."""
+    persister, store = make({"a": b"pending", "b": b"complete"})
+    persister.mark({"a"}, set())
+    persister.commit_soon(10.0)
+    persister.mark({"b"}, set())
+    persister.commit_soon(0.01)
+    persister.commit_soon(5.0)  # a later deadline never delays the pending one
+    await asyncio.sleep(0.2)
+    assert store.writes == [({"a": b"pending", "b": b"complete"}, {})]
+    await persister.close()
+    assert store.writes == [({"a": b"pending", "b": b"complete"}, {})]
+
+
+async def test_a_failed_background_commit_is_tried_again_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Puts written behind while Redis is down reach it once it is back, with no other operation."""
+    monkeypatch.setattr(persistence, "RETRY_S", 0.05)
+    persister, store = make({"a": b"v"})
+    store.fail = True
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.0)
+    await asyncio.sleep(0.03)
+    assert store.writes == [] and persister.dirty
+    store.fail = False
+    for _ in range(100):
+        if store.writes:
+            break
+        await asyncio.sleep(0.02)
+    assert store.writes == [({"a": b"v"}, {})] and not persister.dirty
     await persister.close()
