@@ -39,6 +39,12 @@ image:
 compose-test:
 	@scripts/compose-test.sh
 
+swarm-test:
+	@scripts/swarm-test.sh
+
+k8s-check:
+	@scripts/k8s-check.sh
+
 bench: $(STAMP)
 	$(PY) loadtests/bench_engine.py
 

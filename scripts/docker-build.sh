@@ -61,5 +61,5 @@ if [[ -n "$WHEELS_DIR" ]]; then
 else
   echo "docker-build: torch from $TORCH_INDEX" >&2
 fi
-docker build "${args[@]}" "${extra[@]}" -f Dockerfiles/yutu.Dockerfile -t "$IMAGE" .
+docker build --force-rm "${args[@]}" "${extra[@]}" -f Dockerfiles/yutu.Dockerfile -t "$IMAGE" .
 echo "docker-build: $IMAGE is $(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=si --suffix=B)" >&2

@@ -1,6 +1,7 @@
 # Shared by scripts/compose-test.sh and scripts/swarm-test.sh (sourced, not run).
 # Timed phases, waits on container health and on the gateway, the streaming chat check.
 
+PYRUN=${PYRUN:-python3}  # what runs the checks' Python (swarm-test: a container on the stack's network)
 declare -a TIMINGS=()
 PHASE_START=$(date +%s%N)
 
@@ -26,17 +27,22 @@ compose_cmd() {
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# wait_containers_healthy FILTER COUNT TIMEOUT: COUNT containers matching FILTER, all healthy.
+# wait_containers_healthy FILTER COUNT TIMEOUT [--restarts]: COUNT containers matching FILTER, all
+# running and healthy. A stopped one is a failure, unless --restarts (Swarm replaces failed tasks
+# and keeps their stopped containers: then COUNT running healthy ones are enough).
 wait_containers_healthy() {
-  local filter=$1 want=$2 timeout=$3 deadline states
+  local filter=$1 want=$2 timeout=$3 restarts=${4:-} deadline states healthy
   deadline=$(( $(date +%s) + timeout ))
   while :; do
     states=$(docker ps -a --filter "$filter" -q | xargs -r docker inspect \
              -f '{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}')
-    if [[ $(grep -c ' running healthy$' <<<"$states") -ge $want ]] && ! grep -qv ' running healthy$' <<<"$states"; then
-      return 0
+    healthy=$(grep -c ' running healthy$' <<<"$states" || true)
+    if [[ -n "$restarts" ]]; then
+      [[ $healthy -ge $want ]] && return 0
+    else
+      if [[ $healthy -ge $want ]] && ! grep -qv ' running healthy$' <<<"$states"; then return 0; fi
+      if grep -qE ' (exited|dead) ' <<<"$states"; then echo "a container stopped:" >&2; echo "$states" >&2; return 1; fi
     fi
-    if grep -qE ' (exited|dead) ' <<<"$states"; then echo "a container stopped:" >&2; echo "$states" >&2; return 1; fi
     if [[ $(date +%s) -gt $deadline ]]; then echo "not healthy after ${timeout}s:" >&2; echo "$states" >&2; return 1; fi
     sleep 1
   done
@@ -45,7 +51,7 @@ wait_containers_healthy() {
 # wait_gateway_engines URL PREFILL DECODE TIMEOUT: the gateway's /info shows that many usable instances.
 wait_gateway_engines() {
   local url=$1 prefill=$2 decode=$3 timeout=$4
-  python3 - "$url" "$prefill" "$decode" "$timeout" <<'PY'
+  $PYRUN - "$url" "$prefill" "$decode" "$timeout" <<'PY'
 import json, sys, time, urllib.request
 url, want_p, want_d, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 deadline, seen = time.monotonic() + timeout, None
@@ -67,13 +73,15 @@ PY
 # check_streaming_chat URL [API_KEY]: a streamed chat completion: SSE chunks of one id, content,
 # exactly one finish_reason on the last choice chunk, then [DONE]. Prints the text.
 check_streaming_chat() {
-  python3 - "$1" "${2:-}" <<'PY'
+  $PYRUN - "$1" "${2:-}" <<'PY'
 import json, sys, urllib.request
 url, key = sys.argv[1], sys.argv[2]
-body = {"model": json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=30))["data"][0]["id"],
+auth = {"Authorization": f"Bearer {key}"} if key else {}
+models = urllib.request.Request(f"{url}/v1/models", headers=auth)
+body = {"model": json.load(urllib.request.urlopen(models, timeout=30))["data"][0]["id"],
         "messages": [{"role": "user", "content": "Hello from the compose test"}],
         "max_tokens": 16, "stream": True}
-headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+headers = {"Content-Type": "application/json", **auth}
 req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
 with urllib.request.urlopen(req, timeout=120) as reply:
     assert reply.status == 200, reply.status
