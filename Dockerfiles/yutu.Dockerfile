@@ -57,16 +57,19 @@ RUN set -e; site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["pu
            lib/libbackend_with_compiler.so lib/libaoti_custom_ops.so; \
     find bin -type f ! -name torch_shm_manager -delete; \
     cd "$site"; find numpy sympy networkx -depth -type d -name tests -exec rm -rf {} +
-# The source last: a code change rebuilds from here on.
+# The source last, apart from the dependencies (/opt/yutu-app, on the path through a .pth file):
+# a code change rebuilds from here on, and the runtime's large dependency layer stays the same.
+RUN site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+ && echo /opt/yutu-app > "$site/yutu-app.pth"
+COPY Dockerfiles/yutu-cli.py /opt/yutu/bin/yutu
+COPY Dockerfiles/healthcheck.py /opt/yutu/bin/yutu-health
+COPY Dockerfiles/entrypoint.sh /opt/yutu/bin/yutu-entrypoint
 COPY README.md /src/README.md
 COPY libs /src/libs
 COPY services /src/services
-COPY Dockerfiles/healthcheck.py /opt/yutu/bin/yutu-health
-COPY Dockerfiles/entrypoint.sh /opt/yutu/bin/yutu-entrypoint
-RUN pip install -q --no-deps --no-build-isolation /src \
- && pip uninstall -q -y pip \
- && rm -rf /src \
- && chmod 0755 /opt/yutu/bin/yutu-health /opt/yutu/bin/yutu-entrypoint
+RUN pip install -q --no-deps --no-build-isolation --target /opt/yutu-app /src \
+ && rm -rf /opt/yutu-app/bin /src \
+ && chmod 0755 /opt/yutu/bin/yutu /opt/yutu/bin/yutu-health /opt/yutu/bin/yutu-entrypoint
 # The built-in demo model, made here once (deterministic, no download) so no container makes it.
 ENV YUTU_CACHE_DIR=/var/cache/yutu
 RUN python3 -c "from yutu.engine.default_model import ensure_default_model as e; print(e())"
@@ -79,6 +82,7 @@ RUN apt-get update -qq \
  && useradd --uid 10001 --user-group --home-dir /home/yutu --create-home yutu \
  && mkdir -p /var/cache/yutu && chown yutu:yutu /var/cache/yutu
 COPY --from=build /opt/yutu /opt/yutu
+COPY --from=build /opt/yutu-app /opt/yutu-app
 COPY --from=build --chown=yutu:yutu /var/cache/yutu /var/cache/yutu
 ENV PATH=/opt/yutu/bin:$PATH \
     PYTHONUNBUFFERED=1 \
