@@ -146,6 +146,7 @@ class StoreMasterService(Service):
             await self._rpc.close()
         if self._stream is not None:
             await self._stream.close()
+        await self.settler.close()  # KV events held for the write-behind window go out first
         if self._persister is not None:
             await self._persister.close()
         if self._events is not None:

@@ -52,18 +52,32 @@ async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster)
     assert set(m.endpoints) == {"rpc", "rpc_stream", "kv_events", "kv_events_replay", "admin"}
     assert n.meta == {"segment": "n0", "size": 2 << 20, "disk_capacity": 0} and "transfer" in n.endpoints
 
+    # put_ends' events are published in one batch per write-behind window (settle.WRITE_BEHIND_S)
+    store_cluster.wait_for(lambda: master.get("/stats").json()["published_events"] == 3, 5, "the events")
+    everything = await _replay(m.endpoints["kv_events_replay"], 0)
+    assert [h for _, hashes in everything for h in hashes] == [
+        bytes.fromhex(k) for k in ("00aa", "00bb", "00cc")
+    ]
+    assert [seq for seq, _ in everything] == list(range(len(everything)))  # no gaps
+    last = everything[-1][0]
+    assert await _replay(m.endpoints["kv_events_replay"], last) == everything[-1:]  # from a sequence on
+
+
+async def _replay(endpoint: str, start: int) -> list[tuple[int, list[bytes]]]:
+    """(sequence, block hashes) of every batch the master replays from ``start`` on."""
     req = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    req.connect(m.endpoints["kv_events_replay"])
+    req.connect(endpoint)
     try:
-        await req.send_multipart([b"", (1).to_bytes(8, "big")])  # everything from sequence 1 on
+        await req.send_multipart([b"", start.to_bytes(8, "big")])
         replayed = []
         while True:
             _, seq, payload = await req.recv_multipart()
             if seq == END_SEQ:
-                break
-            (event,) = decode_batch(payload).events
-            assert isinstance(event, BlockStored)
-            replayed.append((int.from_bytes(seq, "big"), event.block_hashes))
+                return replayed
+            hashes: list[bytes] = []
+            for event in decode_batch(payload).events:
+                assert isinstance(event, BlockStored)
+                hashes += event.block_hashes
+            replayed.append((int.from_bytes(seq, "big"), hashes))
     finally:
         req.close(linger=0)
-    assert replayed == [(1, [bytes.fromhex("00bb")]), (2, [bytes.fromhex("00cc")])]

@@ -3,6 +3,8 @@ descriptors against fresh ones, and the fast decode of batch gets against the pl
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 from yutu.errors import ErrorKind
@@ -14,7 +16,7 @@ from services.store_master.eager import run_eager
 from services.store_master.handlers import Handlers
 from services.store_master.replies import describe
 from services.store_master.room import Room
-from services.store_master.settle import Settler
+from services.store_master.settle import WRITE_BEHIND_S, Settler
 from services.store_master.state import MasterState, StatePolicy
 from services.store_master.tasks import TaskDispatcher
 
@@ -92,3 +94,43 @@ def test_the_fast_batch_get_decode_agrees_with_the_plain_one(raw: object) -> Non
         assert type(fast.value) is type(exc)
         return
     assert p.replica_set_outcomes(raw) == plain
+
+
+class Events:
+    """Records every published batch (a KVEventPublisher's publish)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[object]] = []
+
+    async def publish(self, events: list[object]) -> None:
+        self.batches.append(list(events))
+
+
+async def test_put_end_events_go_out_in_one_batch_per_window_and_before_any_later_event() -> None:
+    """BEHIND put_ends hold their BlockStored for the write-behind window (one batch for all of
+    them); a later NOW operation publishes what is held first, so a key's BlockStored never
+    follows its BlockRemoved; the window's timer then has nothing left to send."""
+    state = MasterState(StatePolicy(lease_ttl_s=5.0), Clock())
+    tasks = TaskDispatcher()
+    events = Events()
+    settler = Settler(state, None, events, tasks)  # type: ignore[arg-type]
+    handlers = Handlers(state, settler, Room(state, settler, tasks), tasks)
+    call(handlers, p.BatchMountSegment("n0", [p.SegmentSpec("s0", "dram", 1 << 20, "h0", 1, 0)]))
+    for key in ("00aa", "00bb"):
+        (slot,) = call(handlers, p.BatchPutStart([key], [100], writer="w")).results  # type: ignore[attr-defined]
+        call(handlers, p.BatchPutEnd([key], [p.unwrap(slot).put_id]))
+    assert events.batches == []  # held for the window
+    call(handlers, p.Remove("00aa"))  # NOW: what is held goes out first, then its own
+    names = [[(type(e).__name__, e.block_hashes) for e in batch] for batch in events.batches]  # type: ignore[attr-defined]
+    assert names == [[
+        ("BlockStored", [bytes.fromhex("00aa")]),
+        ("BlockStored", [bytes.fromhex("00bb")]),
+        ("BlockRemoved", [bytes.fromhex("00aa")]),
+    ]]  # fmt: skip
+    (slot,) = call(handlers, p.BatchPutStart(["00cc"], [100], writer="w")).results  # type: ignore[attr-defined]
+    call(handlers, p.BatchPutEnd(["00cc"], [p.unwrap(slot).put_id]))
+    await settler.close()  # at shutdown: published at once, not lost
+    assert [type(e).__name__ for e in events.batches[-1]] == ["BlockStored"] and len(events.batches) == 2
+    await asyncio.sleep(WRITE_BEHIND_S * 2)  # the window's timer was cancelled: nothing more
+    assert len(events.batches) == 2
+    state.check()
