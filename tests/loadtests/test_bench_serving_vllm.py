@@ -161,7 +161,9 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
         assert set(run["server"]) == {"sequential", "cached", "concurrent"}
         for scenario, figures in run["server"].items():
             assert set(figures) == FIGURES | ({"tok_s"} if scenario == "concurrent" else set())
-            assert all(v > 0 for v in figures.values()), (scenario, figures)
+            # an ITL may be 0: vLLM's server sends the tokens it has in one event when the client lags
+            assert all(v > 0 for f, v in figures.items() if not f.startswith("itl")), (scenario, figures)
+            assert figures["itl_p99_ms"] >= figures["itl_p50_ms"] >= 0, (scenario, figures)
         assert _api_servers_on(int(run["url"].rsplit(":", 1)[1])) == []  # stopped again
     rows = res["vs_vllm"]["mixed"]
     assert len(rows) == len(ROWS)
