@@ -34,6 +34,9 @@ code, prompts and scenarios, and stopped again, one server up at a time, taking 
 stacks (stack, vLLM default, stack, vLLM tuned, ...; the start time of each is printed and kept).
 Printed then, per stack: each figure of the stack beside vLLM default's and tuned's, and the ratio
 stack / better vLLM (the lower time, the higher tok/s), with whether the stack is ahead of it.
+vLLM's front end sends the tokens it has in one event when it lags behind its engine, so on a
+contended machine its token arrivals come in bursts: an ITL p50 or TPOT near 0 ms there means
+bursts (read it with TTFT and tok/s), not a fast decode.
 """
 
 from __future__ import annotations
