@@ -132,7 +132,13 @@ def admin_app(service: Service) -> FastAPI:
     return app
 
 
-SECRET_WORDS = ("token", "key", "password", "secret")
+SECRET_WORDS = frozenset({"token", "key", "keys", "password", "secret", "secrets"})
+
+
+def is_secret_name(name: str) -> bool:
+    """A field named like a secret: one of SECRET_WORDS as a word of its snake_case name
+    (``admin_token``, ``api_keys``), not as part of a word (``max_num_batched_tokens``)."""
+    return any(part in SECRET_WORDS for part in name.lower().split("_"))
 
 
 def redacted(config: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +148,7 @@ def redacted(config: dict[str, Any]) -> dict[str, Any]:
     for name, value in config.items():
         if isinstance(value, dict):
             out[name] = redacted(value)
-        elif any(word in name.lower() for word in SECRET_WORDS) and value not in (
+        elif is_secret_name(name) and value not in (
             None,
             "",
             [],

@@ -388,6 +388,7 @@ class WorkerService(Service):
             "dtype": info.dtype,
             "kv_salt": info.kv_salt,  # what block keys are salted with (model and dtype)
             "max_num_seqs": self.settings.max_num_seqs,
+            "max_num_batched_tokens": self.settings.max_num_batched_tokens,  # its prefill chunk
             "segment": self.settings.instance_id,
             "kv_store": self.store is not None,
             "demo": self.demo,
