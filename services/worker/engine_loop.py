@@ -155,6 +155,8 @@ class EngineFront:
     async def check(self) -> dict[str, Any]:
         """The block manager's invariants, checked by the core between two steps. Raises
         AssertionError naming the broken invariant, RuntimeError when the engine is broken."""
+        if not self.alive:
+            raise RuntimeError(f"the engine is not running ({self.broken or 'stopped'})")
         token = next(self._check_ids)
         future = self._checks[token] = asyncio.get_running_loop().create_future()
         self._send(Check(token))

@@ -36,7 +36,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
@@ -449,10 +449,13 @@ class WorkerService(Service):
 
         @router.post("/debug/check_integrity")
         async def check_integrity() -> dict[str, Any]:
-            # Read-only check of the block manager's invariants; the result is a snapshot and may race
-            # with a step, so tests call it only when the worker is idle.
+            """The block manager's invariants, checked by the engine core between two steps: 200
+            with the counts, 500 naming a broken invariant, 503 when the engine is not running."""
             assert self._loop_engine is not None
-            return await self._loop_engine.check()
+            try:
+                return await self._loop_engine.check()
+            except RuntimeError as exc:
+                raise HTTPException(503, str(exc)) from exc
 
         return router
 

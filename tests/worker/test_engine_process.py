@@ -123,6 +123,8 @@ async def test_a_killed_engine_process_breaks_the_worker_which_stays_up_and_says
             assert ready.status_code == 503
             assert "engine broken: the engine process ended (killed by SIGKILL)" in ready.text
             assert (await http.get(worker.endpoints["admin"] + "/health")).status_code == 200
+            check = await http.post(worker.endpoints["admin"] + "/debug/check_integrity")
+            assert check.status_code == 503 and "the engine is not running" in check.text
 
         await sock.send(CHANNEL.encode(GenerateRequest("late", PROMPT, LONG, time.time())))
         late = await _next(sock)
