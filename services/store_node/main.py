@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
     own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
     own(g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master")
+    own(g, "--prefault", default=True, type=bool,
+        help="fault the whole segment in at start, so no put pays a page fault per page (commits its memory)")  # fmt: skip
     own(g, "--disk-dir", default=None, help="directory of a disk tier for evicted objects (default: none)")
     own(g, "--disk-capacity", default="1GiB", help="bytes the disk tier may hold")
 
@@ -45,6 +47,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         heartbeat_interval_s=args.heartbeat_interval,
         disk_dir=args.disk_dir,
         disk_capacity=parse_size(args.disk_capacity) if args.disk_dir else 0,
+        prefault=args.prefault,
     )
 
 

@@ -21,6 +21,7 @@ class NodeSettings(ServiceSettings):
     heartbeat_interval_s: float
     disk_dir: str | None = None  # disk tier directory; None: no disk tier
     disk_capacity: int = 0
+    prefault: bool = True  # fault the segment's pages in at start (Region.populate)
 
     def __post_init__(self) -> None:
         if self.segment_size <= 0:

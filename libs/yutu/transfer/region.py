@@ -88,6 +88,9 @@ def check_range(region_name: str, region_size: int, offset: int, length: int) ->
         )
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+
+
 class Region:
     """A named byte range of shared memory owned by this process.
 
@@ -130,6 +133,20 @@ class Region:
             os.unlink(named)
             raise
         return cls(name, size, path, fd, mm)
+
+    def populate(self) -> bool:
+        """Fault every page in now (``MADV_POPULATE_WRITE``), so the first write into each page is
+        not a page fault on the data path -- ~5 us a page in a VM here: 80 us of a 64 KiB put into
+        fresh space, 2.6 ms of a 2 MiB batch. Commits the region's memory (like registering it for
+        RDMA would). False when the kernel refuses (before 5.14, or the shared-memory filesystem is
+        full): the pages then fault in on first use, as without it. Blocks: call it off the loop."""
+        if self._mmap is None:
+            raise RegionError(f"region {self.name!r} is closed")
+        try:
+            self._mmap.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
