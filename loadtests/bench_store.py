@@ -26,6 +26,9 @@ The real Mooncake Store runs in the same run, before Yutu's store, when its virt
 single/batch-of-32 zero-copy puts and gets over TCP, and loadtests/mooncake_compare.py prints Yutu /
 Mooncake per row and judges issue #10's targets against it (see there).
 
+On a shared machine ``--rounds N`` alternates the Mooncake peer and the store N times and reports
+every figure as its median over the rounds, so a change in the machine's load hits both sides.
+
 Cold and warm gets: every get row without a suffix is *cold* -- the client has no lease cache, so
 each get asks the master for replicas (one RPC) and then moves the bytes. Rows marked ``warm`` come
 from a second client with ``lease_cache=True`` that took the leases of every key untimed just
@@ -51,6 +54,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -243,6 +247,17 @@ async def run_store(store: Store, working_set: int, seconds: float) -> dict[str,
     return results
 
 
+def median_of(rounds: list[Any]) -> Any:
+    """The rounds' results as one: every number the median over the rounds that have it, anything
+    else (names, versions) the last round's."""
+    last = rounds[-1]
+    if isinstance(last, dict):
+        return {k: median_of([r[k] for r in rounds if isinstance(r, dict) and k in r]) for k in last}
+    if all(isinstance(r, int | float) and not isinstance(r, bool) for r in rounds):
+        return statistics.median(rounds)
+    return last
+
+
 # -- report ------------------------------------------------------------------------------------
 
 
@@ -355,6 +370,9 @@ def main() -> int:
     parser.add_argument("--out", default="bench_store.json", help="where to write the JSON results")
     parser.add_argument("--seconds", type=float, default=0.5, help="measured seconds per data point")
     parser.add_argument("--working-set", type=int, default=128, help="MiB cycled over by every measurement")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate the Mooncake peer and the store this many times; each figure is the "
+                        "median over rounds (a shared machine's load drifts)")  # fmt: skip
     parser.add_argument("--mooncake", default="auto",
                         help="the Mooncake peer's python; 'auto': loadtests/setup_mooncake.sh's if made; 'off'")  # fmt: skip
     args = parser.parse_args()
@@ -398,16 +416,19 @@ def main() -> int:
         floors = bench_floors(r, args.seconds)
         r.close()
         r_py.close()
-        peer = None
-        if mooncake is not None:
-            print("Mooncake Store...", flush=True)
-            peer = run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log")
-        print("store...", flush=True)
-        # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
-        res = {"baselines": baselines, "floors": floors,
-               "store": uvloop.run(run_store(store, working_set, args.seconds))}  # fmt: skip
-        if peer is not None:
-            res["mooncake"] = peer
+        peers, stores = [], []
+        for round_ in range(args.rounds):  # alternating, so a change in the machine's load hits both
+            if args.rounds > 1:
+                print(f"round {round_ + 1} of {args.rounds}", flush=True)
+            if mooncake is not None:
+                print("Mooncake Store...", flush=True)
+                peers.append(run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log"))
+            print("store...", flush=True)
+            # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
+            stores.append(uvloop.run(run_store(store, working_set, args.seconds)))
+        res = {"baselines": baselines, "floors": floors, "store": median_of(stores)}
+        if peers:
+            res["mooncake"] = median_of(peers)
     finally:
         store.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -416,7 +437,8 @@ def main() -> int:
     res["targets"] = targets(res)
     if "mooncake" in res:
         res["mooncake_targets"] = compare(res, SIZES)
-    res["config"] = {"working_set": working_set, "seconds": args.seconds, "cpus": os.cpu_count(), "batch": BATCH,
+    res["config"] = {"working_set": working_set, "seconds": args.seconds, "rounds": args.rounds,
+                     "cpus": os.cpu_count(), "batch": BATCH,
                      "elapsed_s": time.perf_counter() - started}  # fmt: skip
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\nwrote {args.out} in {res['config']['elapsed_s']:.0f}s")

@@ -113,3 +113,18 @@ def test_the_mooncake_peer_measures_every_row_and_compare_judges_them(tmp_path: 
     # the fixed-cost bound of a single 64 KiB op: stream RPC round trips and one socket exchange
     assert small_bound_us(res, "get", 64 << 10) == 30.0 + 10.0
     assert small_bound_us(res, "put", 64 << 10) == 2 * 30.0 + 10.0
+
+
+def test_rounds_are_merged_figure_by_figure_into_their_medians() -> None:
+    from bench_store import median_of
+
+    rounds = [
+        {"tcp/65536": {"get/single": {"gbps": 1.0, "p50_us": 300.0, "calls": 10}}, "version": "a"},
+        {"tcp/65536": {"get/single": {"gbps": 3.0, "p50_us": 100.0, "calls": 30}}, "version": "b"},
+        {"tcp/65536": {"get/single": {"gbps": 2.0, "p50_us": 900.0, "calls": 20}}, "version": "c"},
+    ]
+    assert median_of(rounds) == {
+        "tcp/65536": {"get/single": {"gbps": 2.0, "p50_us": 300.0, "calls": 20}},
+        "version": "c",
+    }
+    assert median_of(rounds[:1]) == rounds[0]
