@@ -59,6 +59,7 @@ class StackSpec:
     store_segment_size: str = "512MiB"
     admin_token: str | None = None  # the conductor's: lets the bench change the policy at run time
     store_nodes: int | None = None  # None: yutu up's default
+    engine_core: str | None = None  # None: yutu up's default (process)
 
     def argv(self, port: int, redis_url: str, log_dir: Path) -> list[str]:
         argv = [sys.executable, "-m", "yutu.cli", "up", "--port", str(port), "--redis-url", redis_url,
@@ -68,6 +69,8 @@ class StackSpec:
                 "--ready-timeout", str(READY_TIMEOUT_S), "--max-restarts", "0"]  # fmt: skip
         if self.store_nodes is not None:
             argv += ["--store-nodes", str(self.store_nodes)]
+        if self.engine_core is not None:
+            argv += ["--engine-core", self.engine_core]
         if self.workers is not None:
             return [*argv, "--workers", str(self.workers)]
         argv += ["--prefill", str(self.prefill), "--decode", str(self.decode)]
