@@ -112,6 +112,14 @@ def test_an_overflow_prefill_that_would_stall_a_busy_batch_queues_on_a_prefill_i
     assert "queued there, as no decode instance can take its prefill's stall" in out.reason
 
 
+def test_under_a_ttft_slo_a_prefill_no_instance_has_blocks_for_is_rejected_not_queued() -> None:
+    # Its wait for blocks is not forecast, so the conductor cannot promise its TTFT: a 429 now.
+    out = place("kvcentric", cluster(FULL, (decode("d0", running=BUSY),)), slo_tbt_s=0.1, slo_ttft_s=5.0)
+    assert isinstance(out, Rejection)
+    assert out.cause is RejectCause.NO_CAPACITY
+    assert "no prefill instance has free KV blocks for it, and no decode instance can take" in out.reason
+
+
 def test_a_chunked_overflow_prefill_runs_on_a_decode_that_can_carry_its_chunks() -> None:
     # 16-token chunks: the dearest costs 16/1024 s; step(2) + 16/1024 s <= 0.1 s.
     busy = decode("d0", running=BUSY, chunk_tokens=16)

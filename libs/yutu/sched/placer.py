@@ -124,6 +124,15 @@ class Placer(ABC):
         if prefill is None:
             maybe = [self._local(view, request, d, now, overflow=bool(waiting)) for d in decodes]
             built = [c for c in maybe if c is not None]
+            if not built and waiting and self.options.slo_ttft_s is not None:
+                # Its prefill would wait for blocks to free, which no cost model forecasts: under a
+                # TTFT SLO that is a promise the conductor cannot make, so say so now (429).
+                return self._reject(
+                    request,
+                    RejectCause.NO_CAPACITY,
+                    f"{NO_ROOM}, and no decode instance can take its prefill's stall",
+                    min(e.ttft_s for e in waiting),
+                )
             if not built:  # no decode can afford the prefill's stall: queue on a prefill instance
                 prefill = self.choose_prefill(waiting)
                 note = f"{NO_ROOM}: queued there, as no decode instance can take its prefill's stall"
