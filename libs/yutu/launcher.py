@@ -250,13 +250,13 @@ def _answers_ready(http: httpx.Client, child: Child) -> bool:
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+def die_with(parent_pid: int, sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn: the child gets ``sig`` when the launcher dies, even by SIGKILL (Linux only)."""
 
     def in_child() -> None:
         if sys.platform == "linux":
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            libc.prctl(_PR_SET_PDEATHSIG, sig)
             if os.getppid() != parent_pid:  # the launcher died before prctl took effect
                 os._exit(1)
 

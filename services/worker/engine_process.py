@@ -15,8 +15,9 @@ and keeps its sockets, transfer engine, store client and HTTP app in the worker 
 The KV cache stays in the worker's registered region: the child asks for a region of the shape
 its memory budget gives, the worker registers it with its transfer engine and answers with the
 file, and the child maps that file, so peers read and write blocks the model uses without a copy.
-Messages are pickled (same Python, same code on both ends). The child ignores SIGINT (the
-worker decides when to stop), dies with the worker (PR_SET_PDEATHSIG), and if it dies on its own
+Messages are pickled (same Python, same code on both ends). The child ignores SIGINT and SIGTERM
+(the worker decides when to stop, after draining), dies with the worker (PR_SET_PDEATHSIG
+SIGKILL), and if it dies on its own
 the engine is *broken* (``broken`` says how it ended), exactly as when the thread's engine breaks.
 """
 
@@ -407,8 +408,12 @@ def child_main(args: ChildArgs) -> None:
     from yutu.launcher import die_with
     from yutu.logs import setup_logging
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the worker's to handle
-    die_with(args.parent_pid)()
+    # The worker decides when its engine stops (after draining): a terminal's Ctrl-C or a SIGTERM
+    # sent to the whole group (systemd, a test harness) is the worker's to handle, not ours. The
+    # child still never outlives the worker: SIGKILL when it dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with(args.parent_pid, signal.SIGKILL)()
     setup_logging(args.log_level, args.log_format)
 
     import torch

@@ -140,6 +140,12 @@ async def test_a_killed_engine_process_breaks_the_worker_which_stays_up_and_says
 
 def test_sigterm_stops_the_engine_process_and_removes_the_region(worker: Worker) -> None:
     assert worker.regions()
+    os.kill(worker.engine_pid, signal.SIGTERM)  # as a SIGTERM to the whole group would: the
+    os.kill(worker.engine_pid, signal.SIGINT)  # worker decides when its engine stops
+    time.sleep(0.5)
+    assert not _gone(worker.engine_pid, timeout_s=0.5)
+    ready = httpx.get(worker.endpoints["admin"] + "/ready", timeout=10)
+    assert ready.status_code == 200, ready.text
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(timeout=30) == 0
     assert _gone(worker.engine_pid)
