@@ -168,21 +168,7 @@ class RpcClient(Endpoint):
             self._drop("a reply with %d parts", len(frames))
             return
         call_id, status, payload = frames
-        future = self._pending.get(call_id)
-        if future is None or future.done():
-            return  # the caller gave up (timeout) before the answer came
-        if status == _OK:
-            try:
-                future.set_result(self.channel.decode(payload))
-            except ProtocolError as exc:
-                future.set_exception(YutuError(str(exc), ErrorKind.INTERNAL))
-            return
-        try:
-            kind, message = msgpack.unpackb(payload, raw=False)
-            error = YutuError(str(message), ErrorKind(kind))
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            error = YutuError(f"{self.channel.name}: malformed error reply: {exc}", ErrorKind.INTERNAL)
-        future.set_exception(error)
+        settle_reply(self._pending.get(call_id), self.channel, status == _OK, payload)
 
     async def close(self) -> None:
         for future in self._pending.values():
@@ -198,3 +184,22 @@ def _expire(future: asyncio.Future[Any]) -> None:
 
 def _pack_error(kind: ErrorKind, message: str) -> bytes:
     return msgpack.packb([kind.value, message], use_bin_type=True)
+
+
+def settle_reply(future: asyncio.Future[Any] | None, channel: Channel, ok: bool, payload: bytes) -> None:
+    """Resolve a call's ``future`` from its reply: the decoded message when ``ok``, else the error the
+    server named (``[kind, message]``, msgpack). Nothing when the caller already gave up (timeout)."""
+    if future is None or future.done():
+        return
+    if ok:
+        try:
+            future.set_result(channel.decode(payload))
+        except ProtocolError as exc:
+            future.set_exception(YutuError(str(exc), ErrorKind.INTERNAL))
+        return
+    try:
+        kind, message = msgpack.unpackb(payload, raw=False)
+        error = YutuError(str(message), ErrorKind(kind))
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        error = YutuError(f"{channel.name}: malformed error reply: {exc}", ErrorKind.INTERNAL)
+    future.set_exception(error)

@@ -37,6 +37,7 @@ import msgpack
 from yutu.errors import ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
+from yutu.rpc.reqrep import settle_reply
 
 log = logging.getLogger("yutu.rpc")
 
@@ -351,21 +352,7 @@ class StreamRpcClient:
             self._connecting = None
 
     def _on_reply(self, call_id: int, status: bytes, payload: bytes) -> None:
-        future = self._pending.get(call_id)
-        if future is None or future.done():
-            return  # the caller gave up (timeout) before the answer came
-        if status == _OK:
-            try:
-                future.set_result(self.channel.decode(payload))
-            except ProtocolError as exc:
-                future.set_exception(YutuError(str(exc), ErrorKind.INTERNAL))
-            return
-        try:
-            kind, message = msgpack.unpackb(payload, raw=False)
-            error = YutuError(str(message), ErrorKind(kind))
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            error = YutuError(f"{self.channel.name}: malformed error reply: {exc}", ErrorKind.INTERNAL)
-        future.set_exception(error)
+        settle_reply(self._pending.get(call_id), self.channel, status == _OK, payload)
 
     def _lost(self, conn: _ClientConnection, why: str) -> None:
         """The connection dropped: every call in flight on it fails UNAVAILABLE (the next call reconnects)."""
