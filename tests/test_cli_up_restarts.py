@@ -114,3 +114,56 @@ def test_nothing_is_restarted_once_stop_has_begun(tmp_path: Path) -> None:
     time.sleep(0.2)  # past the due time: a restart would have happened in supervise() below
     assert group.supervise() is None
     assert group.children == [] and child.proc is first and child.restart_at is None
+
+
+READY_ON_SECOND_START = """
+import http.server, os, sys
+marks, port = sys.argv[1], int(sys.argv[2])
+first = not os.path.exists(marks)
+open(marks, "a").write(sys.argv[2] + "\\n")
+if first:
+    print("cannot bind: address already in use")
+    sys.exit(4)
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Ready).serve_forever()
+"""
+
+
+def test_a_child_that_dies_while_starting_is_started_again_on_a_fresh_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="yutu.launcher")
+    marks = tmp_path / "starts"
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        spec = ChildSpec(
+            "node", (sys.executable, "-c", READY_ON_SECOND_START, str(marks), ADMIN_PORT),
+            ready_url=f"http://127.0.0.1:{ADMIN_PORT}/ready", restart=True,
+        )  # fmt: skip
+        group.start(spec)
+        assert group.wait_ready(60) is True
+    finally:
+        group.stop()
+    ports = marks.read_text().split()
+    assert len(ports) == 2 and ports[0] != ports[1]  # started again on a fresh port
+    (warning,) = [r.getMessage() for r in caplog.records if "starting it again" in r.getMessage()]
+    assert "node exited with code 4 while starting; starting it again (1 of 2)" in warning
+    assert "address already in use" in warning  # the tail of its log says why
+
+
+def test_a_child_that_keeps_dying_while_starting_stops_the_start(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path / "logs")
+    code = "import sys; print('bad option'); sys.exit(2)"
+    try:
+        spec = ChildSpec("node", (sys.executable, "-c", code, ADMIN_PORT),
+                         ready_url=f"http://127.0.0.1:{ADMIN_PORT}/ready", restart=True)  # fmt: skip
+        group.start(spec)
+        with pytest.raises(RuntimeError, match="node exited with code 2 while starting") as err:
+            group.wait_ready(60)
+    finally:
+        group.stop()
+    assert "bad option" in str(err.value)

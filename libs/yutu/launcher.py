@@ -37,6 +37,7 @@ from yutu.restarts import RestartHistory, RestartPolicy
 
 log = logging.getLogger(__name__)
 
+STARTUP_RETRIES = 2  # a restartable child dying while it starts is started again this often
 ADMIN_PORT = "{admin_port}"  # in a ChildSpec's argv and ready_url: a fresh free port on every start
 LOG_TAIL_LINES = 20
 
@@ -143,20 +144,31 @@ class ProcessGroup:
         return proc, ready_url, log_path
 
     def wait_ready(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
-        """Block until every child with a ready URL answers 200 (True) or ``should_stop()`` (False);
-        raise RuntimeError if one dies meanwhile, TimeoutError when time runs out."""
+        """Block until every child with a ready URL answers 200 (True) or ``should_stop()`` (False).
+
+        A restartable child that dies while starting is started again, on a fresh :data:`ADMIN_PORT`,
+        up to STARTUP_RETRIES times (the free port it was given may have been taken before it bound
+        it); raise RuntimeError when one dies past that or is not restartable, TimeoutError when time
+        runs out."""
         deadline = time.monotonic() + timeout_s
         pending = [c for c in self.children if c.ready_url]
+        retries = dict.fromkeys((c.name for c in pending), 0)
         with httpx.Client(timeout=2.0) as http:
             while pending:
                 if should_stop():
                     return False
                 for child in list(pending):
                     if child.proc.poll() is not None:
-                        raise RuntimeError(
-                            f"{child.name} {describe_exit(child.proc.returncode)} while starting"
-                            f"{self._tail(child)}"
-                        )
+                        what = f"{child.name} {describe_exit(child.proc.returncode)} while starting"
+                        if child.spec.restart and retries[child.name] < STARTUP_RETRIES:
+                            retries[child.name] += 1
+                            log.warning(
+                                "%s; starting it again (%d of %d)%s",
+                                what, retries[child.name], STARTUP_RETRIES, self._tail(child),
+                            )  # fmt: skip
+                            self._restart(child)
+                            continue
+                        raise RuntimeError(f"{what}{self._tail(child)}")
                     if _answers_ready(http, child):
                         pending.remove(child)
                 if pending and time.monotonic() > deadline:
