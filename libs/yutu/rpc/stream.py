@@ -96,6 +96,14 @@ class _Framer:
         return frames
 
 
+def _no_delay(transport: asyncio.BaseTransport) -> asyncio.Transport:
+    """``transport`` with Nagle off (one small frame per call must not wait for more)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+
+
 class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: StreamRpcServer) -> None:
         self._server = server
@@ -103,10 +111,7 @@ class _ServerConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = _no_delay(transport)
         self._server._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -230,10 +235,7 @@ class _ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = _no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
