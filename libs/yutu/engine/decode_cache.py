@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 MIN_CAPACITY = 256  # tokens per slot at first; doubled as contexts grow
 MIN_SLOTS = 4
@@ -65,6 +66,9 @@ class DenseStep:
         for d in decodes:
             lens[d.slot] = d.context_len
         self.lens = lens.to(device)  # (width,)
+        # Slots 0 .. width-1 all attended, each holding the token of the row of its number (a step
+        # of decodes only, in slot order): attend reads q and writes out without a gather or scatter.
+        self.aligned = len(decodes) == self.width and all(d.slot == d.row for d in decodes)
         # Positions to copy from the paged cache: (slot, position) <- (block, offset).
         fill = torch.tensor(fills, dtype=torch.int64).view(-1, 4).to(device)
         self.fill_slots, self.fill_pos = fill[:, 0], fill[:, 1]  # (F,), (F,)
@@ -86,8 +90,8 @@ class DenseStep:
             k_buf[slot, :, :ctx] = k_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
             v_buf[slot, :, :ctx] = v_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
 
-    def _mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """(width, 1, 1, span) additive mask: 0 where a slot's query sees the key, -inf elsewhere."""
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """(width, 1, 1, span) bool mask: True where a slot's query sees the key."""
         mask = self._masks.get(window)
         if mask is None:
             pos = torch.arange(self.span, device=self.cache.device)[None, :]  # (1, span)
@@ -95,27 +99,34 @@ class DenseStep:
             seen = pos < lens  # (width, span)
             if window is not None:  # the query at position len-1 sees len-W .. len-1
                 seen &= pos > lens - 1 - window
-            mask = torch.zeros(seen.shape, dtype=dtype, device=self.cache.device)
-            mask.masked_fill_(~seen, float("-inf"))
-            mask = self._masks[window] = mask[:, None, None, :]
+            mask = self._masks[window] = seen[:, None, None, :]
         return mask
 
     def attend(
         self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None
     ) -> None:
-        """Attention of the dense decodes' queries (rows of ``q``, (T, nh, hd)) into ``out``'s rows."""
+        """Attention of the dense decodes' queries (rows of ``q``, (T, nh, hd)) into ``out``'s rows.
+
+        One SDPA call over every slot: the G query heads sharing a KV head are that head's G query
+        rows, so a slot is one (kvh, G, hd) x (kvh, span, hd) attention and no K/V is repeated.
+        """
         c = self.cache
-        n, span, kvh = self.width, self.span, c.num_kv_heads
+        n, kvh, hd = self.width, c.num_kv_heads, q.shape[2]
         groups = q.shape[1] // kvh
-        qs = q.new_zeros((n, q.shape[1], q.shape[2]))  # (width, nh, hd): holes stay zero
-        qs[self.slots] = q[self.rows]
-        qg = qs.view(n, kvh, groups, q.shape[2])  # (width, kvh, G, hd)
-        k = c.k[layer][:n, :, :span]  # (width, kvh, span, hd), a view
-        v = c.v[layer][:n, :, :span]
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (width, kvh, G, span)
-        scores = scores.float() + self._mask(window, torch.float32)  # softmax in float32, as SDPA does
-        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # (width, kvh, G, hd)
-        out[self.rows] = o.view(n, -1, q.shape[2])[self.slots]  # (D, nh, hd)
+        if self.aligned:  # slot i holds row i: q's rows are the slots, as they are
+            qs = q[:n]
+        else:
+            qs = q.new_zeros((n, q.shape[1], hd))  # (width, nh, hd): holes stay zero
+            qs[self.slots] = q[self.rows]
+        k = c.k[layer][:n, :, : self.span]  # (width, kvh, span, hd), a view
+        v = c.v[layer][:n, :, : self.span]
+        o = F.scaled_dot_product_attention(
+            qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale
+        )  # (width, kvh, G, hd)
+        if self.aligned:
+            out[:n] = o.view(n, -1, hd)
+        else:
+            out[self.rows] = o.view(n, -1, hd)[self.slots]  # (D, nh, hd)
 
 
 class DenseDecodeCache:
