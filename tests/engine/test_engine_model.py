@@ -14,7 +14,7 @@ import pytest
 import torch
 from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model
-from yutu.engine.model import LlamaForCausalLM
+from yutu.engine.model import Linear, LlamaForCausalLM, RMSNorm, pack_cpu_linears
 from yutu.engine.testing import PagedRunner, greedy_generate, make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -177,6 +177,50 @@ def test_bfloat16_runs_and_tracks_float32(tmp_path: Path) -> None:
         out[dtype] = torch.cat([prefill, decode])
         assert out[dtype].dtype == torch.float32  # logits always float32
     assert (out[torch.bfloat16] - out[torch.float32]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "attention_bias": True}])
+def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
+    tmp_path: Path, overrides: dict[str, Any]
+) -> None:
+    """pack_cpu_linears (the CPU bfloat16 fast path) against the plain F.linear reference: the same
+    logits for a prefill, a decode and a batch of both; the plain weights are released; a tied LM
+    head gets its own packed copy and the embedding keeps its weight."""
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=4, **overrides)
+    ids = _prompt(30, seed=22)
+    out = {}
+    for packed in (False, True):
+        model, _ = load_model(model_dir, torch.device("cpu"), torch.bfloat16)
+        if packed:
+            assert pack_cpu_linears(model) == 2 * 7 + 1  # seven per layer (q k v o gate up down), the LM head
+            assert pack_cpu_linears(model) == 0  # once only
+            assert all(
+                m.weight.is_meta and m.packed is not None for m in model.modules() if isinstance(m, Linear)
+            )
+            assert not model.model.embed_tokens.weight.is_meta
+        runner = PagedRunner(model, 16, 4)
+        (prefill,) = runner.step([(0, ids)])
+        (decode,) = runner.step([(0, [7])])
+        both = runner.step([(1, ids[:9]), (0, [11])])
+        out[packed] = torch.cat([prefill, decode, *both])
+    assert torch.allclose(out[True], out[False], atol=1e-3, rtol=0), (out[True] - out[False]).abs().max()
+
+
+def test_packing_refuses_what_it_does_not_speed_up(tmp_path: Path) -> None:
+    model, _ = load_model(make_tiny_checkpoint(tmp_path), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="only CPU bfloat16 weights are packed"):
+        pack_cpu_linears(model)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 513])
+def test_float32_rms_norm_fast_path_equals_the_reference(rows: int) -> None:
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(rows, 96) * 3
+    assert torch.allclose(norm(x), norm.reference(x), atol=1e-6, rtol=1e-6)
+    x16 = x.to(torch.bfloat16)  # other dtypes run the reference itself
+    assert torch.equal(norm.to(torch.bfloat16)(x16), norm.reference(x16))
 
 
 def test_rejects_mismatched_cache_and_metadata(tmp_path: Path) -> None:

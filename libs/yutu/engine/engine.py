@@ -38,6 +38,7 @@ import torch
 
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model
+from yutu.engine.model import pack_cpu_linears
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
@@ -142,6 +143,8 @@ class LLMEngine:
         self.model_id = config.model_id
         self.kv_salt = kv_salt(config.model_id, self.dtype)
         model, self.model_config = load_model(config.model_dir, self.device, self.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            pack_cpu_linears(model)
         self.num_kv_blocks = config.num_kv_blocks or (
             config.kv_cache_memory_bytes // kv_block_bytes(self.model_config, config.block_size, self.dtype)
         )
