@@ -15,9 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+from yutu.engine.loader import auto_dtype
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.launcher import free_port, redis_reachable
 from yutu.store.client import StoreClient, StoreClientConfig
+
+AUTO_DTYPE = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")  # what `yutu up` runs here
 
 
 def children_of(pid: int) -> list[int]:
@@ -122,7 +126,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert kinds == ["conductor", "decode", "gateway", "prefill", "store-master", "store-node"], rows
         assert all(r["ready"] == "yes" for r in rows.values()), rows
         decode = rows[("decode", "decode-0")]["load"]
-        assert decode["num_running"] == 0 and decode["dtype"] == "float32" and 0 <= decode["kv_usage"] <= 1
+        assert decode["num_running"] == 0 and decode["dtype"] == AUTO_DTYPE and 0 <= decode["kv_usage"] <= 1
         master = rows[("store-master", "store-master")]["load"]
         assert master["objects"] >= 1 and master["capacity"] == 32 * 2**20  # the round trip's object
         assert rows[("conductor", "conductor")]["load"]["policy"] == "kvcentric"

@@ -127,7 +127,7 @@ def up_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AMX, else float32)",
+        help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
     )
     option(
         topology,

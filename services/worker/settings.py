@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AMX, else float32"
+        help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32"
         " (every instance sharing KV must use the same)",
     )
     own(

@@ -96,8 +96,20 @@ class DisaggStack:
         self.killed_pids: list[int] = []
         common = ("--redis-url", redis_url, "--registry-prefix", self.prefix, "--registry-ttl", "3")
         model_flags = ("--model", str(model), "--served-model-name", MODEL_NAME)
-        engine = (*model_flags, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-                  "--num-kv-blocks", "512", "--torch-threads", "1", *worker_flags)  # fmt: skip
+        engine = (
+            *model_flags,
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--num-kv-blocks",
+            "512",
+            "--torch-threads",
+            "1",
+            "--dtype",
+            "float32",
+            *worker_flags,
+        )  # fmt: skip -- float32: outputs are compared token for token
         if store:
             self._add("store-master", "store-master", *common)
             self._add("store-node-0", "store-node", "--segment-size", "64MiB", *common)

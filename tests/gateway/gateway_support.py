@@ -192,13 +192,14 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 def start_worker(
     logs: Path, model: Path, redis_url: str, prefix: str, *extra: str
 ) -> subprocess.Popen[bytes]:
-    """A real worker: 64 KV blocks of BLOCK_SIZE tokens, context MAX_MODEL_LEN, one torch thread."""
+    """A real worker: 64 KV blocks of BLOCK_SIZE tokens, context MAX_MODEL_LEN, one torch thread,
+    float32 (the tests hold its tokens and logprobs to the float32 reference)."""
     name = f"worker-{uuid.uuid4().hex[:6]}"
     return spawn(
         ["-m", "services.worker.main", "--model", str(model), "--served-model-name", MODEL_NAME,
          "--redis-url", redis_url, "--registry-prefix", prefix, "--admin-port", "0", "--zmq-port", "0",
          "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-         "--torch-threads", "1", "--instance-id", name, "--log-level", "info", *extra],
+         "--torch-threads", "1", "--dtype", "float32", "--instance-id", name, "--log-level", "info", *extra],
         logs / f"{name}.log",
     )  # fmt: skip
 

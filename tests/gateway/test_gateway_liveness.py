@@ -119,7 +119,8 @@ def assert_stopped_answering(error: dict[str, Any] | None, instance_id: str) -> 
     message = error["message"]
     prefix = f"worker {instance_id} stopped answering for "
     assert message.startswith(prefix) and message.endswith(" s: retry the request"), message
-    assert float(message[len(prefix) :].split(" ")[0]) > WINDOW_S  # silent for more than the window
+    # silent for more than the window; the message rounds to 0.1 s, so 3.04 s of a 3 s window reads 3.0
+    assert float(message[len(prefix) :].split(" ")[0]) >= WINDOW_S
 
 
 def test_a_frozen_worker_fails_its_requests_gets_none_new_and_returns_when_it_answers(

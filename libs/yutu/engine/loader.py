@@ -37,20 +37,22 @@ def cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """What ``--dtype auto`` picks: bfloat16 on CUDA; on a CPU bfloat16 only with AMX tiles
-    (``amx_bf16``), whose matrix units make bfloat16 GEMMs several times faster, float32 otherwise.
+    """What ``--dtype auto`` picks: bfloat16 on CUDA; on a CPU bfloat16 where it has native
+    bfloat16 arithmetic (AVX512-BF16 dot products or AMX tiles), float32 otherwise.
 
-    Measured (2026-12-01, ``loadtests/bench_engine.py``: a 2-core AMD EPYC with AVX512-BF16 but no
-    AMX, the demo model, one torch thread, interleaved runs): bfloat16 made a 512-token prefill
-    1.4-1.6x and a batch-16 decode 1.1-1.2x faster but a batch-1 decode 0.84-1.0x as fast -- no
-    gain for the latency of a single stream, at bfloat16's precision -- so AVX512-BF16 alone keeps
-    float32 (pass ``--dtype bfloat16`` for throughput).
+    Measured (2026-12-01, a 2-core AMD EPYC with AVX512-BF16 and no AMX, the demo model, one torch
+    thread, the two dtypes interleaved in one process; ``loadtests/bench_engine.py``): with the
+    linear weights prepacked for oneDNN (:func:`yutu.engine.model.pack_cpu_linears`) and the
+    decode attention in one SDPA call, bfloat16 runs a 512-token prefill 1.6x, a batch-1 decode
+    step at a 512-token context 1.1-1.2x and a batch-16 one 1.3x as fast as float32. Before the
+    packing, PyTorch's bfloat16 GEMM cost ~15-20 us per call on this CPU and a batch-1 decode was
+    slower in bfloat16 (0.84-1.0x), so this rule picked float32 on AVX512-BF16 then.
     The rule reads only the device and its flags, so every instance on a host picks alike (KV
     blocks of different dtypes must never be shared: the dtype is part of the KV salt).
     """
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and "amx_bf16" in (cpu_flags() if flags is None else flags):
+    if device.type == "cpu" and {"amx_bf16", "avx512_bf16"} & (cpu_flags() if flags is None else flags):
         return torch.bfloat16
     return torch.float32
 
