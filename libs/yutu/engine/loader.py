@@ -36,6 +36,17 @@ def cpu_flags(path: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # x86 flags of bfloat16 arithmetic in hardware
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or one with ``flags``) does bfloat16 arithmetic in hardware."""
+    return (
+        bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+        and torch.backends.mkldnn.is_available()
+    )
+
+
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
     """What ``--dtype auto`` picks: bfloat16 on CUDA; on a CPU bfloat16 where it has native
     bfloat16 arithmetic (AVX512-BF16 dot products or AMX tiles), float32 otherwise.
@@ -52,7 +63,7 @@ def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> tor
     """
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and {"amx_bf16", "avx512_bf16"} & (cpu_flags() if flags is None else flags):
+    if device.type == "cpu" and native_bf16(flags):
         return torch.bfloat16
     return torch.float32
 
