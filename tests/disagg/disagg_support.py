@@ -318,8 +318,8 @@ class DisaggStack:
 @functools.lru_cache(maxsize=2)
 def _engine(model: Path) -> LLMEngine:
     torch.set_num_threads(1)
-    return LLMEngine(EngineConfig(model, device="cpu", num_kv_blocks=512, max_model_len=MAX_MODEL_LEN,
-                                  enable_prefix_caching=False))  # fmt: skip
+    return LLMEngine(EngineConfig(model, device="cpu", dtype="float32", num_kv_blocks=512,
+                                  max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False))  # fmt: skip
 
 
 def reference_tokens(model: Path, ids: list[int], max_tokens: int) -> list[int]:

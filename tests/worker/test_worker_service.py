@@ -44,7 +44,7 @@ def worker(checkpoint: Path, redis_url: str, request: pytest.FixtureRequest) -> 
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
          "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "128", "--block-size", "4",
-         "--torch-threads", "1", "--log-level", "warning", "--engine-core", request.param],
+         "--torch-threads", "1", "--dtype", "float32", "--log-level", "warning", "--engine-core", request.param],
     )  # fmt: skip
     try:
         record = asyncio.run(_wait_registered(redis_url, prefix, proc))
@@ -93,7 +93,7 @@ async def collect(
 
 def reference_tokens(checkpoint: Path, prompt: list[int], params: SamplingParams) -> list[int]:
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(model_dir=checkpoint, num_kv_blocks=64, block_size=4))
+    engine = LLMEngine(EngineConfig(model_dir=checkpoint, dtype="float32", num_kv_blocks=64, block_size=4))
     engine.add_request("ref", prompt, params)
     tokens: list[int] = []
     while engine.has_unfinished_requests():
