@@ -20,7 +20,7 @@ import zmq.asyncio
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.protocol.generate import CHANNEL, GenerateRequest, RequestFailed, TokenDelta
 from yutu.registry import Registry
-from yutu.transfer.region import FILE_PREFIX, shm_directory
+from yutu.transfer.region import FILE_PREFIX, shm_directory, sweep_stale_region_files
 
 PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
 LONG = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
@@ -61,9 +61,16 @@ class Worker:
         return glob.glob(os.path.join(shm_directory(), f"{FILE_PREFIX}-{self.proc.pid}-*"))
 
     def close(self) -> None:
+        """SIGTERM (the worker removes its region file), SIGKILL if it hangs; then sweep what a
+        killed worker left."""
         if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        sweep_stale_region_files()
 
 
 @pytest.fixture

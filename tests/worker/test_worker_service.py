@@ -27,6 +27,7 @@ from yutu.protocol.generate import (
     TokenDeltas,
 )
 from yutu.registry import Registry
+from yutu.transfer.region import sweep_stale_region_files
 
 PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
 
@@ -50,9 +51,20 @@ def worker(checkpoint: Path, redis_url: str, request: pytest.FixtureRequest) -> 
         record = asyncio.run(_wait_registered(redis_url, prefix, proc))
         yield {**record, "prefix": prefix, "core": request.param}
     finally:
-        if proc.poll() is None:
+        stop_worker(proc)
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the worker drains and removes its KV region file), SIGKILL if it hangs, and then
+    whatever region file a killed worker left is swept: nothing stays in /dev/shm."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
-        proc.wait()
+            proc.wait()
+    sweep_stale_region_files()
 
 
 async def _wait_registered(redis_url: str, prefix: str, proc: subprocess.Popen[bytes]) -> dict[str, str]:
@@ -257,8 +269,7 @@ def test_sigterm_drains_and_deregisters(checkpoint: Path, redis_url: str) -> Non
         registry = Registry.from_url(redis_url, prefix)
         assert asyncio.run(_list_and_close(registry)) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_worker(proc)
 
 
 async def _wait_registered_named(
