@@ -77,6 +77,7 @@ class KVImports:
         self.pulled_blocks = 0
         self.fetched_blocks = 0
         self.failed = 0  # imports that brought less than planned
+        self.mismatched = 0  # handles refused: the prefill's KV blocks are not laid out as ours
         self.transfer_bytes = (
             0  # KV bytes imported, since start (pulled from peers or fetched from the store)
         )
@@ -125,6 +126,17 @@ class KVImports:
 
     async def _pull(self, load: KVLoad, handle: KVHandle) -> int:
         try:
+            if handle.block_bytes != self.region.block_bytes:
+                # Another KV layout (model, --dtype or --block-size differ; a host whose CPU makes
+                # --dtype auto pick another dtype): its bytes would be garbage here.
+                self.mismatched += 1
+                log.error(
+                    "request %s: prefill instance %s holds KV blocks of %d bytes, this instance's are %d"
+                    " (the two run a different model, --dtype or --block-size: start them alike);"
+                    " computing the prompt here instead",
+                    load.seq_id, handle.instance_id, handle.block_bytes, self.region.block_bytes,
+                )  # fmt: skip
+                return self._tokens(load, 0)
             last = min(len(load.block_ids), len(handle.block_ids) - load.first_block)
             pairs = [(load.block_ids[i], handle.block_ids[load.first_block + i]) for i in range(max(0, last))]
             timeout = max(0.5, min(self.timeout_s, handle.lease_s * 0.8))  # never read past the hold's lease

@@ -438,6 +438,7 @@ class WorkerService(Service):
                     "pulled_blocks": self.imports.pulled_blocks,
                     "fetched_blocks": self.imports.fetched_blocks,
                     "short": self.imports.failed,
+                    "mismatched": self.imports.mismatched,  # handles of another KV layout, computed here
                 }
             if self.prefill is not None:
                 holds = self.prefill.holds
