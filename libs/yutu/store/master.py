@@ -82,7 +82,11 @@ class MasterClient:
             endpoint = await find_master(self.registry, self.stream)
         if self._rpc is not None and self._address == endpoint:
             return
-        old, self._rpc, self._address = self._rpc, _rpc_client(endpoint, self.timeout_s, self._fixed is None), endpoint
+        old, self._rpc, self._address = (
+            self._rpc,
+            _rpc_client(endpoint, self.timeout_s, self._fixed is None),
+            endpoint,
+        )
         if old is not None:
             log.info("store master moved from %s to %s", old.endpoint, endpoint)
             await old.close()
