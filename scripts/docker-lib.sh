@@ -71,10 +71,12 @@ PY
 }
 
 # check_streaming_chat URL [API_KEY]: a streamed chat completion: SSE chunks of one id, content,
-# exactly one finish_reason on the last choice chunk, then [DONE]. Prints the text.
+# exactly one finish_reason on the last choice chunk, then [DONE]. Prints the text. A 503 (an
+# instance still starting: the gateway says which and to retry) is retried for 30 s, each one
+# printed with its body; any other error fails at once, with its body.
 check_streaming_chat() {
   $PYRUN - "$1" "${2:-}" <<'PY'
-import json, sys, urllib.request
+import json, sys, time, urllib.error, urllib.request
 url, key = sys.argv[1], sys.argv[2]
 auth = {"Authorization": f"Bearer {key}"} if key else {}
 models = urllib.request.Request(f"{url}/v1/models", headers=auth)
@@ -83,7 +85,18 @@ body = {"model": json.load(urllib.request.urlopen(models, timeout=30))["data"][0
         "max_tokens": 16, "stream": True}
 headers = {"Content-Type": "application/json", **auth}
 req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(), headers)
-with urllib.request.urlopen(req, timeout=120) as reply:
+deadline = time.monotonic() + 30
+while True:
+    try:
+        reply = urllib.request.urlopen(req, timeout=120)
+        break
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        if exc.code != 503 or time.monotonic() > deadline:
+            sys.exit(f"chat completion failed: HTTP {exc.code}: {text}")
+        print(f"   503 (retrying): {text}", file=sys.stderr)
+        time.sleep(1)
+with reply:
     assert reply.status == 200, reply.status
     assert reply.headers["content-type"].startswith("text/event-stream"), reply.headers["content-type"]
     lines = [l.decode().rstrip("\r\n") for l in reply]
