@@ -97,6 +97,7 @@ class LoadReporter:
         self._extra = extra
         self._seq = itertools.count(1)
         self.publisher = Publisher(LOAD, host, 0)
+        self._closed = False
         supervisor.every("load-reports", interval_s, self.publish)
 
     @property
@@ -104,6 +105,8 @@ class LoadReporter:
         return self.publisher.endpoint
 
     def publish(self) -> None:
+        if self._closed:  # shutting down: the supervised loop may tick once more after close()
+            return
         self.publisher.publish(self.report())
 
     def report(self) -> LoadReport:
@@ -131,4 +134,5 @@ class LoadReporter:
         return msg
 
     def close(self) -> None:
+        self._closed = True
         self.publisher.close()
