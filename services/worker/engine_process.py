@@ -44,8 +44,9 @@ import signal
 import socket
 import struct
 import tempfile
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -64,6 +65,7 @@ from services.worker.engine_core import (
 from services.worker.engine_loop import EngineFront, OnCache, OnError, OnLoads, OnOutputs
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 START_TIMEOUT_S = 600.0  # loading a model can take long; a child that died is noticed at once
 STOP_TIMEOUT_S = 10.0  # after this the child is killed
@@ -208,16 +210,7 @@ class EngineProcess(EngineFront):
     async def _connect(self, failed: asyncio.Future[None]) -> None:
         """Accept the child's event stream (or raise when the child ended first)."""
         loop = asyncio.get_running_loop()
-        accept = asyncio.ensure_future(loop.sock_accept(self._listener))
-        ended = asyncio.ensure_future(self._ended())
-        try:
-            done, _ = await asyncio.wait({accept, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-        if accept not in done:
-            accept.cancel()
-            raise EngineProcessError(f"the engine process ended during start-up ({self._exit_status()})")
-        conn, _ = accept.result()
+        conn, _ = await self._unless_ended(loop.sock_accept(self._listener))
         self._listener.close()
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
         self._stream, _ = await loop.connect_accepted_socket(
@@ -243,15 +236,19 @@ class EngineProcess(EngineFront):
 
     async def _next_event(self) -> tuple[Any, ...]:
         """The child's next message; raises EngineProcessError when the child ended instead."""
-        receive = asyncio.ensure_future(self._inbox.get())
+        return await self._unless_ended(self._inbox.get())
+
+    async def _unless_ended(self, waited: Awaitable[T]) -> T:
+        """What ``waited`` gives, or EngineProcessError if the child process ends first (start-up)."""
+        result = asyncio.ensure_future(waited)
         ended = asyncio.ensure_future(self._ended())
         try:
-            done, _ = await asyncio.wait({receive, ended}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({result, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
-        if receive in done:
-            return receive.result()
-        receive.cancel()
+        if result in done:
+            return result.result()
+        result.cancel()
         raise EngineProcessError(f"the engine process ended during start-up ({self._exit_status()})")
 
     async def _ended(self) -> None:
