@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from yutu.supervise import Supervisor
+from yutu.supervise import Supervisor, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,7 @@ class Registration:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], f"registration of {self.record.instance_id}")
         try:
             await self.registry.remove(self.record.kind, self.record.instance_id)
         except (RedisError, OSError) as exc:

@@ -9,7 +9,8 @@ logged with its traceback and recorded as a *problem*, and a service with a prob
 
 A loop that returns normally, or is cancelled, is not a problem: that is how loops are stopped.
 Most loops are "do this every N seconds": :meth:`Supervisor.every` runs one, surviving any error
-of a single step (logged with its traceback; the next step runs on time).
+of a single step (logged with its traceback; the next step runs on time). Loops are stopped with
+:func:`cancel_and_wait`, which survives a cancellation that got lost on the way.
 """
 
 from __future__ import annotations
@@ -17,10 +18,46 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+RECANCEL_S = 0.1  # a task still running this long after a cancel is cancelled again
+STOP_PATIENCE_S = 5.0  # cancel_and_wait gives up (logs, returns) after this long
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[Any]], owner: str, patience_s: float = STOP_PATIENCE_S
+) -> None:
+    """Cancel ``tasks`` and wait until every one has ended; what they raised is retrieved, not raised.
+
+    A cancellation can be lost: on Python 3.11 ``asyncio.wait_for`` returns the awaited result
+    instead of raising CancelledError when both land in one loop iteration (CPython gh-86296,
+    fixed in 3.12), and redis-py's connect path awaits one. A loop whose cancel was swallowed
+    that way runs on, and a plain ``cancel(); await gather(...)`` then waits forever (a gateway's
+    shutdown hung so in CI). So a task still running :data:`RECANCEL_S` after a cancel is
+    cancelled again; one still running after ``patience_s`` is logged as an error and left.
+    """
+    pending = {t for t in tasks if not t.done()}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    done: set[asyncio.Task[Any]] = set()
+    while pending:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            log.error(
+                "%s: %d task(s) did not stop within %.1f s of being cancelled, left running: %s",
+                owner, len(pending), patience_s, ", ".join(sorted(t.get_name() for t in pending)),
+            )  # fmt: skip
+            break
+        for task in pending:
+            task.cancel()
+        ended, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, remaining))
+        done |= ended
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" at garbage collection
 
 
 class Supervisor:
@@ -94,8 +131,5 @@ class Supervisor:
         return dict(self._tasks)
 
     async def close(self) -> None:
-        """Cancel every task still running and wait for them."""
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel every task still running and wait for them (see :func:`cancel_and_wait`)."""
+        await cancel_and_wait(self._tasks.values(), self.owner)

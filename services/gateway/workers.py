@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from yutu.errors import ErrorKind, YutuError
 from yutu.liveness import Liveness
 from yutu.registry import Registry, ServiceRecord
-from yutu.supervise import Supervisor
+from yutu.supervise import Supervisor, cancel_and_wait
 
 from services.gateway.worker_client import GenerationHandle, WorkerClient, WorkerInfo
 
@@ -190,9 +190,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         """Stop the loops and close every connection."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, f"{self.kind} pool")
         for worker in self.workers.values():
             await worker.close()
         self.workers.clear()

@@ -29,6 +29,7 @@ from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import KVEventPublisher, RpcServer
 from yutu.rpc.stream import StreamRpcServer
 from yutu.service import Service
+from yutu.supervise import cancel_and_wait
 
 from services.store_master.admin import build_router
 from services.store_master.eager import run_eager
@@ -138,10 +139,7 @@ class StoreMasterService(Service):
         self._ready = False
         if self._registration is not None:
             await self._registration.close()
-        loops = [t for t in (self._sweeper, self._watcher) if t is not None]
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        await cancel_and_wait([t for t in (self._sweeper, self._watcher) if t is not None], "store master")
         if self._rpc is not None:
             await self._rpc.close()
         if self._stream is not None:

@@ -28,6 +28,7 @@ from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 from yutu.store.master import MasterClient
 from yutu.store.mount import UNREACHABLE, MountedSegment
+from yutu.supervise import cancel_and_wait
 from yutu.transfer import Region, SegmentDirectory, TransferEngine
 from yutu.transfer.region import reclaim_stale_regions
 
@@ -172,9 +173,7 @@ class StoreNodeService(Service):
 
     async def shutdown(self) -> None:
         try:
-            for task in self._loop_tasks:
-                task.cancel()
-            await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+            await cancel_and_wait(self._loop_tasks, "store node")
             if self._registration is not None:
                 await self._registration.close()  # logs a Redis that is gone
             if self.mount is not None:

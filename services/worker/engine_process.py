@@ -53,6 +53,7 @@ import zmq.asyncio
 from yutu.engine.engine import EngineConfig, EngineStats, KVLoad, RequestOutput
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
+from yutu.supervise import cancel_and_wait
 from yutu.worker.kv_region import KVRegion
 
 from services.worker.engine_core import (
@@ -279,9 +280,7 @@ class EngineProcess(EngineFront):
             self._send(Stop())
         await self._end_child()
         if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+            await cancel_and_wait([self.task], "engine process client")
         if self._process is not None:
             with contextlib.suppress(ValueError, OSError):  # already removed when it ended first
                 asyncio.get_running_loop().remove_reader(self._process.sentinel)

@@ -37,6 +37,7 @@ from yutu.protocol.kv_events import (
 )
 from yutu.pump import Pump
 from yutu.rpc.sockets import bind, context, plain_socket
+from yutu.supervise import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,7 @@ class KVEventPublisher:
 
     async def close(self) -> None:
         if self._replay_task is not None:
-            self._replay_task.cancel()
-            await asyncio.gather(self._replay_task, return_exceptions=True)
+            await cancel_and_wait([self._replay_task], "KV event publisher")
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -275,8 +275,5 @@ class KVEventSubscriber:
     async def close(self) -> None:
         for name in list(self._sources):
             self.unfollow(name)
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks.values()), "KV event subscriber")
         self._tasks.clear()

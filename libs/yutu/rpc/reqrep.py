@@ -21,6 +21,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.rpc.sockets import Endpoint, OnConnection, Sent
+from yutu.supervise import cancel_and_wait
 
 log = logging.getLogger("yutu.rpc")
 
@@ -97,10 +98,7 @@ class RpcServer(Endpoint):
             log.warning("%s: reply not sent (%s): the client gave up or is gone", self.name, sent.value)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks), "RPC server")
         self._close_socket()
 
 

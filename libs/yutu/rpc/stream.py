@@ -38,6 +38,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.rpc.reqrep import settle_reply
+from yutu.supervise import cancel_and_wait
 
 log = logging.getLogger("yutu.rpc")
 
@@ -219,10 +220,7 @@ class StreamRpcServer:
             self._server.close()
         for conn in list(self._connections):
             conn.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks), "stream server")
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from yutu.errors import YutuError
 from yutu.protocol import store as p
 from yutu.store.master import MasterClient
+from yutu.supervise import cancel_and_wait
 from yutu.transfer.segment import local_host_id
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ class MountedSegment:
         Never raises because the master or Redis is gone: the master then drops the segment
         after its node TTL, as for a node that died."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task], f"store heartbeat of {self.segment}")
             self._task = None
         if unmount and self.mounted:
             try:

@@ -19,7 +19,6 @@ Threading: the event loop only resolves and dispatches; copies and socket I/O ru
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from yutu.config import advertised
+from yutu.supervise import cancel_and_wait
 from yutu.transfer.directory import SegmentDirectory
 from yutu.transfer.errors import RegionError, SegmentNotFoundError, TransferError
 from yutu.transfer.region import Region, check_range, validate_region_name
@@ -146,9 +146,7 @@ class TransferEngine:
 
     async def _stop_serving(self) -> None:
         if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
+            await cancel_and_wait([self._keepalive], "transfer engine")
         if self._started:
             try:
                 await self.directory.withdraw(self.descriptor())
