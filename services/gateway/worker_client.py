@@ -1,9 +1,9 @@
 """The gateway's generate-channel connection to one worker, and the requests running on it.
 
-A :class:`WorkerClient` is a :class:`~yutu.rpc.Peer` (DEALER) connected to the worker's ROUTER:
-replies are routed to the waiting request by id on the event loop, every send is non-blocking (so
-a sync caller, e.g. a ``finally`` under cancellation, can still abort a request), and the socket
-monitor notices a dropped TCP connection at once. Liveness: any message from the worker counts
+A :class:`WorkerClient` is a :class:`~yutu.rpc.StreamPeer` dealer (plain TCP) connected to the
+worker's router: replies are routed to the waiting request by id on the event loop, every send is
+non-blocking (so a sync caller, e.g. a ``finally`` under cancellation, can still abort a request),
+and a dropped TCP connection is noticed at once. Liveness: any message from the worker counts
 as a sign of life in the pool's :class:`~yutu.liveness.Liveness`; :meth:`WorkerClient.ping` is
 called by the pool every interval, and :meth:`WorkerClient.stopped_answering` when the worker has
 been silent past the window (frozen: its TCP connection stays up).
@@ -34,7 +34,7 @@ from yutu.protocol.generate import (
     TokenDeltas,
 )
 from yutu.registry import ServiceRecord
-from yutu.rpc import Peer, Sent
+from yutu.rpc import Sent, StreamPeer
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ class WorkerClient:
 
     def __init__(self, info: WorkerInfo, liveness: Liveness[str]) -> None:
         self.info = info
-        self.connected = False  # TCP connection up (from the socket monitor)
+        self.connected = False  # TCP connection up
         self.lost = False  # the connection dropped and has not come back
         self.unlisted_since: float | None = None  # monotonic time the registry stopped listing it
         self._requests: dict[str, GenerationHandle] = {}
         self._liveness = liveness
         self._pings = itertools.count()
         liveness.watch(info.instance_id)
-        self._peer = Peer.dealer(
+        self._peer = StreamPeer.dealer(
             CHANNEL,
             {
                 TokenDelta: self._on_reply,
@@ -260,7 +260,7 @@ class WorkerClient:
     async def close(self, linger_s: float = 0.5) -> None:
         """Abort what is in flight (best effort: a gone worker cannot hear it), then close the socket.
 
-        The aborts still go out for ``linger_s`` after the socket is closed (ZeroMQ's linger).
+        The aborts still go out for up to ``linger_s`` after the socket is closed.
         """
         for request_id in list(self._requests):
             self._abort(request_id)

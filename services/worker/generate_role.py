@@ -1,12 +1,12 @@
 """The generate channel of a mixed worker or a decode instance.
 
-Front ends (gateways) connect a DEALER to our ROUTER and multiplex requests by id; every reply goes
-back to the identity that sent the request. A request may carry work done elsewhere (see
+Front ends (gateways) connect a dealer to our router (:class:`~yutu.rpc.StreamPeer`, plain TCP) and
+multiplex requests by id; every reply goes back to the connection that sent the request. A request may carry work done elsewhere (see
 :mod:`yutu.protocol.generate`): tokens already ``generated`` (streamed to the client), the ``kv``
 handle of a prefill instance holding its prompt's KV (pulled, then released), or ``store_blocks``
 to try from the KV store. Only new tokens are sent back.
 
-A front end that is gone (ZeroMQ cannot route to it), or that pinged and then went quiet past the
+A front end that is gone (its connection closed), or that pinged and then went quiet past the
 window its Pings declare (frozen: its TCP connection stays up), has its requests aborted so their
 KV blocks are freed at once, each answered with an UNAVAILABLE RequestFailed in case it wakes up.
 """
@@ -34,7 +34,7 @@ from yutu.protocol.generate import (
     TokenDeltas,
 )
 from yutu.protocol.prefill import KVHandle
-from yutu.rpc import Peer, Sent
+from yutu.rpc import Sent, StreamPeer
 from yutu.supervise import Supervisor
 
 from services.worker.engine_loop import EngineFront
@@ -65,7 +65,7 @@ class GenerateRole:
         self._check_prompt = check_prompt
         self._routes: dict[str, bytes] = {}  # request id -> front-end identity
         self._front_ends = Liveness[bytes](timeout_s=3.0)  # front ends that ping, by identity
-        self._peer = Peer.router(
+        self._peer = StreamPeer.router(
             CHANNEL,
             {GenerateRequest: self._admit, AbortRequest: self._on_abort, Ping: self._on_ping},
             host,

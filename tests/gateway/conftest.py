@@ -1,7 +1,7 @@
 """Fixtures of the gateway tests.
 
 - ``tiny_model``: a tiny random Llama checkpoint (vocab 512, byte-level BPE, chat template).
-- ``FakeWorker``: a scripted worker on a real ROUTER socket, registered in the real Redis, that
+- ``FakeWorker``: a scripted worker on a real generate-channel router, registered in the real Redis, that
   records what the gateway sends (requests, aborts) and answers what the test tells it to. It
   tests the gateway's control logic (aborts, worker loss, failures) where a real engine cannot be
   steered; everything about real generation is tested against ``stack`` instead.

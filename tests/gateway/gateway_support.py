@@ -18,11 +18,9 @@ from typing import Any
 
 import httpx
 import redis
-import zmq
-import zmq.asyncio
 from yutu.protocol.generate import CHANNEL, AbortRequest, GenerateRequest, Ping, Pong
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.rpc import bind, context
+from yutu.rpc import Sent, StreamPeer
 from yutu.service import HttpServer
 
 from services.gateway.app import build_app
@@ -41,15 +39,16 @@ class FakeWorker:
     """A worker whose replies the test writes; see the module docstring."""
 
     def __init__(self, redis_url: str, prefix: str, max_model_len: int = 128, demo: bool = False) -> None:
+        """Built inside a running event loop (its router serves on it)."""
         self.instance_id = f"fake-{uuid.uuid4().hex[:6]}"
-        self.sock: zmq.asyncio.Socket = context().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = bind(self.sock, "127.0.0.1", 0)
+        self.peer = StreamPeer.router(  # the real generate channel
+            CHANNEL, {GenerateRequest: self._on_request, AbortRequest: self._on_abort, Ping: self._on_ping}
+        )
         self.registry = Registry.from_url(redis_url, prefix)
         self.record = ServiceRecord(
             kind="worker",
             instance_id=self.instance_id,
-            endpoints={"generate": self.endpoint, "admin": "http://127.0.0.1:1"},
+            endpoints={"generate": self.peer.endpoint, "admin": "http://127.0.0.1:1"},
             meta={"model": MODEL_NAME, "model_dir": "x", "max_model_len": max_model_len, "block_size": 16,
                   "demo": demo, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0},
         )  # fmt: skip
@@ -59,32 +58,31 @@ class FakeWorker:
         self._abort_seen = asyncio.Event()
         self.answer_pings = True  # False: frozen, as far as the gateway's heartbeats can tell
         self.pings = 0
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> FakeWorker:
         await self.registration.start()
-        self._task = asyncio.create_task(self._receive())
         return self
 
-    async def _receive(self) -> None:
-        while True:
-            identity, payload = await self.sock.recv_multipart()
-            msg = CHANNEL.decode(payload)
-            if isinstance(msg, GenerateRequest):
-                self.requests.put_nowait((identity, msg))
-            elif isinstance(msg, AbortRequest):
-                self.aborts.append(msg.request_id)
-                self._abort_seen.set()
-            elif isinstance(msg, Ping):
-                self.pings += 1
-                if self.answer_pings:
-                    await self.sock.send_multipart([identity, CHANNEL.encode(Pong(msg.seq))])
+    def _on_request(self, identity: bytes, msg: GenerateRequest) -> None:
+        self.requests.put_nowait((identity, msg))
+
+    def _on_abort(self, _: bytes, msg: AbortRequest) -> None:
+        self.aborts.append(msg.request_id)
+        self._abort_seen.set()
+
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        self.pings += 1
+        if self.answer_pings:
+            self.send_now(identity, Pong(msg.seq))
 
     async def next_request(self, timeout_s: float = 5.0) -> tuple[bytes, GenerateRequest]:
         return await asyncio.wait_for(self.requests.get(), timeout_s)
 
-    async def send(self, identity: bytes, msg: Any) -> None:
-        await self.sock.send_multipart([identity, CHANNEL.encode(msg)])
+    def send_now(self, identity: bytes, msg: Any) -> Sent:
+        return self.peer.send(msg, to=identity)
+
+    async def send(self, identity: bytes, msg: Any) -> Sent:
+        return self.send_now(identity, msg)
 
     async def wait_abort(self, request_id: str, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -100,11 +98,7 @@ class FakeWorker:
 
     async def die(self) -> None:
         """Close the socket but leave the registry record: a crashed process whose record lives on."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        self.sock.close(linger=0)
+        self.peer.close()
 
     async def close(self) -> None:
         await self.die()

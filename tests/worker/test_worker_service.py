@@ -1,4 +1,4 @@
-"""The worker as a real process: generate channel over ZeroMQ, registry record, aborts, drain."""
+"""The worker as a real process: generate channel over TCP, registry record, aborts, drain."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
-import zmq
-import zmq.asyncio
 from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
@@ -22,11 +21,13 @@ from yutu.protocol.generate import (
     CHANNEL,
     AbortRequest,
     GenerateRequest,
+    Pong,
     RequestFailed,
     TokenDelta,
     TokenDeltas,
 )
 from yutu.registry import Registry
+from yutu.rpc import Sent, StreamPeer
 from yutu.transfer.region import sweep_stale_region_files
 
 PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
@@ -82,21 +83,48 @@ async def _wait_registered(redis_url: str, prefix: str, proc: subprocess.Popen[b
     raise TimeoutError("worker did not register")
 
 
+class Dealer:
+    """The generate channel as a front end sees it: a real dealer, each message it receives queued in order."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.received: asyncio.Queue[Any] = asyncio.Queue()
+        self.peer = StreamPeer.dealer(
+            CHANNEL,
+            {TokenDelta: self._got, TokenDeltas: self._got, RequestFailed: self._got, Pong: self._got},
+            endpoint,
+        )
+
+    def _got(self, _: bytes, msg: Any) -> None:
+        self.received.put_nowait(msg)
+
+    def send(self, msg: Any) -> None:
+        assert self.peer.send(msg) is Sent.SENT
+
+    async def recv(self, timeout_s: float = 60) -> Any:
+        return await asyncio.wait_for(self.received.get(), timeout_s)
+
+    async def recv_within(self, timeout_s: float) -> Any | None:
+        """The next message, or None if none arrives within ``timeout_s``."""
+        try:
+            return await asyncio.wait_for(self.received.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        self.peer.close()
+
+
 @pytest.fixture
-async def dealer(worker: dict[str, str]) -> AsyncIterator[zmq.asyncio.Socket]:
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(worker["generate"])
-    yield sock
-    sock.close(linger=0)
+async def dealer(worker: dict[str, str]) -> AsyncIterator[Dealer]:
+    front_end = Dealer(worker["generate"])
+    yield front_end
+    front_end.close()
 
 
-async def collect(
-    sock: zmq.asyncio.Socket, request_id: str, timeout_s: float = 60
-) -> list[TokenDelta | RequestFailed]:
+async def collect(sock: Dealer, request_id: str, timeout_s: float = 60) -> list[TokenDelta | RequestFailed]:
     msgs: list[TokenDelta | RequestFailed] = []
     while True:
-        msg = CHANNEL.decode(await asyncio.wait_for(sock.recv(), timeout_s))
+        msg = await sock.recv(timeout_s)
         assert msg.request_id == request_id
         msgs.append(msg)
         if isinstance(msg, RequestFailed) or msg.finish_reason is not None:
@@ -114,9 +142,9 @@ def reference_tokens(checkpoint: Path, prompt: list[int], params: SamplingParams
     return tokens
 
 
-async def test_generate_streams_the_engine_tokens(checkpoint: Path, dealer: zmq.asyncio.Socket) -> None:
+async def test_generate_streams_the_engine_tokens(checkpoint: Path, dealer: Dealer) -> None:
     params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 2}
-    await dealer.send(CHANNEL.encode(GenerateRequest("g1", PROMPT, params, time.time())))
+    dealer.send(GenerateRequest("g1", PROMPT, params, time.time()))
     msgs = await collect(dealer, "g1")
     deltas = [m for m in msgs if isinstance(m, TokenDelta)]
     assert len(deltas) == len(msgs)
@@ -132,24 +160,24 @@ async def test_generate_streams_the_engine_tokens(checkpoint: Path, dealer: zmq.
         assert len(top) == 2 and top[0][0] == token_id and top[0][1] == pytest.approx(logprob)
 
     # The same prompt again: its full blocks (4 tokens each) come from the prefix cache.
-    await dealer.send(CHANNEL.encode(GenerateRequest("g2", PROMPT, params, time.time())))
+    dealer.send(GenerateRequest("g2", PROMPT, params, time.time()))
     again = [m for m in await collect(dealer, "g2") if isinstance(m, TokenDelta)]
     assert [t for d in again for t in d.token_ids] == tokens
     assert again[0].num_cached_tokens == 16  # 18 tokens: 4 full blocks, the last token is always computed
 
 
 async def test_one_front_ends_concurrent_requests_share_a_frame_per_step(
-    checkpoint: Path, dealer: zmq.asyncio.Socket
+    checkpoint: Path, dealer: Dealer
 ) -> None:
     params = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}  # long enough to overlap
     prompts = {f"b{i}": PROMPT[: 6 + 3 * i] for i in range(3)}
     for rid, ids in prompts.items():
-        await dealer.send(CHANNEL.encode(GenerateRequest(rid, ids, params, time.time())))
+        dealer.send(GenerateRequest(rid, ids, params, time.time()))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     batched: list[set[str]] = []
     done: set[str] = set()
     while done != set(prompts):
-        msg = CHANNEL.decode(await asyncio.wait_for(dealer.recv(), 60))
+        msg = await dealer.recv(60)
         deltas = msg.unpack() if isinstance(msg, TokenDeltas) else [msg]
         if isinstance(msg, TokenDeltas):
             batched.append({d.request_id for d in deltas})
@@ -175,37 +203,33 @@ async def test_one_front_ends_concurrent_requests_share_a_frame_per_step(
     ],
 )
 async def test_bad_requests_fail_with_their_kind(
-    dealer: zmq.asyncio.Socket, prompt: list[int], sampling: dict[str, object], kind: str, needle: str
+    dealer: Dealer, prompt: list[int], sampling: dict[str, object], kind: str, needle: str
 ) -> None:
-    await dealer.send(CHANNEL.encode(GenerateRequest("bad", prompt, sampling, time.time())))
+    dealer.send(GenerateRequest("bad", prompt, sampling, time.time()))
     (msg,) = await collect(dealer, "bad")
     assert isinstance(msg, RequestFailed)
     assert msg.kind == kind and needle in msg.message
 
 
-async def test_abort_and_vanished_front_end_free_blocks(
-    worker: dict[str, str], dealer: zmq.asyncio.Socket
-) -> None:
+async def test_abort_and_vanished_front_end_free_blocks(worker: dict[str, str], dealer: Dealer) -> None:
     params = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}  # 54 + 400 tokens fit in 512
     long_prompt = PROMPT * 3
-    await dealer.send(CHANNEL.encode(GenerateRequest("long", long_prompt, params, time.time())))
-    first = CHANNEL.decode(await asyncio.wait_for(dealer.recv(), 60))
+    dealer.send(GenerateRequest("long", long_prompt, params, time.time()))
+    first = await dealer.recv(60)
     assert isinstance(first, TokenDelta) and first.token_ids
-    await dealer.send(CHANNEL.encode(AbortRequest("long")))
+    dealer.send(AbortRequest("long"))
     await _wait_idle(worker["admin"])
     received = len(first.token_ids)
-    while await dealer.poll(200):  # deltas already in flight when the abort landed
-        late = CHANNEL.decode(await dealer.recv())
+    while (late := await dealer.recv_within(0.2)) is not None:  # deltas in flight when the abort landed
         assert isinstance(late, TokenDelta) and late.finish_reason is None
         received += len(late.token_ids)
     assert received < 400  # stopped by the abort, not by max_tokens
 
     # A front end that disappears without aborting: the worker notices when it cannot route a reply.
-    other = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    other.connect(worker["generate"])
-    await other.send(CHANNEL.encode(GenerateRequest("orphan", long_prompt, params, time.time())))
-    await asyncio.wait_for(other.recv(), 60)
-    other.close(linger=0)
+    other = Dealer(worker["generate"])
+    other.send(GenerateRequest("orphan", long_prompt, params, time.time()))
+    await other.recv(60)
+    other.close()
     await _wait_idle(worker["admin"])
     async with httpx.AsyncClient() as http:
         assert (await http.post(worker["admin"] + "/debug/check_integrity")).json()["ok"] is True

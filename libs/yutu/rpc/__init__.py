@@ -16,7 +16,9 @@ Two framings sit on an Endpoint:
       peer = Peer.router(CHANNEL, {GenerateRequest: admit, Ping: answer}, host, port)
       peer.send(TokenDelta(...), to=identity)       # -> Sent.SENT | Sent.UNROUTABLE | ...
 
-  Frames: ``[identity, payload]`` on a ROUTER, ``[payload]`` on a DEALER.
+  Frames: ``[identity, payload]`` on a ROUTER, ``[payload]`` on a DEALER. Its twin over plain TCP,
+  :class:`StreamPeer` (same methods, same contract, no ZeroMQ I/O thread), carries the generate
+  channel, where a message goes out per engine step.
 
 - :class:`RpcServer` / :class:`RpcClient`, request/reply over DEALER (client) -> ROUTER (server)::
 
@@ -33,6 +35,7 @@ from yutu.rpc.peer import MessageHandler, OnConnection, Peer
 from yutu.rpc.pubsub import Publisher, Subscriber
 from yutu.rpc.reqrep import Handler, RpcClient, RpcServer
 from yutu.rpc.sockets import Endpoint, Sent, bind, context
+from yutu.rpc.stream_peer import StreamPeer
 
 __all__ = [
     "Endpoint",
@@ -46,6 +49,7 @@ __all__ = [
     "RpcClient",
     "RpcServer",
     "Sent",
+    "StreamPeer",
     "Subscriber",
     "bind",
     "context",

@@ -14,6 +14,13 @@ from yutu.rpc.sockets import Endpoint, OnConnection, Sent
 MessageHandler = Callable[[bytes, Any], None]  # streaming: (sender identity, b"" on a DEALER; msg)
 
 
+def check_handlers(channel: Channel, handlers: Mapping[type[Any], MessageHandler]) -> None:
+    """Raises TypeError unless every handled type is a message of ``channel``."""
+    unknown = [cls.__name__ for cls in handlers if cls not in channel.messages]
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)} not message(s) of channel {channel.name}")
+
+
 class Peer(Endpoint):
     """A streaming channel's socket: typed messages, dispatched to one handler per message type.
 
@@ -28,9 +35,7 @@ class Peer(Endpoint):
     def __init__(
         self, channel: Channel, kind: int, handlers: Mapping[type[Any], MessageHandler], name: str | None
     ) -> None:
-        unknown = [cls.__name__ for cls in handlers if cls not in channel.messages]
-        if unknown:
-            raise TypeError(f"{', '.join(unknown)} not message(s) of channel {channel.name}")
+        check_handlers(channel, handlers)
         role = "router" if kind == zmq.ROUTER else "dealer"
         super().__init__(channel, kind, name or f"{channel.name}-{role}")
         self._handlers = dict(handlers)
