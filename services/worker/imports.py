@@ -62,7 +62,11 @@ class KVImports:
         block_size: int,
         release_remote: Callable[[KVHandle, str], None],
         timeout_s: float = 10.0,
+        *,
+        kv_salt: str,
     ) -> None:
+        """``kv_salt``: what our engine salts block keys with (model and dtype), which a prefill's
+        handle must match to be pulled."""
         self.engine_loop = engine_loop
         self.transfer = transfer
         self.region = region
@@ -71,6 +75,7 @@ class KVImports:
         self.block_size = block_size
         self._release_remote = release_remote
         self.timeout_s = timeout_s
+        self.kv_salt = kv_salt
         self._sources: dict[str, Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.transfers: list[list[float]] = []  # [bytes, seconds] since the last load report
@@ -126,15 +131,14 @@ class KVImports:
 
     async def _pull(self, load: KVLoad, handle: KVHandle) -> int:
         try:
-            if handle.block_bytes != self.region.block_bytes:
+            problem = self._unlike_ours(handle)
+            if problem is not None:
                 # Another KV layout (model, --dtype or --block-size differ; a host whose CPU makes
                 # --dtype auto pick another dtype): its bytes would be garbage here.
                 self.mismatched += 1
                 log.error(
-                    "request %s: prefill instance %s holds KV blocks of %d bytes, this instance's are %d"
-                    " (the two run a different model, --dtype or --block-size: start them alike);"
-                    " computing the prompt here instead",
-                    load.seq_id, handle.instance_id, handle.block_bytes, self.region.block_bytes,
+                    "request %s: prefill instance %s %s: start them alike; computing the prompt here instead",
+                    load.seq_id, handle.instance_id, problem,
                 )  # fmt: skip
                 return self._tokens(load, 0)
             last = min(len(load.block_ids), len(handle.block_ids) - load.first_block)
@@ -153,6 +157,20 @@ class KVImports:
             self._release_remote(handle, load.seq_id)
         self.pulled_blocks += got
         return self._tokens(load, got)
+
+    def _unlike_ours(self, handle: KVHandle) -> str | None:
+        """How the handle's KV differs from what our engine would compute, or None."""
+        if handle.block_bytes != self.region.block_bytes:
+            return (
+                f"holds KV blocks of {handle.block_bytes} bytes, this instance's are {self.region.block_bytes}"
+                " (the two run a different model, --dtype or --block-size)"
+            )
+        if handle.kv_salt != self.kv_salt:  # same size, other numbers: bfloat16 against float16
+            return (
+                f"computed its KV as {handle.kv_salt!r}, this instance as {self.kv_salt!r}"
+                " (the two run a different model or --dtype)"
+            )
+        return None
 
     async def _fetch(self, load: KVLoad, keys: list[str]) -> int:
         if self.store is None:

@@ -145,6 +145,7 @@ class PrefillRole:
             handle = p.KVHandle(
                 self.instance_id, self.endpoint, self.imports.transfer.segment_name, self.region.name,
                 hold.block_ids, hold.num_tokens, self.region.block_bytes, self.holds.lease_s,
+                self.imports.kv_salt,
             ).to_wire()  # fmt: skip
         self.prefilled += 1
         future.set_result(

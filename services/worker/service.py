@@ -185,9 +185,11 @@ class WorkerService(Service):
             )  # fmt: skip
             self._loop_engine = front = thread
             thread.start()
+        assert self.engine_info is not None
         self.imports = KVImports(
-            front, self._transfer, self._region, None, None, s.block_size, self._release_remote
-        )
+            front, self._transfer, self._region, None, None, s.block_size, self._release_remote,
+            kv_salt=self.engine_info.kv_salt,
+        )  # fmt: skip
 
     def _start_channel(self) -> dict[str, str]:
         s = self.settings

@@ -37,7 +37,8 @@ from typing import Any
 
 from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=4)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas
+CHANNEL = Channel("generate", version=5)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
+# 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt
 
 
 @CHANNEL.message("generate")

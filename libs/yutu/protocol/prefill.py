@@ -27,7 +27,7 @@ from typing import Any
 from yutu.protocol.codec import Channel
 from yutu.protocol.wire import fields_of, float_field, int_field, int_list, str_field
 
-CHANNEL = Channel("prefill", version=1)
+CHANNEL = Channel("prefill", version=2)  # 2: KV handles carry kv_salt
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class KVHandle:
     num_tokens: int  # tokens whose KV the blocks hold
     block_bytes: int
     lease_s: float  # the hold lasts this long unless renewed
+    kv_salt: str  # what the prefill's engine salts block keys with: its model and dtype
 
     _FIELDS = (
         "instance_id",
@@ -52,6 +53,7 @@ class KVHandle:
         "num_tokens",
         "block_bytes",
         "lease_s",
+        "kv_salt",
     )
 
     def to_wire(self) -> list[Any]:
@@ -69,6 +71,7 @@ class KVHandle:
             num_tokens=int_field(f["num_tokens"], "kv.num_tokens", 1),
             block_bytes=int_field(f["block_bytes"], "kv.block_bytes", 1),
             lease_s=float_field(f["lease_s"], "kv.lease_s"),
+            kv_salt=str_field(f["kv_salt"], "kv.kv_salt"),
         )
 
 
