@@ -258,6 +258,7 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
             log.warning("%s drain timed out; cancelling what is left", service.kind)
     finally:
         await http.stop()
+        await service.loops.stop_periodic()  # no heartbeat or poll ticks on what shutdown closes
         await service.shutdown()
         await service.loops.close()
         for sig in (signal.SIGINT, signal.SIGTERM):

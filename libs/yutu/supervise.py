@@ -67,6 +67,7 @@ class Supervisor:
         self.owner = owner
         self.problems: dict[str, str] = {}  # task name -> why it died (only the loops that did)
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._periodic: set[str] = set()  # the names of the loops started by every()
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` as the task ``name`` and watch it."""
@@ -85,7 +86,9 @@ class Supervisor:
         """
         if interval_s <= 0:
             raise ValueError(f"{self.owner}: {name} needs a positive interval, got {interval_s}")
-        return self.spawn(name, self._every(name, interval_s, step))
+        task = self.spawn(name, self._every(name, interval_s, step))
+        self._periodic.add(name)
+        return task
 
     async def _every(
         self, name: str, interval_s: float, step: Callable[[], Awaitable[object] | None]
@@ -109,6 +112,7 @@ class Supervisor:
         if name in self._tasks and not self._tasks[name].done():
             raise ValueError(f"{self.owner}: a task named {name!r} is already supervised")
         self._tasks[name] = task
+        self._periodic.discard(name)
         self.problems.pop(name, None)
         task.add_done_callback(lambda t: self._ended(name, t))
 
@@ -129,6 +133,11 @@ class Supervisor:
     @property
     def tasks(self) -> dict[str, asyncio.Task[Any]]:
         return dict(self._tasks)
+
+    async def stop_periodic(self) -> None:
+        """Stop the loops started by :meth:`every` (the first step of a shutdown: no periodic step
+        may run on a socket or client the shutdown already closed); the other tasks run on."""
+        await cancel_and_wait([self._tasks[name] for name in self._periodic], self.owner)
 
     async def close(self) -> None:
         """Cancel every task still running and wait for them (see :func:`cancel_and_wait`)."""

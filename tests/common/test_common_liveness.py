@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import pytest
 from yutu.liveness import Liveness, Silent
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.service import HttpServer, Service, admin_app
+from yutu.service import HttpServer, Service, admin_app, serve
 from yutu.supervise import Supervisor
 
 
@@ -163,3 +164,30 @@ async def test_registration_runs_under_a_supervisor_and_survives_a_bad_heartbeat
     finally:
         await registration.close()
         await registry.close()
+
+
+async def test_serve_stops_periodic_loops_before_shutdown_closes_what_they_use() -> None:
+    """A periodic step never runs once shutdown began (a worker's load report ticked once on a
+    socket shutdown had closed, and logged a traceback on Ctrl-C)."""
+    ran_after_close: list[float] = []
+
+    class Reporting(Service):
+        kind = "reporting"
+        closed = False
+
+        async def startup(self) -> None:
+            self.loops.every("report", 0.001, self.report)
+
+        def report(self) -> None:
+            if self.closed:
+                ran_after_close.append(time.monotonic())
+            else:
+                self.stopping.set()  # ticked once: stop
+
+        async def shutdown(self) -> None:
+            self.closed = True  # "the socket is closed"
+            await asyncio.sleep(0.05)  # shutdown takes a while; a live loop would tick meanwhile
+
+    service = Reporting()
+    await asyncio.wait_for(serve(service, HttpServer(admin_app(service), "127.0.0.1", 0)), 30)
+    assert service.closed and ran_after_close == []

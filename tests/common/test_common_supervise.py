@@ -134,3 +134,15 @@ async def test_a_registration_closes_whenever_it_is_closed(redis_url: str, regis
         assert await registry.list("worker") == []
     finally:
         await registry.close()
+
+
+async def test_stop_periodic_stops_the_every_loops_and_leaves_the_other_tasks() -> None:
+    sup = Supervisor("svc")
+    ticked = asyncio.Event()
+    periodic = sup.every("poll", 0.001, ticked.set)
+    reader = sup.spawn("reader", asyncio.sleep(3600))
+    await asyncio.wait_for(ticked.wait(), 10)
+    await sup.stop_periodic()
+    assert periodic.cancelled() and not reader.done()
+    await sup.close()
+    assert reader.cancelled() and not sup.problems
