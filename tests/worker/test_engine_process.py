@@ -15,10 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import zmq
-import zmq.asyncio
+from worker_support import Dealer
 from yutu.engine.testing import make_tiny_checkpoint
-from yutu.protocol.generate import CHANNEL, GenerateRequest, RequestFailed, TokenDelta
+from yutu.protocol.generate import GenerateRequest, RequestFailed, TokenDelta
 from yutu.registry import Registry
 from yutu.transfer.region import FILE_PREFIX, shm_directory, sweep_stale_region_files
 
@@ -99,8 +98,8 @@ def _gone(pid: int, timeout_s: float = 20) -> bool:
     return False
 
 
-async def _next(sock: zmq.asyncio.Socket) -> TokenDelta | RequestFailed:
-    msg = CHANNEL.decode(await asyncio.wait_for(sock.recv(), 60))
+async def _next(sock: Dealer) -> TokenDelta | RequestFailed:
+    msg = await sock.recv(60)
     assert isinstance(msg, TokenDelta | RequestFailed)
     return msg
 
@@ -108,11 +107,9 @@ async def _next(sock: zmq.asyncio.Socket) -> TokenDelta | RequestFailed:
 async def test_a_killed_engine_process_breaks_the_worker_which_stays_up_and_says_why(worker: Worker) -> None:
     assert worker.info["engine_core"] == "process" and worker.engine_pid != worker.proc.pid
     assert worker.regions(), "the KV cache region is the worker's (its transfer engine serves it)"
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(worker.endpoints["generate"])
+    sock = Dealer(worker.endpoints["generate"])
     try:
-        await sock.send(CHANNEL.encode(GenerateRequest("long", PROMPT * 3, LONG, time.time())))
+        sock.send(GenerateRequest("long", PROMPT * 3, LONG, time.time()))
         first = await _next(sock)
         assert isinstance(first, TokenDelta) and first.token_ids
 
@@ -133,12 +130,12 @@ async def test_a_killed_engine_process_breaks_the_worker_which_stays_up_and_says
             check = await http.post(worker.endpoints["admin"] + "/debug/check_integrity")
             assert check.status_code == 503 and "the engine is not running" in check.text
 
-        await sock.send(CHANNEL.encode(GenerateRequest("late", PROMPT, LONG, time.time())))
+        sock.send(GenerateRequest("late", PROMPT, LONG, time.time()))
         late = await _next(sock)
         assert isinstance(late, RequestFailed) and late.request_id == "late"
         assert late.kind == "service_unavailable" and "retry on another worker" in late.message
     finally:
-        sock.close(linger=0)
+        sock.close()
     assert worker.proc.poll() is None  # the worker lives on to say why
     worker.proc.send_signal(signal.SIGTERM)
     assert worker.proc.wait(timeout=30) == 1  # it ended, but its engine had died under it

@@ -9,25 +9,22 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import torch
+from worker_support import Dealer
 from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
 from yutu.protocol.generate import (
-    CHANNEL,
     AbortRequest,
     GenerateRequest,
-    Pong,
     RequestFailed,
     TokenDelta,
     TokenDeltas,
 )
 from yutu.registry import Registry
-from yutu.rpc import Sent, StreamPeer
 from yutu.transfer.region import sweep_stale_region_files
 
 PROMPT = [5, 9, 23, 42, 7, 7, 81, 3, 64, 11, 2, 19, 33, 48, 90, 101, 17, 4]
@@ -81,37 +78,6 @@ async def _wait_registered(redis_url: str, prefix: str, proc: subprocess.Popen[b
     finally:
         await registry.close()
     raise TimeoutError("worker did not register")
-
-
-class Dealer:
-    """The generate channel as a front end sees it: a real dealer, each message it receives queued in order."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.received: asyncio.Queue[Any] = asyncio.Queue()
-        self.peer = StreamPeer.dealer(
-            CHANNEL,
-            {TokenDelta: self._got, TokenDeltas: self._got, RequestFailed: self._got, Pong: self._got},
-            endpoint,
-        )
-
-    def _got(self, _: bytes, msg: Any) -> None:
-        self.received.put_nowait(msg)
-
-    def send(self, msg: Any) -> None:
-        assert self.peer.send(msg) is Sent.SENT
-
-    async def recv(self, timeout_s: float = 60) -> Any:
-        return await asyncio.wait_for(self.received.get(), timeout_s)
-
-    async def recv_within(self, timeout_s: float) -> Any | None:
-        """The next message, or None if none arrives within ``timeout_s``."""
-        try:
-            return await asyncio.wait_for(self.received.get(), timeout_s)
-        except TimeoutError:
-            return None
-
-    def close(self) -> None:
-        self.peer.close()
 
 
 @pytest.fixture
