@@ -13,7 +13,8 @@ rarely produce whole UTF-8 characters and text deltas would lag behind the token
 Each scenario runs through the gateway (OpenAI streaming API) of each stack in ``--stacks``:
 ``mixed`` (``yutu up --store-nodes 0 --workers 1``) and ``disagg`` (``yutu up --prefill 1
 --decode 1``, the default topology), and on the engine alone (an ``LLMEngine`` stepped in a loop
-in its own process, with the torch threads the stack's engine gets), in the same run. Printed:
+in its own process, with the torch threads the stack's engine gets -- its ``torch_threads`` and
+``prefill_threads`` from the worker's /info), in the same run. Printed:
 TTFT, TPOT and ITL p50/p99 and throughput for each, and the ratio end-to-end / engine-only.
 
 TPOT of a request: (last token time - first token time) / (tokens - 1). ITL: every gap between
@@ -123,15 +124,20 @@ def scenario_prompts(shapes: Shapes, vocab: int) -> dict[str, Any]:
 # -- the engine alone ------------------------------------------------------------------------------
 
 
-def engine_only(model_dir: Path, threads: int, shapes: Shapes) -> dict[str, Any]:
+def engine_only(model_dir: Path, threads: Threads, shapes: Shapes) -> dict[str, Any]:
     """The three scenarios on one LLMEngine, stepped in a loop; token times as a client would see them."""
     import torch
     from yutu.engine.engine import EngineConfig, LLMEngine
     from yutu.engine.sampling import SamplingParams
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads.torch)
     engine = LLMEngine(
-        EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20, max_model_len=4096)
+        EngineConfig(
+            model_dir=model_dir,
+            kv_cache_memory_bytes=256 * 2**20,
+            max_model_len=4096,
+            prefill_threads=threads.prefill,
+        )
     )
     prompts = scenario_prompts(shapes, engine.model_config.vocab_size)
     counter = iter(range(10**9))
@@ -162,10 +168,10 @@ def engine_only(model_dir: Path, threads: int, shapes: Shapes) -> dict[str, Any]
     return results
 
 
-def engine_only_subprocess(model_dir: Path, threads: int, shapes: Shapes) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--threads", str(threads),
-            "--shapes", json.dumps(asdict(shapes))]  # fmt: skip
+def engine_only_subprocess(model_dir: Path, threads: Threads, shapes: Shapes) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads.torch)}
+    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--threads", str(threads.torch),
+            "--prefill-threads", str(threads.prefill), "--shapes", json.dumps(asdict(shapes))]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -230,12 +236,23 @@ async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> di
     return results
 
 
-def engine_threads_of(stack: Stack) -> int:
+@dataclass(frozen=True)
+class Threads:
+    """An engine's torch threads: for most steps, and for a wide step (a long prompt's chunk)."""
+
+    torch: int
+    prefill: int
+
+    def __str__(self) -> str:
+        return f"{self.torch} torch thread(s), {self.prefill} for a long prompt's chunks"
+
+
+def engine_threads_of(stack: Stack) -> Threads:
     """The torch threads the stack's (decode or mixed) engine runs with, from its /info."""
     kind = "worker" if stack.spec.workers is not None else "decode"
     record = next(iter(stack.records(kind).values()))
     info = stack.admin_json(kind, record["instance_id"], "/info")
-    return int(info["torch_threads"])
+    return Threads(int(info["torch_threads"]), int(info["prefill_threads"]))
 
 
 # -- the vLLM peer ---------------------------------------------------------------------------------
@@ -326,7 +343,7 @@ def report(results: dict[str, Any]) -> str:
     lines = []
     for name, res in results["stacks"].items():
         eng = res["engine_only"]
-        lines += [f"\n{name}: {res['command']} (engine: {res['threads']} torch thread(s))",
+        lines += [f"\n{name}: {res['command']} (engine: {Threads(**res['threads'])})",
                   f"  {'scenario':<11}{'figure':<13}{'stack':>10}{'engine':>10}{'stack/engine':>14}"]  # fmt: skip
         for scen, fig in ROWS:
             a, b = res["stack"][scen][fig], eng[scen][fig]
@@ -358,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM peer's python: 'auto' (loadtests/setup_vllm.sh's, if made), 'off' (default) or a path")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--prefill-threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
     if args.sequential < 1:
@@ -370,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = Shapes(sequential=args.sequential)
     if args.engine_only is not None:
-        print(json.dumps(engine_only(args.engine_only, args.threads, shapes)))
+        print(json.dumps(engine_only(args.engine_only, Threads(args.threads, args.prefill_threads), shapes)))
         return 0
     names = [n for n in args.stacks.split(",") if n]
     if not names or set(names) - set(STACKS):
@@ -400,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = engine_only_subprocess(model_dir, threads, shapes)  # the stack idles meanwhile
                 measured = asyncio.run(through_stack(stack, shapes))
             engine = best_of(before, engine_only_subprocess(model_dir, threads, shapes))
-            results["stacks"][name] = {"command": spec.command, "threads": threads, "stack": measured,
+            results["stacks"][name] = {"command": spec.command, "threads": asdict(threads), "stack": measured,
                                        "engine_only": engine}  # fmt: skip
             if vllm is not None:
                 results["timeline"].append({"run": name, "start": clock, "s": time.monotonic() - began})

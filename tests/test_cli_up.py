@@ -239,3 +239,22 @@ def test_torch_threads_per_engine_follow_the_documented_rule(engines: int, cpus:
     from yutu.cli import engine_threads
 
     assert engine_threads(engines, cpus) == threads
+
+
+@pytest.mark.parametrize(
+    ("engines", "torch_threads", "cpus", "threads"),
+    [
+        (1, 1, 2, 2),  # one mixed worker on 2 cores: a long prompt's chunk runs on both (the README's rule)
+        (2, 1, 2, 1),  # 1 prefill + 1 decode on 2 cores: one each, as for their other steps
+        (1, 15, 16, 16),
+        (2, 7, 16, 8),
+        (3, 1, 1, 1),
+        (1, 4, 2, 4),  # --torch-threads 4 given: never fewer for a wide step
+    ],
+)
+def test_prefill_threads_per_engine_follow_the_documented_rule(
+    engines: int, torch_threads: int, cpus: int, threads: int
+) -> None:
+    from yutu.cli import prefill_threads
+
+    assert prefill_threads(engines, torch_threads, cpus) == threads

@@ -124,6 +124,15 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(
         topology,
+        "--prefill-threads",
+        type=int,
+        default=0,
+        help="torch threads per engine for a step of 128 tokens or more, a long prompt's chunk"
+        " (0: every CPU, shared by the engines -- the front ends idle while such a step runs --"
+        " and never fewer than --torch-threads)",
+    )
+    option(
+        topology,
         "--dtype",
         default="auto",
         choices=DTYPES,
@@ -226,6 +235,8 @@ def up(argv: list[str]) -> int:
         )
     if args.store_nodes < 0:
         raise SystemExit("error: --store-nodes must be 0 or more")
+    if args.torch_threads < 0 or args.prefill_threads < 0:
+        raise SystemExit("error: --torch-threads and --prefill-threads must be 0 (derived) or more")
     try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
@@ -360,9 +371,12 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
         specs.append(service("store-master", "store-master"))
     for i in range(args.store_nodes):
         specs.append(service(f"store-node-{i}", "store-node", "--segment-size", args.store_segment_size))
+    engines = engine_processes(args)
+    torch_threads = args.torch_threads or engine_threads(engines)
     engine = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
-              "--torch-threads", str(args.torch_threads or engine_threads(engine_processes(args))),
+              "--torch-threads", str(torch_threads),
+              "--prefill-threads", str(args.prefill_threads or prefill_threads(engines, torch_threads)),
               "--dtype", args.dtype, "--engine-core", args.engine_core]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
@@ -404,6 +418,15 @@ def engine_threads(engines: int, cpus: int | None = None) -> int:
     on every core while the event loops need CPU too) doubles the time per token."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, (cpus - 1) // max(1, engines))
+
+
+def prefill_threads(engines: int, torch_threads: int, cpus: int | None = None) -> int:
+    """Torch threads per engine process for a wide step (a long prompt's chunk): every CPU, shared
+    by the engines, never fewer than its other steps get. The core kept for the front ends is
+    lent out: they have nothing to send while such a step runs (measured with the demo model on 2
+    cores: one 1,024-token prompt 1.6x faster on two threads than on one)."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(torch_threads, cpus // max(1, engines))
 
 
 def _banner(

@@ -63,6 +63,7 @@ class EngineInfo:
     kv_salt: str  # what block keys are salted with (model and dtype)
     root_key: bytes
     torch_threads: int  # the model step's threads
+    prefill_threads: int  # a wide step's threads (a long prompt's chunk; yutu.engine.engine.WIDE_STEP_TOKENS)
 
     @classmethod
     def of(cls, engine: LLMEngine, torch_threads: int) -> EngineInfo:
@@ -74,6 +75,7 @@ class EngineInfo:
             kv_salt=engine.kv_salt,
             root_key=engine.root_key,
             torch_threads=torch_threads,
+            prefill_threads=engine.config.prefill_threads or torch_threads,
         )
 
 

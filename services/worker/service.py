@@ -118,6 +118,7 @@ class WorkerService(Service):
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
             dtype=s.dtype,
+            prefill_threads=s.prefill_threads or None,
         )
         log.info("loading model from %s (%s role, engine in a %s)", self.model_dir, s.role, s.engine_core)
         await self._start_engine(config)
@@ -421,6 +422,7 @@ class WorkerService(Service):
                 "max_model_len": engine.max_model_len,
                 "block_size": self.settings.block_size,
                 "torch_threads": engine.torch_threads,
+                "prefill_threads": engine.prefill_threads,
                 "engine_core": self.settings.engine_core,
                 "engine_pid": self._loop_engine.pid,
                 "dtype": engine.dtype,

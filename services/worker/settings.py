@@ -37,6 +37,7 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
+    prefill_threads: int  # threads of a step of >= 128 tokens (a prompt chunk); 0: torch_threads
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
@@ -58,6 +59,8 @@ class WorkerSettings(ServiceSettings):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mib"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if args.prefill_threads < 0:
+            raise ValueError(f"--prefill-threads must be 0 or more, got {args.prefill_threads}")
         if args.kv_lease <= 0:
             raise ValueError(f"--kv-lease must be positive, got {args.kv_lease}")
         if args.write_behind_blocks < 0:
@@ -75,6 +78,7 @@ class WorkerSettings(ServiceSettings):
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
+            prefill_threads=args.prefill_threads,
             dtype=args.dtype,
             engine_core=args.engine_core,
             zmq_port=args.zmq_port,
@@ -110,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
     own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     own(engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)")
+    own(
+        engine,
+        "--prefill-threads",
+        type=int,
+        default=0,
+        help="threads for a step of 128 tokens or more -- a long prompt's chunk -- on CPU (0: as --torch-threads)",
+    )
     own(
         engine,
         "--dtype",

@@ -36,7 +36,13 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
     (name,) = res["stacks"]
     run = res["stacks"][name]
     assert name == "mixed" and "--workers 1" in run["command"] and "--store-nodes 0" in run["command"]
-    assert run["threads"] >= 1
+    assert run["threads"]["torch"] >= 1
+    assert run["threads"]["prefill"] >= run["threads"]["torch"]  # yutu up's rule (README)
+    threads = run["threads"]
+    assert (
+        f"(engine: {threads['torch']} torch thread(s), {threads['prefill']} for a long prompt's chunks)"
+        in proc.stdout
+    )
     for side in ("stack", "engine_only"):
         assert set(run[side]) == {"sequential", "cached", "concurrent"}
         for scenario, figures in run[side].items():

@@ -259,7 +259,7 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
     )
     service.engine = engine  # type: ignore[assignment]
     service.engine_info = EngineInfo(
-        100, False, engine.max_model_len, "float32", engine.kv_salt, b"\0" * 16, 1
+        100, False, engine.max_model_len, "float32", engine.kv_salt, b"\0" * 16, 1, 1
     )
     service.model_dir, service.served_model_name = tmp_path, MODEL_NAME
     failed: list[tuple[bytes, str, ErrorKind, str]] = []
@@ -360,6 +360,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         max_model_len=64,
         enable_prefix_caching=True,
         torch_threads=1,
+        prefill_threads=0,
         dtype="float32",
         engine_core="thread",
         zmq_port=0,

@@ -1,0 +1,81 @@
+"""Wide steps (a long prompt's chunk) on ``prefill_threads``, the others on the process's threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from yutu.engine.engine import WIDE_STEP_TOKENS, EngineConfig, LLMEngine, torch_threads
+from yutu.engine.sampling import SamplingParams
+
+from tests.engine.engine_support import make_engine, prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+def _record_threads(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(tokens, torch threads) of every forward pass from now on."""
+    seen: list[tuple[int, int]] = []
+    run = engine.runner.run
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        seen.append((batch.num_tokens, torch.get_num_threads()))
+        return run(batch)
+
+    engine.runner.run = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
+    out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in prompts}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs or ())
+    return out
+
+
+def test_wide_steps_run_on_the_prefill_threads_and_the_others_on_the_process_threads(ckpt: Path) -> None:
+    assert torch.get_num_threads() == 1  # the module's fixture
+    engine = make_engine(ckpt, prefill_threads=2, max_num_batched_tokens=WIDE_STEP_TOKENS)
+    seen = _record_threads(engine)
+    _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 40, seed=1), "short": prompt(20, seed=2)})
+    assert torch.get_num_threads() == 1  # put back after every wide step
+    wide = [threads for tokens, threads in seen if tokens >= WIDE_STEP_TOKENS]
+    narrow = [threads for tokens, threads in seen if tokens < WIDE_STEP_TOKENS]
+    assert wide == [2]  # the long prompt's first chunk (the whole budget)
+    assert narrow and set(narrow) == {1}  # its second chunk, the short prompt, every decode
+
+
+def test_without_prefill_threads_every_step_keeps_the_process_threads(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    seen = _record_threads(engine)
+    _run(engine, {"long": prompt(200, seed=3)})
+    assert any(tokens >= WIDE_STEP_TOKENS for tokens, _ in seen)
+    assert {threads for _, threads in seen} == {1}
+
+
+def test_output_is_the_same_on_prefill_threads(ckpt: Path) -> None:
+    prompts = {f"p{i}": prompt(n, seed=10 + i) for i, n in enumerate((200, 150, 30))}
+    one = _run(make_engine(ckpt), prompts)
+    two = _run(make_engine(ckpt, prefill_threads=2), prompts)
+    for rid in prompts:
+        assert two[rid][0] == one[rid][0]  # greedy tokens equal (float32)
+        assert two[rid][1] == pytest.approx(one[rid][1], abs=1e-4)
+
+
+def test_torch_threads_goes_back_even_when_the_block_raises() -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError), torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+        raise RuntimeError("the step failed")
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_prefill_threads_must_be_positive(ckpt: Path, bad: int) -> None:
+    with pytest.raises(ValueError, match="prefill_threads"):
+        EngineConfig(model_dir=ckpt, prefill_threads=bad)
