@@ -9,7 +9,9 @@ from fastapi import Depends, Request
 from services.gateway.service import GatewayService
 
 
-def _gateway(request: Request) -> GatewayService:
+async def _gateway(request: Request) -> GatewayService:
+    """Async, so FastAPI calls it on the event loop: a plain def runs on its thread pool, a
+    thread hop and back for every request."""
     gateway: GatewayService = request.app.state.gateway
     return gateway
 

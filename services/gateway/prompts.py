@@ -7,7 +7,7 @@ learns which field to change. Nothing here talks to a worker.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.tokenizer import ChatTemplateError
@@ -48,15 +48,21 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return
     bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise invalid(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param)
+    raise invalid(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param)
+
+
+def is_token_ids(prompt: object) -> TypeGuard[list[int]]:
+    """A list of ints only (or empty), looked at once rather than an isinstance per id."""
+    return type(prompt) is list and set(map(type, prompt)) <= {int}
 
 
 def num_prompts(req: CompletionRequest) -> int:
     """How many prompts a completions request has (a string or a list of ids is one)."""
     prompt = req.prompt
-    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt, str) or is_token_ids(prompt):
         return 1
     return len(prompt)
 
@@ -77,8 +83,8 @@ async def completion_prompts(
         texts = None
     if texts is not None:
         encoded = await tokens.encode(texts, max_model_len, "prompt")
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        encoded = [[p for p in prompt if isinstance(p, int)]]
+    elif prompt and is_token_ids(prompt):
+        encoded = [list(prompt)]
     else:
         encoded = [list(p) for p in prompt if isinstance(p, list)]
     if not encoded:

@@ -132,14 +132,19 @@ async def _stream(
             lp = ChatChoiceLogprobs(content=chat_logprobs(update.tokens, gw.token_text, as_ids))
         return ChatChunkChoice(index=update.index, delta=ChatDelta(content=update.text), logprobs=lp)
 
+    # Events that go out together are yielded as one string: one socket write each time.
+    tail = ""
     try:
         async with gen:
             # The role comes first, once per choice, as OpenAI sends it.
-            for index in sorted(gen.choices):
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+            yield "".join(
+                chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+                for index in sorted(gen.choices)
+            )
             async for update in gen.updates():
+                out = ""
                 if update.text or (logprobs and update.tokens):
-                    yield chunk([content(update)])
+                    out += chunk([content(update)])
                 if update.finish_reason is not None:
                     end = ChatChunkChoice(
                         index=update.index,
@@ -147,12 +152,14 @@ async def _stream(
                         finish_reason=update.finish_reason,
                         stop_reason=update.stop_reason,
                     )
-                    yield chunk([end])
+                    out += chunk([end])
+                if out:
+                    yield out
             if include_usage:
                 usage = ChatCompletionChunk(
                     id=gen.request_id, created=created, model=gw.model_name, choices=[], usage=usage_of(gen)
                 )
-                yield event(usage)
+                tail = event(usage)
     except YutuError as exc:
-        yield error_event(exc)
-    yield DONE
+        tail = error_event(exc)
+    yield tail + DONE

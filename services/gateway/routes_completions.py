@@ -124,6 +124,7 @@ async def _stream(
     gen: Generation, gw: GatewayService, body: CompletionRequest, include_usage: bool
 ) -> AsyncIterator[str]:
     created = gen.arrival
+    tail = ""
     try:
         async with gen:
             async for update in gen.updates():
@@ -150,7 +151,7 @@ async def _stream(
                 )
                 yield event(chunk)
             if include_usage:
-                yield event(
+                tail = event(
                     CompletionResponse(
                         id=gen.request_id,
                         created=int(created),
@@ -160,5 +161,5 @@ async def _stream(
                     )
                 )
     except YutuError as exc:
-        yield error_event(exc)
-    yield DONE
+        tail = error_event(exc)
+    yield tail + DONE  # with the usage or the error: one socket write

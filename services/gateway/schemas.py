@@ -28,6 +28,17 @@ def _integral(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
+def _integral_items(value: Any) -> Any:
+    """``_integral`` on every item of a list, in one C-speed look when it holds no float (a prompt
+    of token ids is thousands of items: a validator per item cost ~0.3 ms a 1,024-token request)."""
+    if type(value) is list and float in set(map(type, value)):
+        return [_integral(v) for v in value]
+    return value
+
+
+TokenIds = Annotated[list[int], BeforeValidator(_integral_items)]  # list[Int], validated in bulk
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -55,12 +66,12 @@ class _GenerationRequest(_Request):
     # extras (vLLM's names)
     top_k: Int | None = Field(None, ge=-1)  # -1 or 0: no limit
     ignore_eos: bool = False
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[Int] | list[list[Int]] | list[str]
+    prompt: str | TokenIds | list[TokenIds] | list[str]
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from services.gateway.errors import invalid
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset({int, float, bool, type(None)})  # JSON values that hold no text
 
 
 def lone_surrogate(text: str) -> int | None:
@@ -45,7 +46,11 @@ def first_invalid_text(value: Any, path: str = "") -> tuple[str, int, str] | Non
             if found is not None:
                 return found
     elif isinstance(value, list | tuple):
+        if set(map(type, value)) <= _SCALARS:  # token ids: one look, not a call per id
+            return None
         for i, item in enumerate(value):
+            if type(item) in _SCALARS:
+                continue
             found = first_invalid_text(item, f"{path}.{i}" if path else str(i))
             if found is not None:
                 return found

@@ -355,7 +355,14 @@ class WorkerService(Service):
     def _check_prompt(self, ids: Any) -> str | None:
         assert self.engine_info is not None
         vocab = self.engine_info.vocab_size
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+        # set/min/max look at the ids at C speed (a genexpr was ~80 us for 1,024 ids)
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or set(map(type, ids)) != {int}
+            or min(ids) < 0
+            or max(ids) >= vocab
+        ):
             return f"prompt must be a non-empty list of token ids in [0, {vocab})"
         return None
 

@@ -248,6 +248,10 @@ def test_bad_requests(ckpt: Path) -> None:
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(InvalidRequestError, match=r"integers in \[0, 512\)"):
         engine.add_request("v", [1, 512, -1], SamplingParams())
+    # the fast check's edges: the full check names what it refuses
+    for bad, named in (([1, True], "True"), ([1, 2.0], "2.0"), ([-1, 3], "-1"), ([3, 512], "512")):
+        with pytest.raises(InvalidRequestError, match=rf"integers in \[0, 512\); got \[{named}\]"):
+            engine.add_request("v", bad, SamplingParams())
     assert isinstance(PromptTooLongError("x"), ValueError)
     engine.abort_request("ok")
     engine.block_manager.check_integrity()

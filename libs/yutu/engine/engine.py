@@ -301,6 +301,8 @@ class LLMEngine:
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         vocab = self.model_config.vocab_size
+        if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+            return  # all plain ints in range, seen at C speed (the list below is ~0.1 ms a 1,024 ids)
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
