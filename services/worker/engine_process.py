@@ -7,19 +7,21 @@ on the loop waits for the engine thread to let the GIL go (measured: ~0.3 ms per
 runs :class:`~services.worker.engine_core.EngineCore` -- the same code the thread front runs --
 and keeps its sockets, transfer engine, store client and HTTP app in the worker process::
 
-    worker process (event loop)                      engine process (spawned)
-    EngineProcess.add()/abort()/...  -- PUSH ipc -->  commands -> EngineCore.serve()
-    callbacks on the loop        <-- Unix stream --  one message per step: tokens + stats
-                                                     (+ measurements), errors, loads, cache
+    worker process (event loop)                       engine process (spawned)
+    EngineProcess.add()/abort()/...  -- Unix stream -->  commands -> EngineCore.serve()
+    callbacks on the loop            <-- (same one) --  one message per step: tokens + stats
+                                                        (+ measurements), errors, loads, cache
 
-Commands (a few per request) go over ZeroMQ; events (one per step while decoding) over a plain
-Unix stream socket the engine loop writes to with ``sendall`` and the worker's event loop reads
-as a protocol, so a step's message crosses no ZeroMQ I/O thread on either side: measured (a
-2 KB message, a synchronous sender, a uvloop receiver) 21 us of receiver CPU and 41 us of
-sender CPU a message over the Unix stream against 89-103 us and 58-70 us over ZeroMQ ipc
-PUSH/PULL, on a 2-core machine where that CPU is taken from the other processes of the stack.
-The stream is bounded (the kernel's buffer): a worker whose loop stops reading holds the engine
-at its next send rather than letting the queue grow without bound.
+Both ways go over one plain Unix stream socket (length-prefixed pickles), so neither a command
+nor a step's message crosses a ZeroMQ I/O thread on either side: the engine loop writes events
+with ``sendall`` and reads commands between steps (blocking on the socket only when it has
+nothing to step), the worker's event loop reads events as a protocol and writes commands through
+its transport, which never blocks. Measured for events (a 2 KB message, a synchronous sender, a
+uvloop receiver): 21 us of receiver CPU and 41 us of sender CPU a message against 89-103 us and
+58-70 us over ZeroMQ ipc PUSH/PULL, on a 2-core machine where that CPU is taken from the other
+processes of the stack. Events are bounded (the kernel's buffer): a worker whose loop stops
+reading holds the engine at its next send rather than letting the queue grow without bound.
+Commands are few and small and are queued in the worker's transport while the engine steps.
 
 The KV cache stays in the worker's registered region: the child asks for a region of the shape
 its memory budget gives, the worker registers it with its transfer engine and answers with the
@@ -48,8 +50,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import zmq
-import zmq.asyncio
 from yutu.engine.engine import EngineConfig, EngineStats, KVLoad, RequestOutput
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
@@ -71,7 +71,7 @@ T = TypeVar("T")
 START_TIMEOUT_S = 600.0  # loading a model can take long; a child that died is noticed at once
 STOP_TIMEOUT_S = 10.0  # after this the child is killed
 EOF_WAIT_S = 1.0  # a child that ended: how long its last events may take to arrive before it is called broken
-FRAME = struct.Struct("<I")  # an event: its pickled length, then the pickle
+FRAME = struct.Struct("<I")  # a message (event or command): its pickled length, then the pickle
 STREAM_BUFFER = 4 << 20  # kernel buffer of the event stream, each way
 
 
@@ -84,8 +84,7 @@ class EngineProcessError(YutuError):
 @dataclass(frozen=True)
 class ChildArgs:
     config: EngineConfig  # without kv_cache_factory: the child maps the worker's region
-    commands: str  # ipc endpoint the child PULLs commands from
-    events: str  # path of the Unix stream socket the child connects to and writes events on
+    stream: str  # path of the Unix stream socket the child connects to: events out, commands in
     parent_pid: int
     torch_threads: int  # 0: torch's default
     max_failed_steps: int
@@ -159,22 +158,17 @@ class EngineProcess(EngineFront):
         super().__init__(on_outputs, on_error, on_loads=on_loads, on_cache=on_cache)
         self._region = region
         self._dir = tempfile.mkdtemp(prefix="yutu-engine-")
-        self._ctx = zmq.asyncio.Context()
-        self._commands = self._ctx.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # commands are few and small: never drop or block
-        self._commands.setsockopt(zmq.LINGER, 0)
-        commands, events = f"ipc://{self._dir}/commands", os.path.join(self._dir, "events.sock")
-        self._commands.bind(commands)
+        path = os.path.join(self._dir, "engine.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(events)
+        self._listener.bind(path)
         self._listener.listen(1)
         self._listener.setblocking(False)
         self._args = ChildArgs(
-            dataclasses.replace(config, kv_cache_factory=None), commands, events, os.getpid(),
+            dataclasses.replace(config, kv_cache_factory=None), path, os.getpid(),
             torch_threads, max_failed_steps, on_cache is not None, pin_stored, *log_settings,
         )  # fmt: skip
         self._process: Any = None  # multiprocessing's SpawnProcess
-        self._stream: asyncio.BaseTransport | None = None
+        self._stream: asyncio.WriteTransport | None = None
         self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()  # events until the child is ready
         self._deliver: Any = self._inbox.put_nowait  # then each event is dispatched as it arrives
         self._eof = False  # the child's end of the stream closed (every event it sent has arrived)
@@ -276,7 +270,7 @@ class EngineProcess(EngineFront):
         if self._stopping:
             return
         self._stopping = True
-        if self._process is not None and self._process.is_alive():
+        if self._process is not None and self._process.is_alive() and self._stream is not None:
             self._send(Stop())
         await self._end_child()
         if self.task is not None:
@@ -284,11 +278,9 @@ class EngineProcess(EngineFront):
         if self._process is not None:
             with contextlib.suppress(ValueError, OSError):  # already removed when it ended first
                 asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._commands.close()
         if self._stream is not None:
             self._stream.close()
         self._listener.close()
-        self._ctx.term()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._dir):
                 os.unlink(os.path.join(self._dir, name))
@@ -319,8 +311,11 @@ class EngineProcess(EngineFront):
         self._send_raw(command)
 
     def _send_raw(self, message: object) -> None:
-        # A PUSH with no high-water mark never blocks: this returns at once on the event loop.
-        self._commands.send(_dumps(message), zmq.NOBLOCK)
+        # The transport buffers what the socket does not take at once: this never blocks the loop.
+        if self._stream is None or self._stream.is_closing():
+            raise EngineProcessError("the engine process's stream is closed")
+        payload = _dumps(message)
+        self._stream.write(FRAME.pack(len(payload)) + payload)
 
     def _fail_soon(self, request_id: str, exc: BaseException) -> None:
         asyncio.get_running_loop().call_soon(self._on_error, request_id, exc)
@@ -407,20 +402,60 @@ def _error_parts(exc: BaseException) -> tuple[str, str]:
     return ErrorKind.INTERNAL.value, f"{type(exc).__name__}: {exc}"
 
 
-class _SocketCommands:
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
-        self._socket = socket
+class _StreamCommands:
+    """The child's end of the stream, read for commands (the same socket carries its events out).
+
+    The worker's end closing (it died: PR_SET_PDEATHSIG kills us anyway) reads as ``Stop``.
+    """
+
+    def __init__(self, stream: socket.socket) -> None:
+        self._stream = stream
+        self._buf = bytearray()
+        self._closed = False
 
     def get(self) -> Command:
-        command: Command = pickle.loads(self._socket.recv())
+        """The next command, waiting for one."""
+        command: Command = self._wait()
         return command
 
     def get_nowait(self) -> Command | None:
-        try:
-            command: Command = pickle.loads(self._socket.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return None
+        message = self._next()
+        if message is None:
+            self._receive(socket.MSG_DONTWAIT)
+            message = self._next()
+        command: Command | None = message
         return command
+
+    def _next(self) -> Any:
+        """The first whole message in the buffer (removed from it), Stop once closed, else None."""
+        buf = self._buf
+        if len(buf) >= FRAME.size:
+            (length,) = FRAME.unpack_from(buf)
+            if len(buf) >= FRAME.size + length:
+                message = pickle.loads(buf[FRAME.size : FRAME.size + length])
+                del buf[: FRAME.size + length]
+                return message
+        return Stop() if self._closed else None
+
+    def _receive(self, flags: int) -> None:
+        try:
+            data = self._stream.recv(1 << 16, flags)
+        except BlockingIOError:
+            return
+        except ConnectionError:
+            data = b""
+        if not data:
+            self._closed = True
+        self._buf += data
+
+    def reply(self) -> Any:
+        """The worker's answer during start-up (before the core runs), waiting for it."""
+        return self._wait()
+
+    def _wait(self) -> Any:
+        while (message := self._next()) is None:
+            self._receive(0)
+        return message
 
 
 def _send_event(stream: socket.socket, message: tuple[Any, ...]) -> None:
@@ -507,17 +542,14 @@ def child_main(args: ChildArgs) -> None:
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    ctx = zmq.Context()
-    commands = ctx.socket(zmq.PULL)
-    commands.setsockopt(zmq.RCVHWM, 0)
-    commands.connect(args.commands)
     events = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     events.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
-    events.connect(args.events)
+    events.connect(args.stream)
+    commands = _StreamCommands(events)
 
     def factory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         _send_event(events, ("region", list(shape), str(dtype).removeprefix("torch.")))
-        tag, path, size, inode = pickle.loads(commands.recv())
+        tag, path, size, inode = commands.reply()
         assert tag == "region", f"expected the KV region, got {tag!r}"
         flat = torch.frombuffer(_map_region(path, size, inode), dtype=dtype)
         return flat.view(shape)
@@ -532,17 +564,13 @@ def child_main(args: ChildArgs) -> None:
             failure = EngineProcessError(f"{type(exc).__name__}: {exc}")
         _send_event(events, ("failed", failure))
         events.close()
-        commands.close(linger=0)
-        ctx.term()
         return
     load = LoadState()
     sink = _SocketEvents(events, load)
     _send_event(events, ("ready", EngineInfo.of(engine, torch.get_num_threads()), engine.stats()))
     core = EngineCore(
-        engine, _SocketCommands(commands), sink, args.max_failed_steps,
+        engine, commands, sink, args.max_failed_steps,
         record_cache=args.record_cache, pin_stored=args.pin_stored, load=load,
     )  # fmt: skip
     core.serve()
     events.close()
-    commands.close(linger=0)
-    ctx.term()

@@ -1,0 +1,80 @@
+"""The engine process's command reader: frames cut right however the bytes arrive, Stop at EOF."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from services.worker.engine_core import Abort, FinishLoad, Stop
+from services.worker.engine_process import FRAME, _StreamCommands
+
+
+def frame(message: object) -> bytes:
+    payload = pickle.dumps(message)
+    return FRAME.pack(len(payload)) + payload
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, _StreamCommands]]:
+    worker, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield worker, _StreamCommands(child)
+    worker.close()
+    child.close()
+
+
+def test_nothing_sent_is_none_without_waiting(pair: tuple[socket.socket, _StreamCommands]) -> None:
+    _, commands = pair
+    started = time.monotonic()
+    assert commands.get_nowait() is None
+    assert time.monotonic() - started < 0.5
+
+
+def test_frames_in_one_write_and_split_across_writes(pair: tuple[socket.socket, _StreamCommands]) -> None:
+    worker, commands = pair
+    sent = [Abort(f"r{i}") for i in range(50)] + [FinishLoad("big", 10**6)]
+    data = b"".join(frame(m) for m in sent)
+    worker.sendall(data[:7])  # less than a frame header and its body
+    assert commands.get_nowait() is None
+    worker.sendall(data[7:])
+    got = []
+    while (command := commands.get_nowait()) is not None:
+        got.append(command)
+    assert got == sent
+
+
+def test_get_waits_for_a_command_sent_later(pair: tuple[socket.socket, _StreamCommands]) -> None:
+    worker, commands = pair
+    data = frame(Abort("late"))
+
+    def send_in_two_parts() -> None:
+        time.sleep(0.1)
+        worker.sendall(data[:3])
+        time.sleep(0.05)
+        worker.sendall(data[3:])
+
+    sender = threading.Thread(target=send_in_two_parts)
+    sender.start()
+    try:
+        assert commands.get() == Abort("late")
+    finally:
+        sender.join()
+
+
+def test_the_worker_closing_its_end_reads_as_stop(pair: tuple[socket.socket, _StreamCommands]) -> None:
+    worker, commands = pair
+    worker.sendall(frame(Abort("last")))
+    worker.close()
+    assert commands.get() == Abort("last")  # what it sent before closing comes first
+    assert isinstance(commands.get(), Stop)
+    assert isinstance(commands.get_nowait(), Stop)
+
+
+def test_start_up_replies_are_read_the_same_way(pair: tuple[socket.socket, _StreamCommands]) -> None:
+    worker, commands = pair
+    worker.sendall(frame(("region", "/dev/shm/x", 4096, 7)))
+    assert commands.reply() == ("region", "/dev/shm/x", 4096, 7)
