@@ -4,7 +4,8 @@
     load reports   -> GlobalView.on_report; cost models observe the measured times
     KV events      -> GlobalView.on_kv_events (instances' prefix caches, and the store's keys)
     Place (RPC)    -> policy.place(view.snapshot(now), request, now) -> Placement | Rejected
-    Observed (RPC) -> RecentPlacements (predicted vs measured TTFT)
+    Observed (RPC) -> RecentPlacements (predicted vs measured TTFT); the decode has the request
+    Finished (RPC) -> GlobalView.request_done: the request counts on no instance any more
 
 The policy code is :mod:`yutu.sched` (pure; the simulator drives the same code). After a restart
 the view is rebuilt from the registry and KV-event replays (each instance answers a replay from
@@ -29,6 +30,7 @@ from yutu.protocol.load import CHANNEL as LOAD
 from yutu.protocol.load import LoadReport
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import KVEventSubscriber, RpcServer, Subscriber
+from yutu.rpc.stream import StreamRpcServer
 from yutu.sched import CostModels, Placement, Placer, PolicyOptions, Rejection, RequestView, policy_by_name
 from yutu.service import Service
 
@@ -63,6 +65,7 @@ class ConductorService(Service):
         self.correction = TTFTCorrection()
         self.stats = ConductorMetrics(self.metrics)
         self._rpc: RpcServer | None = None
+        self._stream: StreamRpcServer | None = None  # the same channel without ZeroMQ's thread hops
         self._loads: Subscriber | None = None
         self._events: KVEventSubscriber | None = None
         self._registry: Registry | None = None
@@ -76,14 +79,18 @@ class ConductorService(Service):
         await self._registry.ping()
         self._rpc = RpcServer(c.CHANNEL, self._handle, s.host, s.port)
         self._rpc.start()
+        if s.stream_port is not None:
+            self._stream = StreamRpcServer(c.CHANNEL, self._handle, s.host, s.stream_port)
+            await self._stream.start()
         self._loads = Subscriber(LOAD, self._on_report)
         self._events = KVEventSubscriber(self._on_kv_events, self.view.reset_keys)
         await self._refresh()
         self.loops.every("conductor-registry", s.registry_poll_s, self._refresh)
         endpoint = self._rpc.endpoint.replace(s.host, s.advertise_host, 1)
-        record = ServiceRecord(
-            self.kind, s.instance_id, {"rpc": endpoint, "admin": self.http_url}, {"policy": s.policy}
-        )
+        endpoints = {"rpc": endpoint, "admin": self.http_url}
+        if self._stream is not None:
+            endpoints["rpc_stream"] = self._stream.endpoint.replace(s.host, s.advertise_host, 1)
+        record = ServiceRecord(self.kind, s.instance_id, endpoints, {"policy": s.policy})
         self._registration = Registration(self._registry, record, s.registry_ttl_s, supervisor=self.loops)
         await self._registration.start()
         log.info("conductor %s on %s, policy %s (%s)", s.instance_id, endpoint, s.policy, self.options)
@@ -98,6 +105,8 @@ class ConductorService(Service):
             await self._registration.close()
         if self._rpc is not None:
             await self._rpc.close()
+        if self._stream is not None:
+            await self._stream.close()
         if self._loads is not None:
             self._loads.close()
         if self._events is not None:
@@ -176,6 +185,9 @@ class ConductorService(Service):
                 self.stats.ttft_error.observe(msg.ttft_s - record.predicted_ttft_s)
                 self.correction.observe(record.predicted_ttft_s, msg.ttft_s)
                 self._apply_correction()
+            return c.Ack(msg.request_id)
+        if isinstance(msg, c.Finished):
+            self.view.request_done(msg.request_id)
             return c.Ack(msg.request_id)
         raise YutuError(
             f"unexpected {type(msg).__name__} on the conductor channel", ErrorKind.INVALID_REQUEST

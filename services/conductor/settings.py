@@ -15,6 +15,7 @@ own = partial(option, scope="conductor")  # this service's own options: YUTU_CON
 @dataclass(frozen=True)
 class ConductorSettings(ServiceSettings):
     port: int  # RPC port of the conductor channel (0: any free port)
+    stream_port: int | None  # the same RPC over a plain TCP stream (yutu.rpc.stream); 0: any; None: off
     admin_port: int
     policy: str
     options: PolicyOptions
@@ -42,6 +43,7 @@ class ConductorSettings(ServiceSettings):
         return cls(
             **ServiceSettings.common(args, "conductor"),
             port=args.port,
+            stream_port=None if args.stream_port < 0 else args.stream_port,
             admin_port=args.admin_port,
             policy=args.policy,
             options=options,
@@ -56,6 +58,13 @@ class ConductorSettings(ServiceSettings):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("conductor")
     own(g, "--port", type=int, default=0, help="port of the conductor channel (ZeroMQ); 0: any free port")
+    own(
+        g,
+        "--stream-port",
+        type=int,
+        default=0,
+        help="the same channel over a plain TCP stream, what gateways use when advertised (0: any free port; -1: off)",
+    )
     own(g, "--admin-port", type=int, default=0, help="admin REST port; 0: any free port")
     add_policy_options(g, "conductor")
     option(g, "--admin-token", default=None, help="bearer token for PUT /policy (none: the policy is fixed)")

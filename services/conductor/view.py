@@ -19,9 +19,10 @@ blocks count them, a decode instance lists them as incoming (the sched package's
   report listed since the handoff (the others of that signature can only have left since; several
   pending requests of one signature are shown oldest first). Until its first token comes it cannot
   be running there; its forecast arrival is then its predicted prefill end, or now if that passed.
+- A request the gateway says ended (``Finished``) is dropped everywhere at once: one that the first
+  token finished, or that ended between two reports, is never shown.
 - Bounds, so a lost request cannot hold capacity: ``pending_ttl_s`` after the placement until its
-  first token, ``handoff_ttl_s`` after the first token (a request the first token finished, or one
-  that ended between two reports, is never shown).
+  first token, ``handoff_ttl_s`` after the first token (in case its ``Finished`` was lost).
 
 All times are the conductor's monotonic clock, passed in; nothing here reads a clock or does I/O.
 """
@@ -217,6 +218,12 @@ class GlobalView:
                     p.handed_at = now
                     if instance.report is not None:
                         p.floor = _count(instance.report, p.signature)
+
+    def request_done(self, request_id: str) -> None:
+        """A request ended (the gateway said so): it no longer counts anywhere."""
+        for instance in self.instances.values():
+            if instance.pending:
+                instance.pending = [p for p in instance.pending if p.request_id != request_id]
 
     def live(self, role: str, now: float, exclude: frozenset[str] = frozenset()) -> list[Instance]:
         """Instances of ``role`` that may take work: listed, reporting, not broken, not excluded."""

@@ -1,5 +1,5 @@
 """The gateway's client to the conductor: ``Place`` before a request runs, ``Observed`` after its
-first token. The conductor is found in the registry (kind ``conductor``). While it is unreachable
+first token, ``Finished`` when it ended. The conductor is found in the registry (kind ``conductor``). While it is unreachable
 the gateway places requests itself (least loaded) and counts each such fallback.
 """
 
@@ -14,6 +14,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import conductor as c
 from yutu.registry import Registry
 from yutu.rpc import RpcClient
+from yutu.rpc.stream import StreamRpcClient
 from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class ConductorClient:
         self.timeout_s = timeout_s
         self.endpoint: str | None = None
         self.instance_id: str | None = None
-        self._rpc: RpcClient | None = None
+        self._rpc: RpcClient | StreamRpcClient | None = None
         self.fallbacks = 0  # placements made here because the conductor did not answer
 
     async def start(self) -> None:
@@ -47,7 +48,8 @@ class ConductorClient:
     async def refresh(self) -> None:
         records = await self.registry.list(CONDUCTOR_KIND)
         record = next((r for r in records if "rpc" in r.endpoints), None)
-        endpoint = None if record is None else record.endpoints["rpc"]
+        # the plain TCP stream when the conductor offers it: no ZeroMQ I/O threads on either side
+        endpoint = None if record is None else record.endpoints.get("rpc_stream", record.endpoints["rpc"])
         if endpoint == self.endpoint:
             return
         if self._rpc is not None:
@@ -57,7 +59,12 @@ class ConductorClient:
         self.instance_id = None if record is None else record.instance_id
         if endpoint is not None:
             log.info("conductor %s at %s", self.instance_id, endpoint)
-            self._rpc = RpcClient(c.CHANNEL, endpoint, self.timeout_s)
+            stream = record is not None and endpoint == record.endpoints.get("rpc_stream")
+            self._rpc = (
+                StreamRpcClient(c.CHANNEL, endpoint, self.timeout_s)
+                if stream
+                else RpcClient(c.CHANNEL, endpoint, self.timeout_s)
+            )
         else:
             log.warning("no conductor in the registry: placing requests here (least loaded)")
 
@@ -82,6 +89,13 @@ class ConductorClient:
 
     def observed(self, msg: c.Observed) -> None:
         """Report a request's measured TTFT (in the background; nothing waits for it)."""
+        self._tell(msg)
+
+    def finished(self, request_id: str) -> None:
+        """Say a placed request ended (in the background; nothing waits for it)."""
+        self._tell(c.Finished(request_id))
+
+    def _tell(self, msg: c.Observed | c.Finished) -> None:
         if self._rpc is None:
             return
         task = asyncio.ensure_future(self._rpc.call(msg, self.timeout_s))

@@ -188,11 +188,13 @@ class DisaggHandle:
         return reply
 
     def close(self) -> None:
-        """Stop the choice wherever it is: abort the decode, drop the prefill's request or hold."""
+        """Stop the choice wherever it is: abort the decode, drop the prefill's request or hold;
+        tell the conductor it ended (however it ended), so it stops counting it."""
         if self._closed:
             return
         self._closed = True
         self.task.cancel()
+        self.router.conductor.finished(self.request.request_id)
         if self._decode is not None:
             self._decode.close()
         if self._prefill is not None:

@@ -1,11 +1,17 @@
-"""The conductor's admin API: read the policy; change it at run time only with the admin token."""
+"""The conductor's admin API (read the policy; change it at run time only with the admin token) and its channel."""
 
 from __future__ import annotations
 
 import argparse
 
 import httpx
+import pytest
 from yutu.config import DEFAULT_DISAGG_THRESHOLD
+from yutu.errors import ErrorKind, YutuError
+from yutu.protocol import conductor as c
+from yutu.registry import Registry
+from yutu.rpc import RpcClient
+from yutu.rpc.stream import StreamRpcClient
 from yutu.service import admin_app
 
 from services.conductor.service import ConductorService
@@ -56,3 +62,34 @@ async def test_without_an_admin_token_the_policy_is_fixed() -> None:
             "/policy", json={"policy": "round_robin"}, headers={"Authorization": "Bearer x"}
         )
         assert resp.status_code == 403 and "--admin-token" in resp.text
+
+
+async def test_the_channel_answers_alike_over_zeromq_and_the_plain_stream(
+    redis_url: str, registry_prefix: str
+) -> None:
+    service = conductor("--redis-url", redis_url, "--registry-prefix", registry_prefix, "--host", "127.0.0.1")
+    await service.startup()
+    try:
+        registry = Registry.from_url(redis_url, registry_prefix)
+        try:
+            (record,) = await registry.list("conductor")
+        finally:
+            await registry.close()
+        assert set(record.endpoints) >= {"rpc", "rpc_stream"}
+        zmq_client = RpcClient(c.CHANNEL, record.endpoints["rpc"], 5.0)
+        stream_client = StreamRpcClient(c.CHANNEL, record.endpoints["rpc_stream"], 5.0)
+        try:
+            place = c.Place("r1", ["00" * 16], 20, 4, [])
+            replies = [await client.call(place) for client in (zmq_client, stream_client)]
+            assert replies[0] == replies[1]
+            assert isinstance(replies[0], c.Rejected)  # no instance registered: nowhere to place it
+            for client in (zmq_client, stream_client):
+                assert await client.call(c.Finished("r1")) == c.Ack("r1")
+                with pytest.raises(YutuError) as err:
+                    await client.call(c.Ack("r1"))  # not a request of this channel
+                assert err.value.kind is ErrorKind.INVALID_REQUEST
+        finally:
+            await zmq_client.close()
+            await stream_client.close()
+    finally:
+        await service.shutdown()

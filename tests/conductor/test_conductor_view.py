@@ -187,6 +187,23 @@ def test_a_handed_over_request_no_report_shows_is_dropped_after_handoff_ttl() ->
     assert incoming(view, 3.5) == []
 
 
+def test_a_request_that_ended_counts_nowhere_at_once() -> None:
+    view = decode_view(handoff_ttl_s=10.0)
+    view.update_records([record("prefill", "p0", pid=100), record("decode", "d0", pid=101)])
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    view.on_report(report("p0", 1, "prefill"), now=1.0)
+    place_on_d0(view, "r1", now=1.1)
+    place_on_d0(view, "r2", now=1.2)
+    assert [len(i.pending) for i in (view.instances["p0"], view.instances["d0"])] == [2, 2]
+    view.prefill_done("r1", now=1.5)
+    view.request_done("r1")  # it ended between two reports: no report will ever show it
+    assert incoming(view, 1.6) == [1.6]  # only r2 counts on d0 (its predicted prefill end passed: now)
+    view.request_done("r2")  # ended before its first token (aborted, failed)
+    assert incoming(view, 1.7) == []
+    assert [len(i.pending) for i in (view.instances["p0"], view.instances["d0"])] == [0, 0]
+    view.request_done("unknown")  # a request it never placed (the gateway placed it itself): nothing
+
+
 def test_a_placement_again_replaces_the_first() -> None:
     view = decode_view()
     view.on_report(report("d0", 1, "decode"), now=1.0)

@@ -8,6 +8,7 @@ disaggregated response names the prefill and the decode instance that served it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,3 +88,21 @@ def test_a_client_request_id_is_echoed(disagg: DisaggStack) -> None:
     assert resp.status_code == 200 and resp.headers["x-request-id"] == "my-trace-42"
     bad = httpx.post(f"{disagg.url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert bad.status_code == 404 and len(bad.headers["x-request-id"]) == 32  # errors carry one too
+
+
+def test_requests_that_ended_stop_counting_on_their_instances_at_once(disagg: DisaggStack) -> None:
+    # Requests of one or two tokens end between two load reports, so no report ever shows them
+    # running; without the gateway's Finished they would count on the decode for the handoff TTL.
+    for i in range(12):
+        reply = disagg.complete(prompt(30 + i, seed=100 + i), max_tokens=1 + i % 2, stream=i % 3 == 0)
+        assert reply.status == 200, reply.body
+    deadline = time.monotonic() + 3.0  # well inside the conductor's 10 s handoff TTL
+    while True:
+        pending = {
+            i["instance_id"]: i["pending"]
+            for i in disagg.get("conductor", "conductor", "/instances")["instances"]
+        }
+        if not any(pending.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert pending == {"prefill-0": 0, "decode-0": 0}

@@ -133,6 +133,28 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
         await server.close()
 
 
+async def test_closing_the_client_while_a_call_connects_fails_the_call_typed_not_cancelled() -> None:
+    with socket.socket() as sock:  # a port nothing listens on: the call keeps retrying to connect
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    client = StreamRpcClient(p.CHANNEL, endpoint, timeout_s=20.0)
+    connecting = asyncio.ensure_future(client.call(p.Exists("here")))
+    await asyncio.sleep(0.1)
+    assert not connecting.done()
+    await client.close()  # e.g. the gateway saw the conductor's record go and dropped its client
+    with pytest.raises(NotConnectedError) as err:  # a YutuError the caller handles, not CancelledError
+        await connecting
+    assert err.value.kind is ErrorKind.UNAVAILABLE and "closed while connecting" in str(err.value)
+    # the caller's own cancellation still cancels
+    other = StreamRpcClient(p.CHANNEL, endpoint, timeout_s=20.0)
+    call = asyncio.ensure_future(other.call(p.Exists("here")))
+    await asyncio.sleep(0.1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await other.close()
+
+
 async def test_a_garbled_stream_costs_its_own_connection_only() -> None:
     server = StreamRpcServer(p.CHANNEL, Handler())
     await server.start()

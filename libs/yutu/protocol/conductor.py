@@ -8,6 +8,8 @@ Request/reply over :mod:`yutu.rpc` (DEALER -> ROUTER)::
                                  predicted TTFT and TBT) | Rejected
     Observed     ------------->  what the request really took (TTFT), for /placements/recent
                  <-------------  Ack
+    Finished     ------------->  the request ended (any way): it no longer counts on its instances
+                 <-------------  Ack
 
 Instances are named by instance id; their endpoints come from the registry. Tokens never pass
 through the conductor.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("conductor", version=1)
+CHANNEL = Channel("conductor", version=2)
 
 
 @CHANNEL.message("place")
@@ -66,6 +68,16 @@ class Observed:
     prefill: str | None
     decode: str
     cached_tokens: int
+
+
+@CHANNEL.message("finished")
+@dataclass
+class Finished:
+    """Sent once per placed request when it ends (finished, failed or aborted). Without it, a
+    request that ended between two load reports would count on its decode instance until the
+    conductor's handoff TTL: O(requests a second x TTL) of pending work in every placement."""
+
+    request_id: str
 
 
 @CHANNEL.message("ack")

@@ -322,6 +322,14 @@ class StreamRpcClient:
             self._connecting = asyncio.ensure_future(self._dial(loop, deadline))
         try:
             return await asyncio.wait_for(asyncio.shield(self._connecting), max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and (task is None or not task.cancelling()):  # close() cut the attempt short
+                raise NotConnectedError(
+                    f"{self.channel.name} call {type(msg).__name__}: the client to {self.endpoint} was closed"
+                    " while connecting"
+                ) from None
+            raise
         except (TimeoutError, OSError) as exc:
             why = "no connection in time" if isinstance(exc, TimeoutError) else str(exc)
             raise NotConnectedError(
