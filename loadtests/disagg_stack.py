@@ -54,6 +54,7 @@ class StackSpec:
     policy: str | None = None  # None: yutu up's default
     disagg_threshold: int | None = None  # None: yutu up's default
     torch_threads: int = 0
+    prefill_threads: int = 0  # 0: yutu up's rule
     max_model_len: int = 4096
     kv_cache_memory_mib: int = 256
     store_segment_size: str = "512MiB"
@@ -66,6 +67,7 @@ class StackSpec:
                 "--log-dir", str(log_dir), "--max-model-len", str(self.max_model_len),
                 "--kv-cache-memory-mib", str(self.kv_cache_memory_mib),
                 "--store-segment-size", self.store_segment_size, "--torch-threads", str(self.torch_threads),
+                "--prefill-threads", str(self.prefill_threads),
                 "--ready-timeout", str(READY_TIMEOUT_S), "--max-restarts", "0"]  # fmt: skip
         if self.store_nodes is not None:
             argv += ["--store-nodes", str(self.store_nodes)]

@@ -127,7 +127,7 @@ def up_parser() -> argparse.ArgumentParser:
         "--prefill-threads",
         type=int,
         default=0,
-        help="torch threads per engine for a step of 128 tokens or more, a long prompt's chunk"
+        help="torch threads per engine for a step of 256 tokens or more, a long prompt's chunk"
         " (0: every CPU, shared by the engines -- the front ends idle while such a step runs --"
         " and never fewer than --torch-threads)",
     )

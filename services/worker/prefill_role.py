@@ -24,6 +24,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.kv.hashing import block_key_digests
 from yutu.protocol import prefill as p
 from yutu.rpc import RpcServer
+from yutu.rpc.stream import StreamRpcServer
 from yutu.worker.holds import Holds
 from yutu.worker.kv_region import KVRegion
 
@@ -59,11 +60,19 @@ class PrefillRole:
         self._pending: dict[str, asyncio.Future[p.PrefillResult]] = {}
         self.server = RpcServer(p.CHANNEL, self._handle, host, port)
         self.endpoint = self.server.endpoint.replace(host, advertise_host, 1)
+        # The same channel over a plain TCP stream (any free port), what gateways use: no ZeroMQ
+        # I/O-thread wake-ups on the prefill request and its result. The ZeroMQ one stays (the
+        # reference, and the control endpoint decode instances release holds on).
+        self.stream = StreamRpcServer(p.CHANNEL, self._handle, host, 0)
+        self.stream_endpoint = ""
+        self._hosts = (host, advertise_host)
         self.accepting = True
         self.prefilled = 0
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self.server.start()
+        await self.stream.start()
+        self.stream_endpoint = self.stream.endpoint.replace(*self._hosts, 1)
 
     @property
     def in_flight(self) -> int:
@@ -188,3 +197,4 @@ class PrefillRole:
         )
         self.holds.release_all()
         await self.server.close()
+        await self.stream.close()

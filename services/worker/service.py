@@ -133,7 +133,7 @@ class WorkerService(Service):
                 self.served_model_name,
             )
         self.metrics.register(EngineCollector(self))
-        endpoints = self._start_channel()
+        endpoints = await self._start_channel()
         if s.role != "mixed":
             assert self._loop_engine is not None
             self.reporter = LoadReporter(
@@ -192,7 +192,7 @@ class WorkerService(Service):
             kv_salt=self.engine_info.kv_salt,
         )  # fmt: skip
 
-    def _start_channel(self) -> dict[str, str]:
+    async def _start_channel(self) -> dict[str, str]:
         s = self.settings
         info = self.engine_info
         assert self._loop_engine is not None and info is not None and self.imports is not None
@@ -202,9 +202,9 @@ class WorkerService(Service):
                 self._loop_engine, self.imports, self._region, s.instance_id, info.root_key,
                 s.block_size, s.kv_lease_s, s.host, s.zmq_port, s.advertise_host, self._check_prompt,
             )  # fmt: skip
-            self.prefill.start()
+            await self.prefill.start()
             self.loops.every("kv-holds", 1.0, self.prefill.expire)
-            return {"prefill": self.prefill.endpoint}
+            return {"prefill": self.prefill.endpoint, "prefill_stream": self.prefill.stream_endpoint}
         self.generate = GenerateRole(
             self._loop_engine, self.imports, info.root_key, s.block_size, s.host, s.zmq_port,
             self._check_prompt, self.loops,

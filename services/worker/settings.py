@@ -37,7 +37,7 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
-    prefill_threads: int  # threads of a step of >= 128 tokens (a prompt chunk); 0: torch_threads
+    prefill_threads: int  # threads of a step of >= 256 tokens (a prompt chunk); 0: torch_threads
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         "--prefill-threads",
         type=int,
         default=0,
-        help="threads for a step of 128 tokens or more -- a long prompt's chunk -- on CPU (0: as --torch-threads)",
+        help="threads for a step of 256 tokens or more -- a long prompt's chunk -- on CPU (0: as --torch-threads)",
     )
     own(
         engine,

@@ -12,6 +12,7 @@ from yutu.engine.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+LONG = {"max_model_len": 512, "max_num_batched_tokens": 512}  # room for prompts past a wide step
 
 
 def _record_threads(engine: LLMEngine) -> list[tuple[int, int]]:
@@ -40,7 +41,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[li
 
 def test_wide_steps_run_on_the_prefill_threads_and_the_others_on_the_process_threads(ckpt: Path) -> None:
     assert torch.get_num_threads() == 1  # the module's fixture
-    engine = make_engine(ckpt, prefill_threads=2, max_num_batched_tokens=WIDE_STEP_TOKENS)
+    engine = make_engine(ckpt, prefill_threads=2, **{**LONG, "max_num_batched_tokens": WIDE_STEP_TOKENS})
     seen = _record_threads(engine)
     _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 40, seed=1), "short": prompt(20, seed=2)})
     assert torch.get_num_threads() == 1  # put back after every wide step
@@ -51,17 +52,20 @@ def test_wide_steps_run_on_the_prefill_threads_and_the_others_on_the_process_thr
 
 
 def test_without_prefill_threads_every_step_keeps_the_process_threads(ckpt: Path) -> None:
-    engine = make_engine(ckpt)
+    engine = make_engine(ckpt, **LONG)
     seen = _record_threads(engine)
-    _run(engine, {"long": prompt(200, seed=3)})
+    _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 50, seed=3)})
     assert any(tokens >= WIDE_STEP_TOKENS for tokens, _ in seen)
     assert {threads for _, threads in seen} == {1}
 
 
 def test_output_is_the_same_on_prefill_threads(ckpt: Path) -> None:
-    prompts = {f"p{i}": prompt(n, seed=10 + i) for i, n in enumerate((200, 150, 30))}
-    one = _run(make_engine(ckpt), prompts)
-    two = _run(make_engine(ckpt, prefill_threads=2), prompts)
+    prompts = {f"p{i}": prompt(n, seed=10 + i) for i, n in enumerate((WIDE_STEP_TOKENS + 60, 150, 30))}
+    one = _run(make_engine(ckpt, **LONG), prompts)
+    engine = make_engine(ckpt, prefill_threads=2, **LONG)
+    seen = _record_threads(engine)
+    two = _run(engine, prompts)
+    assert (sum(len(ids) for ids in prompts.values()), 2) in seen  # the prompts' step ran on two
     for rid in prompts:
         assert two[rid][0] == one[rid][0]  # greedy tokens equal (float32)
         assert two[rid][1] == pytest.approx(one[rid][1], abs=1e-4)

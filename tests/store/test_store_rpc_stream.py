@@ -102,9 +102,12 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
     server = StreamRpcServer(p.CHANNEL, handler)
     await server.start()
     port = int(server.endpoint.rsplit(":", 1)[1])
-    client = StreamRpcClient(p.CHANNEL, server.endpoint, timeout_s=30.0)
+    ups: list[bool] = []
+    client = StreamRpcClient(p.CHANNEL, server.endpoint, timeout_s=30.0, on_connection=ups.append)
     try:
+        assert ups == []  # connects on the first call
         assert await client.call(p.Exists("here")) == p.ExistsReply(True)
+        assert ups == [True]
         held = asyncio.ensure_future(client.call(p.Exists("held")))
         await asyncio.sleep(0.05)  # the request is at the server, its handler waiting
         assert not held.done()
@@ -114,6 +117,7 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
             await held
         assert err.value.kind is ErrorKind.UNAVAILABLE and "connection to" in str(err.value)
         assert time.monotonic() - started < 5.0  # not the 30 s timeout
+        assert ups == [True, False]
         # a call while nothing listens waits for the server to come back (as ZeroMQ reconnects)
         pending = asyncio.ensure_future(client.call(p.Exists("here"), timeout_s=20.0))
         await asyncio.sleep(0.2)
@@ -121,6 +125,7 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
         server = StreamRpcServer(p.CHANNEL, handler, port=port)
         await server.start()
         assert await pending == p.ExistsReply(True)
+        assert ups == [True, False, True]
         # and with no server at all, a call says so within its timeout
         await server.close()
         fresh = StreamRpcClient(p.CHANNEL, server.endpoint)

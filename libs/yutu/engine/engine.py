@@ -66,9 +66,9 @@ log = logging.getLogger(__name__)
 
 # A step of this many tokens or more (in practice a prompt chunk: a step decodes at most
 # max_num_seqs tokens) runs on EngineConfig.prefill_threads. Measured on a 2-core CPU, the demo
-# model, two threads against one: 1.2-1.3x at 128 tokens, 1.5-1.75x at 256 to 1,024; at 32-64
-# tokens ~1.1x, not worth taking the core the front ends use.
-WIDE_STEP_TOKENS = 128
+# model, two threads against one: 1.2-1.75x from 256 to 1,024 tokens; 1.03-1.3x at 128 and ~1.1x
+# at 32-64 -- not worth a parallel region that stalls whenever the other core is taken.
+WIDE_STEP_TOKENS = 256
 
 NONFINITE_LOGITS = (
     "the model produced non-finite logits (NaN or inf) for this request; it was aborted. This is an"

@@ -259,15 +259,22 @@ class StreamRpcClient:
 
     Connects on the first call (and again after the connection dropped), retrying while the server
     refuses for up to ``connect_timeout_s`` (None: the call's whole timeout); a call that could not
-    connect raises :class:`NotConnectedError`."""
+    connect raises :class:`NotConnectedError`. ``on_connection(up)`` (optional) is told when a
+    connection is made and when it drops (not when the client closes it)."""
 
     def __init__(
-        self, channel: Channel, endpoint: str, timeout_s: float = 10.0, connect_timeout_s: float | None = None
+        self,
+        channel: Channel,
+        endpoint: str,
+        timeout_s: float = 10.0,
+        connect_timeout_s: float | None = None,
+        on_connection: Callable[[bool], None] | None = None,
     ) -> None:
         self.channel = channel
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self._on_connection = on_connection
         self._host, self._port = parse_endpoint(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -354,6 +361,8 @@ class StreamRpcClient:
                     conn.close()
                     raise OSError("client closed")
                 self._conn = conn
+                if self._on_connection is not None:
+                    self._on_connection(True)
                 return conn
             raise AssertionError("unreachable")
         finally:
@@ -371,6 +380,8 @@ class StreamRpcClient:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(YutuError(error, ErrorKind.UNAVAILABLE))
+        if self._on_connection is not None and not self._closed:
+            self._on_connection(False)
 
     async def close(self) -> None:
         self._closed = True
