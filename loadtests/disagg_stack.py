@@ -67,8 +67,9 @@ class StackSpec:
                 "--log-dir", str(log_dir), "--max-model-len", str(self.max_model_len),
                 "--kv-cache-memory-mib", str(self.kv_cache_memory_mib),
                 "--store-segment-size", self.store_segment_size, "--torch-threads", str(self.torch_threads),
-                "--prefill-threads", str(self.prefill_threads),
                 "--ready-timeout", str(READY_TIMEOUT_S), "--max-restarts", "0"]  # fmt: skip
+        if self.prefill_threads:
+            argv += ["--prefill-threads", str(self.prefill_threads)]
         if self.store_nodes is not None:
             argv += ["--store-nodes", str(self.store_nodes)]
         if self.engine_core is not None:
