@@ -313,7 +313,11 @@ class EngineProcess(EngineFront):
     def _send_raw(self, message: object) -> None:
         # The transport buffers what the socket does not take at once: this never blocks the loop.
         if self._stream is None or self._stream.is_closing():
-            raise EngineProcessError("the engine process's stream is closed")
+            # Not started, stopping, or the process is gone (``broken`` says so, and new requests
+            # are failed before they get here): nothing reads commands any more. An abort, a
+            # finish_load or an unpin from the worker's cleanup must not raise into its caller.
+            log.debug("engine process stream closed: dropping %s", type(message).__name__)
+            return
         payload = _dumps(message)
         self._stream.write(FRAME.pack(len(payload)) + payload)
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from yutu.engine.engine import EngineConfig
+from yutu.worker.kv_region import KVRegion
 
 from services.worker.engine_core import Abort, FinishLoad, Stop
-from services.worker.engine_process import FRAME, _StreamCommands
+from services.worker.engine_process import FRAME, EngineProcess, _StreamCommands
 
 
 def frame(message: object) -> bytes:
@@ -78,3 +82,18 @@ def test_start_up_replies_are_read_the_same_way(pair: tuple[socket.socket, _Stre
     worker, commands = pair
     worker.sendall(frame(("region", "/dev/shm/x", 4096, 7)))
     assert commands.reply() == ("region", "/dev/shm/x", 4096, 7)
+
+
+def test_commands_to_an_engine_process_without_a_stream_are_dropped_not_raised(tmp_path: Path) -> None:
+    # Not started (or stopped, or its process gone): the worker's cleanup still calls abort,
+    # finish_load, unpin; they must not raise into it.
+    region = KVRegion(None)  # type: ignore[arg-type]  # never registered: no child asks for it
+    process = EngineProcess(
+        EngineConfig(model_dir=tmp_path), region, lambda outputs: None, lambda rid, exc: None
+    )
+    try:
+        process.abort("r1")
+        process.finish_load("r1", 16)
+        process.unpin([1, 2])
+    finally:
+        asyncio.run(process.stop())  # removes its socket folder
