@@ -10,8 +10,10 @@ Placements the conductor made but no report reflects yet are kept as *pending* p
 requests placed within one report interval see each other: a prefill instance's queue and free
 blocks count them, a decode instance lists them as incoming (the sched package's contract).
 
-- On a prefill instance a pending entry is dropped once a report received ``REPORT_LAG_S`` after the
-  placement arrives (the instance then queues it itself), or when its first token comes.
+- On a prefill instance a pending entry is dropped once a report names it among its queued
+  prompts (the instance then counts it itself), or when its first token comes. A report made
+  before the request reached the engine -- a busy front end or worker can take longer than any
+  fixed lag -- does not name it, so it keeps counting.
 - On a decode instance it stays until a report *shows* it: load reports name no requests, but a
   sequence's ``context_tokens + remaining_max_tokens`` is ``prompt_len + max_tokens`` for all its
   life (the engine counts the prefill's token as generated), its *signature*. A report shows a
@@ -47,7 +49,6 @@ from yutu.sched import (
 
 ROLES = ("prefill", "decode")
 STORE = "store"  # the KV-event source name of the store master
-REPORT_LAG_S = 0.05  # a report received this long after a placement includes it
 
 
 @dataclass
@@ -152,7 +153,9 @@ class GlobalView:
         instance.report = report
         instance.report_at = now
         if instance.role == "prefill":
-            instance.pending = [p for p in instance.pending if p.placed_at > now - REPORT_LAG_S]
+            if instance.pending:
+                named = {q[3] for q in report.queued if len(q) > 3 and isinstance(q[3], str)}
+                instance.pending = [p for p in instance.pending if p.request_id not in named]
         else:
             instance.pending = _unshown(instance.pending, report)
         return True

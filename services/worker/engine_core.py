@@ -164,7 +164,7 @@ class LoadState:
 
     prefills: deque[list[float]] = field(default_factory=lambda: deque(maxlen=MEASUREMENTS_KEPT))
     steps: deque[list[float]] = field(default_factory=lambda: deque(maxlen=MEASUREMENTS_KEPT))
-    queued: list[list[int]] = field(default_factory=list)  # [prompt_len, reused, computed] per prefill
+    queued: list[list[Any]] = field(default_factory=list)  # [prompt_len, reused, computed, id] per prefill
     decoding: list[list[int]] = field(default_factory=list)  # [context_tokens, remaining] per decode
 
     @staticmethod

@@ -385,7 +385,7 @@ class EngineProcess(EngineFront):
         self,
         steps: list[list[float]],
         prefills: list[list[float]],
-        queue: tuple[list[list[int]], list[list[int]]] | None,
+        queue: tuple[list[list[Any]], list[list[int]]] | None,
     ) -> None:
         self.load.steps.extend(steps)
         self.load.prefills.extend(prefills)
@@ -473,14 +473,14 @@ class _SocketEvents:
     def __init__(self, stream: socket.socket, load: LoadState) -> None:
         self._stream = stream
         self._load = load
-        self._queue_sent: tuple[list[list[int]], list[list[int]]] | None = None
+        self._queue_sent: tuple[list[list[Any]], list[list[int]]] | None = None
 
     def _send(self, message: tuple[Any, ...]) -> None:
         _send_event(self._stream, message)
 
     def _changes(
         self,
-    ) -> tuple[list[list[float]], list[list[float]], tuple[list[list[int]], list[list[int]]] | None]:
+    ) -> tuple[list[list[float]], list[list[float]], tuple[list[list[Any]], list[list[int]]] | None]:
         load = self._load
         queue = (load.queued, load.decoding)
         fresh = None if self._queue_sent is not None and queue[0] is self._queue_sent[0] else queue

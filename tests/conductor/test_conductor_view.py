@@ -68,10 +68,10 @@ def test_kv_events_track_each_cache_and_the_store() -> None:
     assert view.store_keys == set()
 
 
-def test_pending_placements_count_until_a_later_report() -> None:
+def test_pending_placements_count_until_a_report_names_them() -> None:
     view = GlobalView(BS, report_stale_s=5.0)
     view.update_records([record("prefill", "p0"), record("decode", "d0", pid=101)])
-    view.on_report(report("p0", 1, "prefill", queued=[[64, 16, 0]]), now=10.0)
+    view.on_report(report("p0", 1, "prefill", queued=[[64, 16, 0, "r0"]]), now=10.0)
     view.on_report(report("d0", 1, "decode", decoding=[[80, 10]], free_blocks=50), now=10.0)
     request = RequestView("r1", (key(1), key(2)), 40, 8)
     placement = Placement("r1", "p0", "d0", PrefixPlan(1, 2, 8), 0.5, 0.01, 10.5, "kvcentric", "test")
@@ -85,12 +85,19 @@ def test_pending_placements_count_until_a_later_report() -> None:
     assert d.batch_size == 1 and d.kv_tokens == 80 and d.max_batch == 8
     view.prefill_done("someone-else", now=10.1)
     assert len(view.snapshot(now=10.1).prefills[0].queue) == 2
-    view.on_report(report("p0", 2, "prefill"), now=10.12)  # too soon after the placement to include it
-    assert len(view.snapshot(now=10.12).prefills[0].queue) == 1
-    view.prefill_done("r1", now=10.12)  # its first token came: the prefill queues nowhere any more
-    assert view.snapshot(now=10.12).prefills[0].queue == ()
-    view.on_report(report("p0", 3, "prefill"), now=10.3)
-    assert view.snapshot(now=10.3).prefills[0].queue == ()
+    # Reports made before the request reached the engine (a busy gateway or worker) do not name it,
+    # however late they come: it still counts, once.
+    view.on_report(report("p0", 2, "prefill"), now=10.12)
+    view.on_report(report("p0", 3, "prefill", free_blocks=100), now=10.9)
+    (p,) = view.snapshot(now=10.9).prefills
+    assert [(q.prompt_len, q.reused_tokens) for q in p.queue] == [(40, 32)] and p.free_blocks == 97
+    view.on_report(report("p0", 4, "prefill", queued=[[40, 32, 8, "r1"]], free_blocks=97), now=10.95)
+    (p,) = view.snapshot(now=10.95).prefills  # named: the report counts it, the pending entry goes
+    assert [(q.prompt_len, q.reused_tokens, q.computed_tokens) for q in p.queue] == [(40, 32, 8)]
+    assert p.free_blocks == 97
+    view.on_report(report("p0", 5, "prefill"), now=11.0)  # it ran and left the engine
+    assert view.snapshot(now=11.0).prefills[0].queue == ()
+    view.prefill_done("r1", now=10.12)  # the gateway's word of its first token (the decode side below)
     view.on_report(report("d0", 2, "decode", decoding=[[80, 10]]), now=10.15)  # not running there yet
     (incoming,) = view.snapshot(now=10.15).decodes[0].incoming
     assert (incoming.arrival_s, incoming.prompt_len) == (10.12, 40)  # it joins from its first token on
@@ -101,6 +108,19 @@ def test_pending_placements_count_until_a_later_report() -> None:
     view.on_report(report("d0", 4, "decode", decoding=[[80, 10], [41, 7]]), now=10.4)
     assert view.snapshot(now=10.4).decodes[0].incoming == ()
     assert view.snapshot(now=10.6, exclude=frozenset({"d0"})).decodes == ()
+
+
+def test_a_first_token_ends_a_pending_prefill_no_report_named() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("prefill", "p0"), record("decode", "d0", pid=101)])
+    view.on_report(report("p0", 1, "prefill"), now=10.0)
+    view.on_report(report("d0", 1, "decode"), now=10.0)
+    placement = Placement("r1", "p0", "d0", PrefixPlan(0, 0, 40), 0.1, 0.01, 10.2, "kvcentric", "test")
+    view.note_placement(placement, RequestView("r1", (), 40, 8), now=10.1)
+    view.on_report(report("p0", 2, "prefill", queued=[[64, 0, 0, "other"], [9, 0, 0, ["junk"]]]), now=10.2)
+    assert len(view.snapshot(now=10.2).prefills[0].queue) == 3  # two rows, and r1 still pending
+    view.prefill_done("r1", now=10.3)  # it ran between two reports: none ever named it
+    assert [q.prompt_len for q in view.snapshot(now=10.3).prefills[0].queue] == [64, 9]
 
 
 def test_a_policy_places_on_the_snapshot() -> None:

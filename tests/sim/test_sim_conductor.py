@@ -8,10 +8,10 @@ conductor's pending placements for requests on their way to a decode instance. B
 ``ClusterView`` (the simulator's ``Simulation.view``, the conductor's ``GlobalView.snapshot``) and
 the same ``yutu.sched`` policy places probe requests on each: the placements must be equal.
 
-The instant is one the conductor sees exactly: no placement within a prefill report's lag (50 ms,
-``REPORT_LAG_S``: a report received later is taken to queue it). Two requests' KV has been on its way
-to their decode for longer than that (132 and 157 ms, a slow network): the conductor keeps them
-until a decode report shows them running, as the simulator lists them until their KV arrives.
+Prefill reports name the requests they queue, as a real instance's do, so the conductor drops
+exactly those pending placements. Two requests' KV has been on its way to their decode for a while
+(132 and 157 ms, a slow network): the conductor keeps them until a decode report shows them
+running, as the simulator lists them until their KV arrives.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from yutu.sim.config import SimConfig
 from yutu.sim.simulator import Simulation
 from yutu.sim.trace import TraceRequest
 
-from services.conductor.view import REPORT_LAG_S, STORE, GlobalView
+from services.conductor.view import STORE, GlobalView
 from tests.sim.sim_support import BS, req, tiny_profile
 
-T = 2.07  # the snapshot instant: queues, batches and incoming requests everywhere, none placed in the last 50 ms
+T = 2.07  # the snapshot instant: queues, batches and incoming requests everywhere
 
 
 def scenario() -> Simulation:
@@ -70,7 +70,9 @@ def conductor_view(sim: Simulation) -> GlobalView:
                 view.prefill_done(request.request_id, rec.first_token_s)
     snap = sim.view(T)
     for seq, p in enumerate(snap.prefills, 1):
-        rows = [[q.prompt_len, q.reused_tokens, q.computed_tokens] for q in p.queue]
+        jobs = sim.prefills[seq - 1].queue
+        rows = [[q.prompt_len, q.reused_tokens, q.computed_tokens, f"r{job.record.index}"]
+                for q, job in zip(p.queue, jobs, strict=True)]  # fmt: skip
         view.on_report(_report(p.instance_id, "prefill", seq, p.free_blocks, queued=rows), T)
         cached = [int(k, 16) for k in sim.prefills[seq - 1].cache.keys()]
         view.on_kv_events(p.instance_id, KVEventBatch(T, [BlockStored(sorted(cached))]))
@@ -116,7 +118,6 @@ def test_the_scenario_has_every_kind_of_state(both: tuple[Simulation, ClusterVie
     assert [len(d.running) for d in ours.decodes] == [1, 2]
     assert [len(d.incoming) for d in ours.decodes] == [8, 5]
     assert all(len(p.cache) > 0 for p in sim.prefills) and len(sim.store) > 0
-    assert all(not 0 <= T - r.arrival_s < REPORT_LAG_S for r in sim.records.values())
     in_flight = sorted(
         round(T - r.first_token_s, 3)
         for d in sim.decodes

@@ -155,7 +155,7 @@ class FakeEngine:
     def take_loads(self) -> list[object]:
         return []
 
-    def queue_snapshot(self) -> tuple[list[list[int]], list[list[int]]]:
+    def queue_snapshot(self) -> tuple[list[list[Any]], list[list[int]]]:
         return [[1, 0, 0] for _ in self.requests], []
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, **_: object) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("load", version=1)
+CHANNEL = Channel("load", version=2)
 
 
 @CHANNEL.message("load")
@@ -31,8 +31,9 @@ class LoadReport:
     free_blocks: int
     total_blocks: int
     block_size: int
-    # Prefill work not done yet, one [prompt_len, reused_prefix_len, computed_tokens] per request.
-    queued: list[list[int]] = field(default_factory=list)
+    # Prefill work not done yet, one [prompt_len, reused_prefix_len, computed_tokens, request_id]
+    # per request: the conductor counts a placement as pending until a report names it here.
+    queued: list[list[Any]] = field(default_factory=list)
     # Running decodes, one [context_tokens, remaining_max_tokens] per sequence.
     decoding: list[list[int]] = field(default_factory=list)
     # Measurements since the previous report:
