@@ -198,7 +198,9 @@ class ConductorService(Service):
         if not isinstance(msg.block_keys, list) or not all(isinstance(k, str) for k in msg.block_keys):
             raise YutuError("block_keys must be a list of hex strings", ErrorKind.INVALID_REQUEST)
         try:
-            request = RequestView(msg.request_id, tuple(msg.block_keys), msg.prompt_len, msg.max_tokens)
+            request = RequestView(
+                msg.request_id, tuple(msg.block_keys), msg.prompt_len, msg.max_tokens, msg.waited_s
+            )
         except ValueError as exc:
             raise YutuError(str(exc), ErrorKind.INVALID_REQUEST) from None
         now = time.monotonic()

@@ -140,7 +140,10 @@ class DisaggRouter:
         """Ask the conductor; place here (least loaded) when it cannot answer. Raises 429/503."""
         keys = self.keys(request.prompt_token_ids)
         max_tokens = int(request.sampling.get("max_tokens", 16))
-        msg = c.Place(request.request_id, keys, len(request.prompt_token_ids), max_tokens, sorted(exclude))
+        waited = max(0.0, time.time() - request.arrival_time)  # a busy gateway's delay counts in the TTFT
+        msg = c.Place(
+            request.request_id, keys, len(request.prompt_token_ids), max_tokens, sorted(exclude), waited
+        )
         reply = await self.conductor.place(msg)
         if isinstance(reply, c.Rejected):
             kind = ErrorKind(reply.kind)

@@ -12,6 +12,7 @@ from yutu.sched import (
     QueuedPrefill,
     RejectCause,
     Rejection,
+    RequestView,
     RunningDecode,
     policy_by_name,
 )
@@ -48,6 +49,25 @@ def test_ttft_above_the_slo_is_rejected_with_the_queue_drain_as_retry() -> None:
     assert out.reason.startswith(
         "kvcentric: predicted TTFT 10.157s > SLO 1.000s on the best placement (prefill p0"
     )
+
+
+def test_what_a_request_waited_before_placement_counts_in_its_ttft() -> None:
+    view = cluster((prefill("p0"),), (decode("d0"),))
+    policy = policy_by_name("kvcentric", costs=costs(), slo_ttft_s=1.0)
+    fresh = policy.place(view, request(), 0.0)
+    assert isinstance(fresh, Placement) and fresh.ttft_s == prefill_time(PROMPT) == fresh.ready_at_s
+    waited = RequestView("r1", request().block_keys, PROMPT, 8, waited_s=0.5)
+    out = policy.place(view, waited, 0.0)
+    assert isinstance(out, Placement)
+    assert out.ttft_s == 0.5 + prefill_time(PROMPT)  # the client counts the wait
+    assert out.ready_at_s == prefill_time(PROMPT)  # the decode still gets it when the prefill ends
+    assert "0.500s waited before placement" in out.reason
+    late = RequestView("r1", request().block_keys, PROMPT, 8, waited_s=0.9)
+    rejected = policy.place(view, late, 0.0)
+    assert isinstance(rejected, Rejection) and rejected.cause is RejectCause.TTFT_SLO
+    assert rejected.reason.startswith("kvcentric: predicted TTFT 1.057s > SLO 1.000s")
+    with pytest.raises(ValueError, match="waited_s"):
+        RequestView("r1", (), PROMPT, 8, waited_s=-1.0)
 
 
 def test_ttft_met_exactly_is_accepted() -> None:

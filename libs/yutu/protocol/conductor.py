@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("conductor", version=2)
+CHANNEL = Channel("conductor", version=3)
 
 
 @CHANNEL.message("place")
@@ -32,6 +32,7 @@ class Place:
     prompt_len: int
     max_tokens: int
     exclude: list[str]  # instance ids not to use (a retry after one of them failed)
+    waited_s: float = 0.0  # how long the request already waited in the front end (counts in its TTFT)
 
 
 @CHANNEL.message("placement")

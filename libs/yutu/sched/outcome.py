@@ -47,8 +47,10 @@ class PrefixPlan:
 class Placement:
     """Run the request's prefill on ``prefill_id`` (None: on the decode) and its decode on ``decode_id``.
 
-    ``ttft_s``: predicted time from ``now`` to the first token (queue + transfer + prefill).
-    ``ready_at_s``: ``now + ttft_s``, when the decode instance should expect it; the caller lists it as
+    ``ttft_s``: predicted TTFT -- the time the request already waited (``RequestView.waited_s``)
+    plus, from ``now``, queue + transfer + prefill.
+    ``ready_at_s``: ``now`` + queue + transfer + prefill, when the decode instance should expect
+    it; the caller lists it as
     an ``IncomingDecode`` of that instance until its prefill ends. ``tbt_s``: predicted time between
     tokens on the decode instance once the request joins its batch. ``reason``: one line for logs.
     """

@@ -18,7 +18,8 @@
    is turned away: the request goes where it would wait least (it queues there).
 4. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
    the chosen decode's own cache and the store, that decode prefills them itself.
-5. Early rejection: a predicted TTFT above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
+5. Early rejection: a predicted TTFT (what the request already waited before placement, then
+   queue + transfer + prefill) above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
    request with a ``retry_after_s`` estimate -- once the cost model behind the prediction is
    calibrated (measured, or a trusted prior). The TBT is the one of the heaviest batch forecast over
    the request's decode lifetime (committed placements that arrive while it decodes included).
@@ -286,12 +287,14 @@ class Placer(ABC):
     ) -> Placement | Rejection:
         chosen = prefill if prefill is not None else decode.local
         assert chosen is not None  # a decode candidate without a prefill always carries its local estimate
-        ttft, tbt = chosen.ttft_s, decode.tbt_s
+        ttft, tbt = request.waited_s + chosen.ttft_s, decode.tbt_s
         where = (
             f"prefill {chosen.instance_id}"
             if prefill is not None
             else f"local prefill on {decode.instance_id}"
         )
+        if request.waited_s:
+            where += f"; {request.waited_s:.3f}s waited before placement"
         slo_ttft, slo_tbt = self.options.slo_ttft_s, self.options.slo_tbt_s
         if not self.costs.prefill.calibrated:
             slo_ttft = None  # no measurements yet: a guess must not turn requests away
@@ -340,7 +343,7 @@ class Placer(ABC):
             plan=chosen.plan,
             ttft_s=ttft,
             tbt_s=tbt,
-            ready_at_s=now + ttft,
+            ready_at_s=now + chosen.ttft_s,
             policy=self.name,
             reason=reason,
         )

@@ -44,16 +44,25 @@ class RequestView:
 
     ``block_keys`` holds the keys of the prompt's full blocks, in order (a partial tail block has
     none); ``ClusterView.check_request`` verifies there are at most ``prompt_len // block_size``.
+    ``waited_s`` is how long the request already waited before it asked to be placed (in a busy
+    front end): its client counts it in the TTFT, so the TTFT SLO does too.
     """
 
     request_id: str
     block_keys: tuple[str, ...]
     prompt_len: int
     max_tokens: int
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_count("RequestView.prompt_len", self.prompt_len, 1)
         _check_count("RequestView.max_tokens", self.max_tokens, 1)
+        if not (
+            isinstance(self.waited_s, int | float) and math.isfinite(self.waited_s) and self.waited_s >= 0
+        ):
+            raise ValueError(
+                f"RequestView.waited_s must be a finite number of seconds >= 0, got {self.waited_s!r}"
+            )
         if not isinstance(self.block_keys, tuple):
             raise ValueError("RequestView.block_keys must be a tuple of hex keys (pass tuple(keys))")
 
