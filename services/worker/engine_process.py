@@ -54,6 +54,7 @@ from yutu.engine.engine import EngineConfig, EngineStats, KVLoad, RequestOutput
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
 from yutu.supervise import cancel_and_wait
+from yutu.transfer.region import pid_alive
 from yutu.worker.kv_region import KVRegion
 
 from services.worker.engine_core import (
@@ -157,7 +158,8 @@ class EngineProcess(EngineFront):
         """``log_settings``: (level, format) the child logs with (see ``yutu.logs``)."""
         super().__init__(on_outputs, on_error, on_loads=on_loads, on_cache=on_cache)
         self._region = region
-        self._dir = tempfile.mkdtemp(prefix="yutu-engine-")
+        sweep_stale_socket_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         path = os.path.join(self._dir, "engine.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
@@ -207,6 +209,7 @@ class EngineProcess(EngineFront):
         loop = asyncio.get_running_loop()
         conn, _ = await self._unless_ended(loop.sock_accept(self._listener))
         self._listener.close()
+        self._remove_dir()  # connected: the path has done its job
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
         self._stream, _ = await loop.connect_accepted_socket(
             lambda: _EventStream(lambda message: self._deliver(message), self._on_eof, failed), conn
@@ -281,10 +284,10 @@ class EngineProcess(EngineFront):
         if self._stream is not None:
             self._stream.close()
         self._listener.close()
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self._dir):
-                os.unlink(os.path.join(self._dir, name))
-            os.rmdir(self._dir)
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        _remove_socket_dir(self._dir)
 
     async def _end_child(self) -> None:
         process = self._process
@@ -391,6 +394,38 @@ class EngineProcess(EngineFront):
         self.load.prefills.extend(prefills)
         if queue is not None:
             self.load.queued, self.load.decoding = queue
+
+
+SOCKET_DIR_PREFIX = "yutu-engine-"  # + the worker's pid + "-" + random: the engine socket's folder
+
+
+def sweep_stale_socket_dirs(directory: str | None = None) -> list[str]:
+    """Remove the engine-socket folders of workers that are gone (one SIGKILLed before its engine
+    connected leaves its folder); return their paths. The worker's pid is in the name; a live
+    worker's folder is never touched (pids are judged in our pid namespace, like region files)."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            pid = entry.removeprefix(SOCKET_DIR_PREFIX).partition("-")[0]
+            if entry.startswith(SOCKET_DIR_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
+                path = os.path.join(directory, entry)
+                if _remove_socket_dir(path):
+                    removed.append(path)
+    if removed:
+        log.info("removed %d engine socket folder(s) of workers that are gone", len(removed))
+    return removed
+
+
+def _remove_socket_dir(path: str) -> bool:
+    """Remove a folder holding only an engine socket; False when not there or not only that."""
+    try:
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
 
 
 # -- the child -----------------------------------------------------------------------------------

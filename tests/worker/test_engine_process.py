@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,6 +145,8 @@ async def test_a_killed_engine_process_breaks_the_worker_which_stays_up_and_says
 
 def test_sigterm_stops_the_engine_process_and_removes_the_region(worker: Worker) -> None:
     assert worker.regions()
+    # The engine's socket folder lives only until the engine connects: a SIGKILL later leaks nothing.
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"yutu-engine-{worker.proc.pid}-*")) == []
     os.kill(worker.engine_pid, signal.SIGTERM)  # as a SIGTERM to the whole group would: the
     os.kill(worker.engine_pid, signal.SIGINT)  # worker decides when its engine stops
     time.sleep(0.5)

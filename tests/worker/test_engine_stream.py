@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +18,7 @@ from yutu.engine.engine import EngineConfig
 from yutu.worker.kv_region import KVRegion
 
 from services.worker.engine_core import Abort, FinishLoad, Stop
-from services.worker.engine_process import FRAME, EngineProcess, _StreamCommands
+from services.worker.engine_process import FRAME, EngineProcess, _StreamCommands, sweep_stale_socket_dirs
 
 
 def frame(message: object) -> bytes:
@@ -97,3 +100,18 @@ def test_commands_to_an_engine_process_without_a_stream_are_dropped_not_raised(t
         process.unpin([1, 2])
     finally:
         asyncio.run(process.stop())  # removes its socket folder
+
+
+def test_socket_folders_of_gone_workers_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    dead_pid = int(gone.stdout)
+    dead = tmp_path / f"yutu-engine-{dead_pid}-abc"
+    live = tmp_path / f"yutu-engine-{os.getpid()}-def"
+    other = tmp_path / "yutu-engine-notapid"
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "engine.sock").write_bytes(b"")
+    assert sweep_stale_socket_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and other.exists()
