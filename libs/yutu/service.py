@@ -173,6 +173,13 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+# How long an idle HTTP connection stays open. uvicorn's default (5 s) equals the idle expiry of
+# httpx, hence of the OpenAI Python SDK: a client reusing a connection just as the server closes
+# it gets a failed request (httpx.ReadError), reproduced reusing at 4.998 s. Longer than the usual
+# client expiries (httpx 5 s, aiohttp 15 s) and a load balancer's usual 60 s, as nginx's 75 s.
+KEEP_ALIVE_S = 75
+
+
 class HttpServer:
     """Serves an ASGI app on ``host:port`` (0: any free port) inside the running loop."""
 
@@ -203,6 +210,7 @@ class HttpServer:
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
             log_config=None,  # uvicorn's loggers go through ours (text or JSON, see yutu.logs)
         )
         self._server = _Uvicorn(config)
