@@ -14,7 +14,7 @@ from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import conductor as c
 from yutu.registry import Registry
 from yutu.rpc import RpcClient
-from yutu.rpc.stream import StreamRpcClient
+from yutu.rpc.stream import StreamRpcClient, client_for, preferred_endpoint
 from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,7 @@ class ConductorClient:
     async def refresh(self) -> None:
         records = await self.registry.list(CONDUCTOR_KIND)
         record = next((r for r in records if "rpc" in r.endpoints), None)
-        # the plain TCP stream when the conductor offers it: no ZeroMQ I/O threads on either side
-        endpoint = None if record is None else record.endpoints.get("rpc_stream", record.endpoints["rpc"])
+        endpoint = None if record is None else preferred_endpoint(record.endpoints, "rpc")
         if endpoint == self.endpoint:
             return
         if self._rpc is not None:
@@ -57,14 +56,9 @@ class ConductorClient:
             self._rpc = None
         self.endpoint = endpoint
         self.instance_id = None if record is None else record.instance_id
-        if endpoint is not None:
+        if record is not None:
             log.info("conductor %s at %s", self.instance_id, endpoint)
-            stream = record is not None and endpoint == record.endpoints.get("rpc_stream")
-            self._rpc = (
-                StreamRpcClient(c.CHANNEL, endpoint, self.timeout_s)
-                if stream
-                else RpcClient(c.CHANNEL, endpoint, self.timeout_s)
-            )
+            self._rpc = client_for(c.CHANNEL, record.endpoints, "rpc", self.timeout_s)
         else:
             log.warning("no conductor in the registry: placing requests here (least loaded)")
 

@@ -21,7 +21,7 @@ from yutu.liveness import Liveness
 from yutu.protocol import prefill as p
 from yutu.registry import Registry, ServiceRecord
 from yutu.rpc import RpcClient
-from yutu.rpc.stream import StreamRpcClient
+from yutu.rpc.stream import StreamRpcClient, client_for, preferred_endpoint
 from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
@@ -33,17 +33,15 @@ class PrefillClient:
     def __init__(self, record: ServiceRecord, liveness: Liveness[str], timeout_s: float) -> None:
         self.record = record
         self.instance_id = record.instance_id
-        self.endpoint = _endpoint(record)
+        self.endpoint = preferred_endpoint(record.endpoints, "prefill")
         self.in_flight = 0
         self.connected = False
         self._liveness = liveness
         self._pings = itertools.count()
         self._lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         liveness.watch(self.instance_id)
-        self.rpc: RpcClient | StreamRpcClient = (
-            StreamRpcClient(p.CHANNEL, self.endpoint, timeout_s, on_connection=self._on_connection)
-            if "prefill_stream" in record.endpoints
-            else RpcClient(p.CHANNEL, self.endpoint, timeout_s, on_connection=self._on_connection)
+        self.rpc: RpcClient | StreamRpcClient = client_for(
+            p.CHANNEL, record.endpoints, "prefill", timeout_s, self._on_connection
         )
 
     @property
@@ -114,12 +112,6 @@ class PrefillClient:
         await self.rpc.close()
 
 
-def _endpoint(record: ServiceRecord) -> str:
-    """Where to call an instance: its plain TCP stream when it offers one (no ZeroMQ I/O threads
-    on either side), else its ZeroMQ endpoint."""
-    return record.endpoints.get("prefill_stream") or record.endpoints["prefill"]
-
-
 def _log_failure(what: str) -> Any:
     def done(task: asyncio.Future[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -170,11 +162,12 @@ class PrefillPool:
                 await self.instances.pop(instance_id).close()
         for instance_id, record in records.items():
             current = self.instances.get(instance_id)
-            if current is not None and current.endpoint != _endpoint(record):
+            endpoint = preferred_endpoint(record.endpoints, "prefill")
+            if current is not None and current.endpoint != endpoint:
                 await self.instances.pop(instance_id).close()  # restarted on another port
                 current = None
             if current is None:
-                log.info("prefill instance %s joined at %s", instance_id, _endpoint(record))
+                log.info("prefill instance %s joined at %s", instance_id, endpoint)
                 self.instances[instance_id] = PrefillClient(record, self.liveness, self.call_timeout_s)
             else:
                 current.record = record

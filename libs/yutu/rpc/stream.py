@@ -37,7 +37,8 @@ import msgpack
 from yutu.errors import ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
-from yutu.rpc.reqrep import settle_reply
+from yutu.rpc.reqrep import RpcClient, settle_reply
+from yutu.rpc.sockets import OnConnection
 from yutu.supervise import cancel_and_wait
 
 log = logging.getLogger("yutu.rpc")
@@ -268,7 +269,7 @@ class StreamRpcClient:
         endpoint: str,
         timeout_s: float = 10.0,
         connect_timeout_s: float | None = None,
-        on_connection: Callable[[bool], None] | None = None,
+        on_connection: OnConnection | None = None,
     ) -> None:
         self.channel = channel
         self.endpoint = endpoint
@@ -393,6 +394,26 @@ class StreamRpcClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def preferred_endpoint(endpoints: dict[str, str], name: str) -> str:
+    """A service's endpoint ``name``: its plain TCP stream twin (``{name}_stream``) when it
+    advertises one, else the ZeroMQ one."""
+    return endpoints.get(f"{name}_stream") or endpoints[name]
+
+
+def client_for(
+    channel: Channel,
+    endpoints: dict[str, str],
+    name: str,
+    timeout_s: float,
+    on_connection: OnConnection | None = None,
+) -> RpcClient | StreamRpcClient:
+    """The client of ``preferred_endpoint(endpoints, name)``: over the stream (no ZeroMQ I/O
+    threads on either side) when advertised, else ZeroMQ."""
+    if f"{name}_stream" in endpoints:
+        return StreamRpcClient(channel, endpoints[f"{name}_stream"], timeout_s, on_connection=on_connection)
+    return RpcClient(channel, endpoints[name], timeout_s, on_connection=on_connection)
 
 
 def _expire(future: asyncio.Future[Any]) -> None:
