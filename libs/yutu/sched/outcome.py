@@ -50,9 +50,9 @@ class Placement:
     ``ttft_s``: predicted TTFT -- the time the request already waited (``RequestView.waited_s``)
     plus, from ``now``, queue + transfer + prefill.
     ``ready_at_s``: ``now`` + queue + transfer + prefill, when the decode instance should expect
-    it; the caller lists it as
-    an ``IncomingDecode`` of that instance until its prefill ends. ``tbt_s``: predicted time between
-    tokens on the decode instance once the request joins its batch. ``reason``: one line for logs.
+    it; the caller lists it as an ``IncomingDecode`` of that instance until its prefill ends.
+    ``tbt_s``: predicted time between tokens on the decode instance once the request joins its
+    batch. ``reason``: one line for logs.
     """
 
     request_id: str
