@@ -209,7 +209,7 @@ class EngineProcess(EngineFront):
         loop = asyncio.get_running_loop()
         conn, _ = await self._unless_ended(loop.sock_accept(self._listener))
         self._listener.close()
-        self._remove_dir()  # connected: the path has done its job
+        _remove_socket_dir(self._dir)  # connected: the path has done its job
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
         self._stream, _ = await loop.connect_accepted_socket(
             lambda: _EventStream(lambda message: self._deliver(message), self._on_eof, failed), conn
@@ -284,9 +284,6 @@ class EngineProcess(EngineFront):
         if self._stream is not None:
             self._stream.close()
         self._listener.close()
-        self._remove_dir()
-
-    def _remove_dir(self) -> None:
         _remove_socket_dir(self._dir)
 
     async def _end_child(self) -> None:
@@ -407,11 +404,12 @@ def sweep_stale_socket_dirs(directory: str | None = None) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory):
+            if not entry.startswith(SOCKET_DIR_PREFIX):
+                continue
             pid = entry.removeprefix(SOCKET_DIR_PREFIX).partition("-")[0]
-            if entry.startswith(SOCKET_DIR_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-                path = os.path.join(directory, entry)
-                if _remove_socket_dir(path):
-                    removed.append(path)
+            path = os.path.join(directory, entry)
+            if pid.isdigit() and not pid_alive(int(pid)) and _remove_socket_dir(path):
+                removed.append(path)
     if removed:
         log.info("removed %d engine socket folder(s) of workers that are gone", len(removed))
     return removed
