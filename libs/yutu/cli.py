@@ -127,9 +127,9 @@ def up_parser() -> argparse.ArgumentParser:
         "--prefill-threads",
         type=int,
         default=0,
-        help="torch threads per engine for a step of 256 tokens or more, a long prompt's chunk"
-        " (0: every CPU, shared by the engines -- the front ends idle while such a step runs --"
-        " and never fewer than --torch-threads)",
+        help="most torch threads per engine for a step of 256 tokens or more, a long prompt's chunk;"
+        " such a step takes the CPUs no other engine computes on, never fewer than --torch-threads"
+        " (0: every CPU -- a prefill instance uses the decode's core while the decode idles)",
     )
     option(
         topology,
@@ -376,7 +376,7 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
     engine = ["--model", str(model_dir), "--served-model-name", served, "--block-size", str(args.block_size),
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
               "--torch-threads", str(torch_threads),
-              "--prefill-threads", str(args.prefill_threads or prefill_threads(engines, torch_threads)),
+              "--prefill-threads", str(args.prefill_threads or prefill_threads(torch_threads)),
               "--dtype", args.dtype, "--engine-core", args.engine_core]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
@@ -420,13 +420,15 @@ def engine_threads(engines: int, cpus: int | None = None) -> int:
     return max(1, (cpus - 1) // max(1, engines))
 
 
-def prefill_threads(engines: int, torch_threads: int, cpus: int | None = None) -> int:
-    """Torch threads per engine process for a wide step (a long prompt's chunk): every CPU, shared
-    by the engines, never fewer than its other steps get. The core kept for the front ends is
-    lent out: they have nothing to send while such a step runs (measured with the demo model on 2
-    cores: one 1,024-token prompt 1.6x faster on two threads than on one)."""
+def prefill_threads(torch_threads: int, cpus: int | None = None) -> int:
+    """The most torch threads an engine process takes for a wide step (a long prompt's chunk):
+    every CPU, never fewer than its other steps get. A wide step takes only the CPUs free when it
+    starts (yutu.engine.cpus), so a prefill instance computes on the decode instance's core while
+    that decode idles and keeps to its own while it decodes; the front ends' core is lent too (they
+    have nothing to send while such a step runs). Measured with the demo model on 2 cores: one
+    1,024-token prompt 1.6x faster on two threads than on one."""
     cpus = cpus or os.cpu_count() or 1
-    return max(torch_threads, cpus // max(1, engines))
+    return max(torch_threads, cpus)
 
 
 def _banner(

@@ -63,7 +63,7 @@ class EngineInfo:
     kv_salt: str  # what block keys are salted with (model and dtype)
     root_key: bytes
     torch_threads: int  # the model step's threads
-    prefill_threads: int  # a wide step's threads (a long prompt's chunk; yutu.engine.engine.WIDE_STEP_TOKENS)
+    prefill_threads: int  # the most threads of a wide step (a long prompt's chunk; yutu.engine.cpus)
 
     @classmethod
     def of(cls, engine: LLMEngine, torch_threads: int) -> EngineInfo:

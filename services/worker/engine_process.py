@@ -561,8 +561,11 @@ def _map_region(path: str, size: int, inode: int) -> memoryview:
 
 def child_main(args: ChildArgs) -> None:
     """The engine process: load the model into the worker's region, then serve the core."""
+    from yutu.engine.cpus import name_this_process_an_engine
     from yutu.launcher import die_with
     from yutu.logs import setup_logging
+
+    name_this_process_an_engine()  # before torch starts threads: the others are named alike
 
     # The worker decides when its engine stops (after draining): a terminal's Ctrl-C or a SIGTERM
     # sent to the whole group (systemd, a test harness) is the worker's to handle, not ours. The

@@ -22,6 +22,13 @@ SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -
 
 
 ENGINE_CORES = ("process", "thread")
+# Token budget of a step. Decoding sequences wait for the whole step, so a mixed or decode
+# instance keeps it small; a prefill instance decodes nothing and computes a prompt of up to
+# PREFILL_STEP_TOKENS in one step: no prefix re-read per chunk, no mask over it (the demo model,
+# 1,024 tokens on 2 cores: 6-8% faster than two chunks of 512), and its blocks go to the store
+# once the prompt is done rather than while its second chunk computes.
+STEP_TOKENS = 512
+PREFILL_STEP_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -108,8 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         engine,
         "--max-num-batched-tokens",
         type=int,
-        default=512,
-        help="token budget of one step (chunked prefill)",
+        default=PREFILL_STEP_TOKENS if role == "prefill" else STEP_TOKENS,
+        help="token budget of one step (chunked prefill); a prefill instance has no decodes to keep"
+        f" flowing, so its default is larger ({PREFILL_STEP_TOKENS} against {STEP_TOKENS})",
     )
     own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
@@ -119,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         "--prefill-threads",
         type=int,
         default=0,
-        help="threads for a step of 256 tokens or more -- a long prompt's chunk -- on CPU (0: as --torch-threads)",
+        help="most threads for a step of 256 tokens or more -- a long prompt's chunk -- on CPU: it takes"
+        " the CPUs no other engine computes on when it starts, never fewer than --torch-threads (0: as --torch-threads)",
     )
     own(
         engine,

@@ -1,4 +1,5 @@
-"""Wide steps (a long prompt's chunk) on ``prefill_threads``, the others on the process's threads."""
+"""Wide steps (a long prompt's chunk) on up to ``prefill_threads`` -- the CPUs free when they start
+(yutu.engine.cpus) -- the others on the process's threads."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from yutu.engine.cpus import WideStepThreads
 from yutu.engine.engine import WIDE_STEP_TOKENS, EngineConfig, LLMEngine, torch_threads
 from yutu.engine.sampling import SamplingParams
 
@@ -28,6 +30,13 @@ def _record_threads(engine: LLMEngine) -> list[tuple[int, int]]:
     return seen
 
 
+def _on_idle_cpus(engine: LLMEngine, cpus: int = 2) -> LLMEngine:
+    """``engine`` as on a host of ``cpus`` CPUs where nothing else runs (whatever this one runs)."""
+    assert engine.wide_step_threads is not None
+    engine.wide_step_threads = WideStepThreads(engine.wide_step_threads.most, cpus, busy=lambda: 0)
+    return engine
+
+
 def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, GREEDY)
@@ -42,6 +51,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[li
 def test_wide_steps_run_on_the_prefill_threads_and_the_others_on_the_process_threads(ckpt: Path) -> None:
     assert torch.get_num_threads() == 1  # the module's fixture
     engine = make_engine(ckpt, prefill_threads=2, **{**LONG, "max_num_batched_tokens": WIDE_STEP_TOKENS})
+    _on_idle_cpus(engine)
     seen = _record_threads(engine)
     _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 40, seed=1), "short": prompt(20, seed=2)})
     assert torch.get_num_threads() == 1  # put back after every wide step
@@ -49,6 +59,20 @@ def test_wide_steps_run_on_the_prefill_threads_and_the_others_on_the_process_thr
     narrow = [threads for tokens, threads in seen if tokens < WIDE_STEP_TOKENS]
     assert wide == [2]  # the long prompt's first chunk (the whole budget)
     assert narrow and set(narrow) == {1}  # its second chunk, the short prompt, every decode
+    assert engine.last_wide_threads == 2
+
+
+@pytest.mark.parametrize(("busy", "threads"), [(0, 3), (1, 3), (2, 2), (3, 1), (7, 1)])
+def test_a_wide_step_takes_only_the_cpus_no_other_engine_computes_on(
+    ckpt: Path, busy: int, threads: int
+) -> None:
+    """On 4 CPUs where other engines run ``busy`` threads: 4 - busy, within [1, prefill_threads=3]."""
+    engine = make_engine(ckpt, prefill_threads=3, **{**LONG, "max_num_batched_tokens": WIDE_STEP_TOKENS})
+    engine.wide_step_threads = WideStepThreads(3, cpus=4, busy=lambda: busy)
+    seen = _record_threads(engine)
+    _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 8, seed=4)})
+    assert [t for tokens, t in seen if tokens >= WIDE_STEP_TOKENS] == [threads]
+    assert {t for tokens, t in seen if tokens < WIDE_STEP_TOKENS} == {1}
 
 
 def test_without_prefill_threads_every_step_keeps_the_process_threads(ckpt: Path) -> None:
@@ -62,7 +86,7 @@ def test_without_prefill_threads_every_step_keeps_the_process_threads(ckpt: Path
 def test_output_is_the_same_on_prefill_threads(ckpt: Path) -> None:
     prompts = {f"p{i}": prompt(n, seed=10 + i) for i, n in enumerate((WIDE_STEP_TOKENS + 60, 150, 30))}
     one = _run(make_engine(ckpt, **LONG), prompts)
-    engine = make_engine(ckpt, prefill_threads=2, **LONG)
+    engine = _on_idle_cpus(make_engine(ckpt, prefill_threads=2, **LONG))
     seen = _record_threads(engine)
     two = _run(engine, prompts)
     assert (sum(len(ids) for ids in prompts.values()), 2) in seen  # the prompts' step ran on two

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from yutu.engine.cpus import WideStepThreads
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model, native_bf16
 from yutu.engine.model import pack_cpu_linears
@@ -66,9 +67,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # A step of this many tokens or more (in practice a prompt chunk: a step decodes at most
-# max_num_seqs tokens) runs on EngineConfig.prefill_threads. Measured on a 2-core CPU, the demo
-# model, two threads against one: 1.2-1.75x from 256 to 1,024 tokens; 1.03-1.3x at 128 and ~1.1x
-# at 32-64 -- not worth a parallel region that stalls whenever the other core is taken.
+# max_num_seqs tokens) runs on up to EngineConfig.prefill_threads threads, those free when it
+# starts. Measured on a 2-core CPU, the demo model, two threads against one: 1.2-1.75x from 256 to
+# 1,024 tokens; 1.03-1.3x at 128 and ~1.1x at 32-64 -- not worth a parallel region that stalls
+# whenever the other core is taken.
 WIDE_STEP_TOKENS = 256
 
 NONFINITE_LOGITS = (
@@ -99,8 +101,9 @@ class EngineConfig:
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
     dense_decode_bytes: int | None = None
-    # Torch threads for a wide step (at least WIDE_STEP_TOKENS tokens: a long prompt's chunk), on
-    # CPU; the other steps keep the process's threads. None: the process's threads for every step.
+    # The most torch threads a wide step (at least WIDE_STEP_TOKENS tokens: a long prompt's chunk)
+    # takes on CPU: as many as are free when it starts (yutu.engine.cpus), never fewer than the
+    # process's threads, which every other step runs on. None: the process's threads for every step.
     prefill_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +192,13 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.sampler = Sampler()
+        # Picks a wide step's threads (None: every step on the process's threads).
+        self.wide_step_threads = (
+            WideStepThreads(config.prefill_threads)
+            if config.prefill_threads is not None and self.device.type == "cpu"
+            else None
+        )
+        self.last_wide_threads: int | None = None  # threads the last wide step ran on
         self._root_key = root_key(self.kv_salt)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id (loading ones included)
         self._held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept until release
@@ -415,11 +425,12 @@ class LLMEngine:
         return outputs
 
     def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
-        """The torch threads ``batch`` runs on: ``prefill_threads`` for a wide step on CPU."""
-        wanted = self.config.prefill_threads
-        if wanted is None or self.device.type != "cpu" or batch.num_tokens < WIDE_STEP_TOKENS:
+        """The torch threads ``batch`` runs on: for a wide step on CPU, as many as are free, up to
+        ``prefill_threads`` (yutu.engine.cpus); otherwise the process's."""
+        if self.wide_step_threads is None or batch.num_tokens < WIDE_STEP_TOKENS:
             return contextlib.nullcontext()
-        return torch_threads(wanted)
+        self.last_wide_threads = self.wide_step_threads.pick(torch.get_num_threads())
+        return torch_threads(self.last_wide_threads)
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         """Compute ``batch``, sample, and append to ``outputs`` (as it goes: kept if a later part raises)."""
