@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 from yutu.engine.cpus import WideStepThreads
-from yutu.engine.engine import WIDE_STEP_TOKENS, EngineConfig, LLMEngine, torch_threads
+from yutu.engine.engine import (
+    WIDE_STEP_SPAN,
+    WIDE_STEP_TOKENS,
+    EngineConfig,
+    LLMEngine,
+    is_wide,
+    torch_threads,
+)
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 from tests.engine.engine_support import make_engine, prompt
 
@@ -73,6 +81,29 @@ def test_a_wide_step_takes_only_the_cpus_no_other_engine_computes_on(
     _run(engine, {"long": prompt(WIDE_STEP_TOKENS + 8, seed=4)})
     assert [t for tokens, t in seen if tokens >= WIDE_STEP_TOKENS] == [threads]
     assert {t for tokens, t in seen if tokens < WIDE_STEP_TOKENS} == {1}
+
+
+def _chunk(n: int, start: int) -> ScheduledChunk:
+    return ScheduledChunk("s", [1] * n, start, [], sample=True)
+
+
+def test_a_step_is_wide_by_its_tokens_or_by_the_span_its_prompt_chunks_attend() -> None:
+    assert is_wide(ScheduledBatch([_chunk(WIDE_STEP_TOKENS, 0)]))  # a fresh prompt's chunk
+    assert not is_wide(ScheduledBatch([_chunk(128, 0)]))
+    assert is_wide(ScheduledBatch([_chunk(64, 960)]))  # 64 tokens after a 960-token cached prefix
+    assert not is_wide(ScheduledBatch([_chunk(32, 992)]))  # 32 x 1024 < WIDE_STEP_SPAN
+    decodes = [_chunk(1, 4000) for _ in range(60)]  # decodes never count, however long their context
+    assert 60 * 4001 > WIDE_STEP_SPAN and not is_wide(ScheduledBatch(decodes))
+
+
+def test_a_short_chunk_after_a_long_cached_prefix_runs_wide(ckpt: Path) -> None:
+    engine = _on_idle_cpus(make_engine(ckpt, prefill_threads=2, **LONG))
+    prefix = prompt(400, seed=5)
+    _run(engine, {"first": prefix + [7]})
+    seen = _record_threads(engine)
+    _run(engine, {"again": prefix + prompt(100, seed=6)})  # 400 cached + 100 new: 100 x 500 > the span
+    assert seen[0] == (100, 2)
+    assert {threads for _, threads in seen[1:]} == {1}  # its decodes
 
 
 def test_without_prefill_threads_every_step_keeps_the_process_threads(ckpt: Path) -> None:

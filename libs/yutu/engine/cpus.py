@@ -1,7 +1,7 @@
 """How many torch threads a wide engine step takes: the CPUs no other engine is computing on.
 
-A long prompt's chunk (a *wide* step, ``yutu.engine.engine.WIDE_STEP_TOKENS`` tokens or more) runs
-faster on more threads -- on a 2-core CPU a 1,024-token prompt of the demo model takes 1.6x less
+A long prompt's chunk (a *wide* step, ``yutu.engine.engine.is_wide``: 256 tokens, or fewer after
+a long cached prefix) runs faster on more threads -- on a 2-core CPU a 1,024-token prompt of the demo model takes 1.6x less
 time on two threads than on one -- but only on CPUs nothing else computes on. A parallel region
 with a thread that shares its CPU waits for that thread at every barrier, and the engine it
 shares with (a decode instance's, next to a prefill instance) slows down as well. So before each

@@ -66,12 +66,24 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# A step of this many tokens or more (in practice a prompt chunk: a step decodes at most
-# max_num_seqs tokens) runs on up to EngineConfig.prefill_threads threads, those free when it
-# starts. Measured on a 2-core CPU, the demo model, two threads against one: 1.2-1.75x from 256 to
-# 1,024 tokens; 1.03-1.3x at 128 and ~1.1x at 32-64 -- not worth a parallel region that stalls
-# whenever the other core is taken.
+# A step is *wide* -- it runs on up to EngineConfig.prefill_threads threads, those no other engine
+# computes on (yutu.engine.cpus) -- when it computes WIDE_STEP_TOKENS tokens or more (in practice a
+# prompt chunk: a step decodes at most max_num_seqs tokens), or prompt chunks whose attention spans
+# WIDE_STEP_SPAN (chunk tokens x context, summed) or more: a short chunk after a long cached prefix.
+# Measured on a 2-core CPU, the demo model, two threads against one: fresh prompts 1.2-1.75x from
+# 256 to 1,024 tokens, 1.03-1.3x at 128 and ~1.1x at 32-64 tokens; after a cached prefix, 64 tokens
+# over 960 1.47x, 128 over 896 1.53x, 192 over 832 1.68x, 32 over 992 1.3x (a 7 ms step).
 WIDE_STEP_TOKENS = 256
+WIDE_STEP_SPAN = 48 * 1024
+
+
+def is_wide(batch: ScheduledBatch) -> bool:
+    """Whether ``batch`` is worth more threads (see WIDE_STEP_TOKENS)."""
+    if batch.num_tokens >= WIDE_STEP_TOKENS:
+        return True
+    span = sum(c.num_tokens * c.context_len for c in batch.chunks if c.num_tokens > 1)
+    return span >= WIDE_STEP_SPAN
+
 
 NONFINITE_LOGITS = (
     "the model produced non-finite logits (NaN or inf) for this request; it was aborted. This is an"
@@ -101,8 +113,7 @@ class EngineConfig:
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
     dense_decode_bytes: int | None = None
-    # The most torch threads a wide step (at least WIDE_STEP_TOKENS tokens: a long prompt's chunk)
-    # takes on CPU: as many as are free when it starts (yutu.engine.cpus), never fewer than the
+    # The most torch threads a wide step (a long prompt's chunk; see WIDE_STEP_TOKENS) takes on CPU: as many as are free when it starts (yutu.engine.cpus), never fewer than the
     # process's threads, which every other step runs on. None: the process's threads for every step.
     prefill_threads: int | None = None
 
@@ -427,7 +438,7 @@ class LLMEngine:
     def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
         """The torch threads ``batch`` runs on: for a wide step on CPU, as many as are free, up to
         ``prefill_threads`` (yutu.engine.cpus); otherwise the process's."""
-        if self.wide_step_threads is None or batch.num_tokens < WIDE_STEP_TOKENS:
+        if self.wide_step_threads is None or not is_wide(batch):
             return contextlib.nullcontext()
         self.last_wide_threads = self.wide_step_threads.pick(torch.get_num_threads())
         return torch_threads(self.last_wide_threads)
