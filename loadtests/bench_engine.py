@@ -8,6 +8,8 @@ Measures, in one run on one engine:
     measurement behind ``--dtype auto``
   * decode tokens/s at batch 16 with 1024-token contexts, the dense decode cache on (the default
     on CPU) against off (every decode gathers its blocks: the reference path), interleaved
+  * decode tokens/s at batch 1 and 16 with fused projections (q/k/v, gate/up; the engines' path)
+    against the separate ones (the reference), interleaved
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
@@ -19,12 +21,15 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 
 import torch
 from yutu.config import DTYPES
 from yutu.engine.engine import EngineConfig, LLMEngine
+from yutu.engine.loader import load_model
+from yutu.engine.model import Linear, pack_cpu_linears
 from yutu.engine.model_source import resolve_model
 from yutu.engine.sampling import SamplingParams
 
@@ -123,6 +128,38 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
             "dense_over_paged": best["dense"] / best["paged"]}  # fmt: skip
 
 
+def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
+    """Fused projections (q/k/v and gate/up, ``fuse_projections``, what engines run) against the
+    separate ones (the reference): decode at batch 1 (a 1024-token context) and batch 16 (512),
+    ``rounds`` interleaved runs on two engines in this process, the medians."""
+    torch.set_num_threads(threads)
+    engines = {}
+    for name in ("fused", "separate"):
+        engine = LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20))
+        if name == "separate":  # load the reference model again, unfused (and packed, as the engine does)
+            model, _ = load_model(model_dir, engine.device, engine.dtype)
+            if any(isinstance(m, Linear) and m.packed is not None for m in engine.runner.model.modules()):
+                pack_cpu_linears(model)
+            engine.runner.model = model
+        engines[name] = engine
+    runs: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for name, engine in engines.items():
+            vocab = engine.model_config.vocab_size
+            params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+            run_to_first_token(engine, {f"{name}{r}": prompts(1, 1024, vocab, seed=400 + r)[0]}, params)
+            tokens, elapsed = finish(engine)
+            runs.setdefault(f"{name}_decode_tok_s_b1", []).append(tokens / elapsed)
+            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=500 + r))}
+            run_to_first_token(engine, reqs, params)
+            tokens, elapsed = finish(engine)
+            runs.setdefault(f"{name}_decode_tok_s_b16", []).append(tokens / elapsed)
+    best = {key: statistics.median(values) for key, values in runs.items()}
+    for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
+        best[f"fused_over_separate_{what}"] = best[f"fused_{what}"] / best[f"separate_{what}"]
+    return best
+
+
 def dtype_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]:
     """float32 against bfloat16 (what ``--dtype auto`` chooses between on a CPU): prefill of a
     512-token prompt, decode at batch 1 and 16, ``rounds`` interleaved runs, the best of each."""
@@ -166,6 +203,7 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = bench(model_dir, args.threads, args.dtype) | dense_ab(model_dir, args.threads)
+    results |= fused_ab(model_dir, args.threads)
     if device == "cpu":
         results |= dtype_ab(model_dir, args.threads)
     print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}, dtype {args.dtype}")
@@ -190,6 +228,14 @@ def main() -> None:
         ),
         ("  ratio dense / paged", results["dense_over_paged"], "x"),
     ]
+    rows += [
+        ("fused / separate projections: decode batch 1", results["fused_over_separate_decode_tok_s_b1"], "x"),
+        (
+            "fused / separate projections: decode batch 16",
+            results["fused_over_separate_decode_tok_s_b16"],
+            "x",
+        ),
+    ]
     if "bf16_over_f32_prefill_speed" in results:
         rows += [
             ("bfloat16 / float32 speed: prefill 512 tokens", results["bf16_over_f32_prefill_speed"], "x"),
@@ -197,7 +243,7 @@ def main() -> None:
             ("bfloat16 / float32 speed: decode batch 16", results["bf16_over_f32_decode_tok_s_b16"], "x"),
         ]
     for label, value, unit in rows:
-        print(f"{label:<48} {value:>10.1f} {unit}")
+        print(f"{label:<48} {value:>10.2f} {unit}")
     Path(args.out).write_text(
         json.dumps(
             {"model": model_dir.name, "threads": args.threads, "dtype": args.dtype, **results}, indent=2

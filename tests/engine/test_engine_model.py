@@ -14,7 +14,7 @@ import pytest
 import torch
 from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model
-from yutu.engine.model import Linear, LlamaForCausalLM, RMSNorm, pack_cpu_linears
+from yutu.engine.model import Linear, LlamaForCausalLM, RMSNorm, fuse_projections, pack_cpu_linears
 from yutu.engine.testing import PagedRunner, greedy_generate, make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -204,6 +204,42 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         both = runner.step([(1, ids[:9]), (0, [11])])
         out[packed] = torch.cat([prefill, decode, *both])
     assert torch.allclose(out[True], out[False], atol=1e-3, rtol=0), (out[True] - out[False]).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "overrides", "atol"),
+    [
+        (torch.float32, {}, 1e-5),
+        (torch.float32, {"attention_bias": True, "mlp_bias": True}, 1e-5),  # Qwen2-style biases
+        (torch.bfloat16, {"tie_word_embeddings": True}, 1e-3),  # packed for oneDNN afterwards
+    ],
+)
+def test_fused_projections_compute_what_the_separate_ones_do(
+    tmp_path: Path, dtype: torch.dtype, overrides: dict[str, Any], atol: float
+) -> None:
+    """fuse_projections (q/k/v in one product, gate/up in another) against Hugging Face's separate
+    projections, the reference: the same logits for a prefill, a decode and a batch of both."""
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=5, **overrides)
+    ids = _prompt(30, seed=23)
+    out = {}
+    for fused in (False, True):
+        model, config = load_model(model_dir, torch.device("cpu"), dtype)
+        if fused:
+            assert fuse_projections(model) == config.num_layers
+            assert fuse_projections(model) == 0  # once only
+            attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+            assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
+            assert all(
+                m.weight.is_meta for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+            )
+            if dtype == torch.bfloat16:
+                assert pack_cpu_linears(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+        runner = PagedRunner(model, 16, 4)
+        (prefill,) = runner.step([(0, ids)])
+        (decode,) = runner.step([(0, [7])])
+        both = runner.step([(1, ids[:9]), (0, [11])])
+        out[fused] = torch.cat([prefill, decode, *both])
+    assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
 
 
 def test_packing_refuses_what_it_does_not_speed_up(tmp_path: Path) -> None:

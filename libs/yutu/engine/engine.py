@@ -42,7 +42,7 @@ import torch
 from yutu.engine.cpus import WideStepThreads
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model, native_bf16
-from yutu.engine.model import pack_cpu_linears
+from yutu.engine.model import fuse_projections, pack_cpu_linears
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
@@ -183,6 +183,7 @@ class LLMEngine:
         self.model_id = config.model_id
         self.kv_salt = kv_salt(config.model_id, self.dtype)
         model, self.model_config = load_model(config.model_dir, self.device, self.dtype)
+        fuse_projections(model)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and native_bf16():
             pack_cpu_linears(model)  # elsewhere oneDNN would emulate bfloat16: the plain path stays
         self.num_kv_blocks = config.num_kv_blocks or (

@@ -60,8 +60,8 @@ def pack_cpu_linears(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is None:
-            weight = module.weight.detach()
+        if isinstance(module, Linear) and module.packed is None and not module.weight.is_meta:
+            weight = module.weight.detach()  # (meta: a projection folded into a fused one)
             if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
                 raise ValueError(
                     f"only CPU bfloat16 weights are packed, got {weight.dtype} on {weight.device}"
@@ -69,6 +69,47 @@ def pack_cpu_linears(model: nn.Module) -> int:
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
             count += 1
+    return count
+
+
+def _fused(parts: list[Linear]) -> Linear:
+    """One Linear computing ``parts`` side by side (their outputs concatenated, in order); the parts'
+    weights are released (their parameters keep their shapes on the meta device)."""
+    weight = torch.cat([p.weight.detach() for p in parts])  # (sum of out, in)
+    bias = (
+        None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts if p.bias is not None])
+    )
+    with torch.device("meta"):
+        fused = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    for p in parts:
+        p.weight = nn.Parameter(torch.empty_like(p.weight, device="meta"), requires_grad=False)
+        if p.bias is not None:
+            p.bias = nn.Parameter(torch.empty_like(p.bias, device="meta"), requires_grad=False)
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fold each attention's q/k/v projections into one ``qkv_proj`` and each MLP's gate/up into one
+    ``gate_up_proj`` (as vLLM's QKVParallelLinear and MergedColumnParallelLinear); returns how
+    many layers changed. Call it after loading the checkpoint (whose tensors keep Hugging Face's
+    names) and before :func:`pack_cpu_linears`.
+
+    Fewer, wider products and one rotary call for q and k together: the demo model's batch-1
+    decode step goes from 29 products to 17 and from 349 tensor operations to 317; in bfloat16 on a
+    2-core CPU, 1.03-1.12x the tokens/s at batch 1, batch 16 and prefill unchanged within the noise
+    (``loadtests/bench_engine.py`` prints this A/B; three runs). The separate projections stay the
+    reference path; a test holds the two to the same logits.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and module.qkv_proj is None:
+            module.qkv_proj = _fused([module.q_proj, module.k_proj, module.v_proj])
+            count += 1
+        elif isinstance(module, MLP) and module.gate_up_proj is None:
+            module.gate_up_proj = _fused([module.gate_proj, module.up_proj])
     return count
 
 
@@ -157,6 +198,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, kvd, bias=config.attention_bias)
         self.v_proj = Linear(h, kvd, bias=config.attention_bias)
         self.o_proj = Linear(qd, h, bias=config.o_proj_bias)
+        self.qkv_proj: Linear | None = None  # q, k and v in one product, once fuse_projections ran
 
     def forward(
         self,
@@ -169,18 +211,23 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         layer: int = 0,
     ) -> torch.Tensor:
-        n_tok = x.shape[0]
-        q = self.q_proj(x).view(n_tok, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = self.k_proj(x).view(n_tok, self.num_kv_heads, self.head_dim)  # (T, kvh, hd)
-        v = self.v_proj(x).view(n_tok, self.num_kv_heads, self.head_dim)  # (T, kvh, hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
+        n_tok, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is None:  # the reference: Hugging Face's three projections
+            q = self.q_proj(x).view(n_tok, nh, hd)  # (T, nh, hd)
+            k = self.k_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
+            v = self.v_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
+        else:
+            qkv = self.qkv_proj(x).view(n_tok, nh + 2 * kvh, hd)  # heads: [ q (nh) | k (kvh) | v (kvh) ]
+            qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]  # views
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan)
         if meta.dense is not None:
             meta.dense.fill(layer, k_cache, v_cache)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd), dense rows unset
         if meta.dense is not None:
             meta.dense.attend(layer, q, o, self.scale, plan.sliding_window)
-        return self.o_proj(o.reshape(n_tok, self.num_heads * self.head_dim))  # (T, H)
+        return self.o_proj(o.reshape(n_tok, nh * hd))  # (T, H)
 
 
 class MLP(nn.Module):
@@ -192,9 +239,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=config.mlp_bias)
         self.up_proj = Linear(h, i, bias=config.mlp_bias)
         self.down_proj = Linear(i, h, bias=config.mlp_bias)
+        self.gate_up_proj: Linear | None = None  # gate and up in one product, once fuse_projections ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
+        if self.gate_up_proj is None:  # the reference
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
+        gate_up = self.gate_up_proj(x)  # (T, 2I): [ gate | up ]
+        i = gate_up.shape[1] // 2
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])  # (T, I) -> (T, H)
 
 
 class DecoderLayer(nn.Module):
