@@ -159,6 +159,21 @@ def test_sigterm_stops_the_engine_process_and_removes_the_region(worker: Worker)
     assert worker.regions() == []
 
 
+def test_the_engine_process_names_itself_and_spins_its_threads_briefly(worker: Worker) -> None:
+    """Other engines' wide steps find it by name (yutu.engine.cpus), and torch's OpenMP threads stop
+    spinning soon after a parallel region (OMP_SPIN_COUNT) unless the environment says otherwise."""
+    from yutu.engine.cpus import ENGINE_NAME, engine_processes
+
+    from services.worker.engine_process import OMP_SPIN_COUNT
+
+    with open(f"/proc/{worker.engine_pid}/comm", "rb") as f:
+        assert f.read().strip() == ENGINE_NAME
+    assert worker.engine_pid in engine_processes()
+    with open(f"/proc/{worker.engine_pid}/environ", "rb") as f:
+        environ = dict(v.partition(b"=")[::2] for v in f.read().split(b"\0") if v)
+    assert environ[b"GOMP_SPINCOUNT"] == str(os.environ.get("GOMP_SPINCOUNT", OMP_SPIN_COUNT)).encode()
+
+
 def test_a_killed_worker_takes_its_engine_process_along(worker: Worker) -> None:
     worker.proc.kill()
     worker.proc.wait()
