@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 # prompt chunk: a step decodes at most max_num_seqs tokens), or prompt chunks whose attention spans
 # WIDE_STEP_SPAN (chunk tokens x context, summed) or more: a short chunk after a long cached prefix.
 # Measured on a 2-core CPU, the demo model, two threads against one: fresh prompts 1.2-1.75x from
-# 256 to 1,024 tokens, 1.03-1.3x at 128 and ~1.1x at 32-64 tokens; after a cached prefix, 64 tokens
-# over 960 1.47x, 128 over 896 1.53x, 192 over 832 1.68x, 32 over 992 1.3x (a 7 ms step).
+# 256 to 1,024 tokens, 1.03-1.3x at 128 and ~1.1x at 32-64 tokens; after a cached prefix (three
+# interleaved runs), 64 tokens over 960 1.45-1.54x, 128 over 896 1.23-1.60x, 192 over 832
+# 1.24-1.68x, 32 over 992 1.3x (a 7 ms step).
 WIDE_STEP_TOKENS = 256
 WIDE_STEP_SPAN = 48 * 1024
 
