@@ -422,8 +422,8 @@ def engine_threads(engines: int, cpus: int | None = None) -> int:
 
 def prefill_threads(torch_threads: int, cpus: int | None = None) -> int:
     """The most torch threads an engine process takes for a wide step (a long prompt's chunk):
-    every CPU, never fewer than its other steps get. A wide step takes only the CPUs free when it
-    starts (yutu.engine.cpus), so a prefill instance computes on the decode instance's core while
+    every CPU, never fewer than its other steps get. A wide step takes only the CPUs no other engine
+    computes on when it starts (yutu.engine.cpus), so a prefill instance computes on the decode instance's core while
     that decode idles and keeps to its own while it decodes; the front ends' core is lent too (they
     have nothing to send while such a step runs). Measured with the demo model on 2 cores: one
     1,024-token prompt 1.6x faster on two threads than on one."""

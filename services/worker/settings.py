@@ -128,7 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         type=int,
         default=0,
         help="most threads for a step of 256 tokens or more -- a long prompt's chunk -- on CPU: it takes"
-        " the CPUs no other engine computes on when it starts, never fewer than --torch-threads (0: as --torch-threads)",
+        " the CPUs no other engine computes on when it starts, never fewer than --torch-threads"
+        " (0: as --torch-threads)",
     )
     own(
         engine,

@@ -114,8 +114,9 @@ class EngineConfig:
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
     dense_decode_bytes: int | None = None
-    # The most torch threads a wide step (a long prompt's chunk; see WIDE_STEP_TOKENS) takes on CPU: as many as are free when it starts (yutu.engine.cpus), never fewer than the
-    # process's threads, which every other step runs on. None: the process's threads for every step.
+    # The most torch threads a wide step (a long prompt's chunk; see WIDE_STEP_TOKENS) takes on CPU:
+    # those no other engine of the host computes on when it starts (yutu.engine.cpus), never fewer
+    # than the process's threads, which every other step runs on. None: the process's threads always.
     prefill_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -438,8 +439,8 @@ class LLMEngine:
         return outputs
 
     def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
-        """The torch threads ``batch`` runs on: for a wide step on CPU, as many as are free, up to
-        ``prefill_threads`` (yutu.engine.cpus); otherwise the process's."""
+        """The torch threads ``batch`` runs on: for a wide step on CPU, the CPUs no other engine
+        computes on, up to ``prefill_threads`` (yutu.engine.cpus); otherwise the process's."""
         if self.wide_step_threads is None or not is_wide(batch):
             return contextlib.nullcontext()
         self.last_wide_threads = self.wide_step_threads.pick(torch.get_num_threads())
