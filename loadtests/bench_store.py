@@ -36,9 +36,10 @@ before: its gets skip the master while the lease lasts (see ``yutu.store.client`
 judged on the cold rows only; warm ratios are printed as ``[info]`` lines next to them.
 
 Design floors: the protocol fixes a minimum cost per call that no implementation of it can go
-below -- a cold get is one master round trip and the copy; a put is two round trips (put_start,
-put_end) and the copy (its Redis metadata write is written behind, see
-services.store_master.settle). The script measures those pieces in the same run -- a bare TCP
+below -- a cold get is one master round trip and the copy; a put is one round trip (its commit)
+and the copy when it writes into space reserved ahead (single-replica puts of up to
+``StoreClientConfig.reserve_bytes`` per call, the default: yutu.store.reservations), else two
+(put_start, put_end); its Redis metadata write is written behind (services.store_master.settle). The script measures those pieces in the same run -- a bare TCP
 round trip between two processes (clients call the master over its stream RPC, yutu.rpc.stream;
 a bare ZeroMQ DEALER/ROUTER round trip, its reference, and a Redis HSET of one metadata record are
 printed as information) -- and prints, for every target, the best ratio a call could reach if it
@@ -298,7 +299,8 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
 def design_bound(res: dict[str, Any], op: str, nbytes: int, bytes_per_s: float) -> float:
     """Seconds a call moving ``nbytes`` cannot go below (see "Design floors" in the docstring)."""
     rtt = res["floors"]["tcp_rtt"]["p50_us"] * 1e-6  # the master's stream RPC
-    return (1 if op == "get" else 2) * rtt + nbytes / bytes_per_s
+    reserved = nbytes <= StoreClientConfig.reserve_bytes  # a put into reservations: its commit only
+    return (1 if op == "get" or reserved else 2) * rtt + nbytes / bytes_per_s
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:

@@ -61,6 +61,9 @@ class Handlers:
             p.BatchPutEnd: self.batch_put_end,
             p.PutRevoke: self.put_revoke,
             p.BatchPutRevoke: self.batch_put_revoke,
+            p.BatchReserve: self.batch_reserve,
+            p.BatchPutCommit: self.batch_put_commit,
+            p.BatchUnreserve: self.batch_unreserve,
             p.GetReplicas: self.get_replicas,
             p.BatchGetReplicas: self.batch_get_replicas,
             p.Exists: self.exists,
@@ -185,6 +188,61 @@ class Handlers:
         results = await each(list(zip(keys, put_ids, strict=True)), one)
         await self._settled()
         return p.BatchReply(results)
+
+    # -- reservations (puts keyed at the end: see services.store_master.puts) ---------------------
+
+    def _reserve(self, size: Any, writer: Any) -> p.PutSlot:
+        """One reservation; raises NoSpaceError when no segment has room."""
+        pending = self.state.reserve(size, writer)
+        if self.state.over_watermark():
+            self.state.evict()
+        return p.PutSlot(pending.put_id, descriptors(self.state.segments, pending.replicas))
+
+    async def batch_reserve(self, m: p.BatchReserve) -> p.BatchReserveReply:
+        _lists("sizes", m.sizes)
+        try:
+            results = await each(
+                m.sizes,
+                lambda size: self._reserve(size, m.writer),
+                lambda size: self.room.make(lambda: self._reserve(size, m.writer), size),
+            )
+        finally:
+            await self._settled(Durability.SOON)  # nothing to persist unless it evicted
+        return p.BatchReserveReply(results, self.state.policy.put_timeout_s)
+
+    async def batch_put_commit(self, m: p.BatchPutCommit) -> p.BatchPutCommitReply:
+        """Each key's commit, then the releases and the refills (which do not wait for room: a
+        writer without a reservation puts the classic way). Written behind like put_end unless a
+        commit released space or a refill evicted (see settle)."""
+        _lists("keys and put_ids", m.keys, m.put_ids)
+        _lists("refill", m.refill)
+        _lists("releases", m.release)
+        released = False
+        rounds = self.state.counters.eviction_rounds
+
+        def one(pair: tuple[str, str]) -> int:
+            nonlocal released
+            done = self.state.commit(pair[0], pair[1], m.soft_pin, m.upsert)
+            released = bool(done) or released
+            return int(done is not None)
+
+        try:
+            results = await each(list(zip(m.keys, m.put_ids, strict=True)), one)
+            await each(m.release, self.state.unreserve)  # one already reclaimed is gone all the same
+            refills = await each(m.refill, lambda size: self._reserve(size, m.writer))
+        finally:
+            evicted = self.state.counters.eviction_rounds != rounds
+            await self._settled(Durability.NOW if released or evicted else Durability.BEHIND)
+        return p.BatchPutCommitReply(results, refills, self.state.policy.put_timeout_s)
+
+    async def batch_unreserve(self, m: p.BatchUnreserve) -> p.BatchReply:
+        _lists("put_ids", m.put_ids)
+
+        def one(put_id: str) -> int:
+            self.state.unreserve(put_id)
+            return 1
+
+        return p.BatchReply(await each(m.put_ids, one))
 
     # -- reads -----------------------------------------------------------------------------------
 

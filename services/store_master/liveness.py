@@ -101,6 +101,9 @@ class Membership:
                 if entry.pending is None:
                     del self.core.objects[key]
             self.core.effects.dirty_objects.add(key)
+        for put_id in [i for i, r in self.core.reserved.items() if r.replicas[0].segment == name]:
+            del self.core.reserved[put_id]  # its writer's commit will be told it is gone
+            dropped += 1
         self.core.retired = [r for r in self.core.retired if r[1] != name]
         self.core.disk.segment_dropped(name)
         self.core.segments.remove(name)

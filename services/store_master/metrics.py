@@ -33,6 +33,7 @@ def collect_stats(
         "segments": len(state.segments),
         "objects": sum(1 for e in state.objects.values() if e.readable),
         "pending_puts": sum(1 for e in state.objects.values() if e.pending is not None),
+        "reserved_puts": len(state.reserved),
         "retired_extents": len(state.retired),
         "disk_capacity": sum(s.disk_capacity for s in segments),
         "disk_used": sum(s.disk_used for s in segments),
@@ -56,6 +57,7 @@ _GAUGES = {
     "segments": "mounted segments",
     "objects": "readable objects",
     "pending_puts": "puts started and not yet ended",
+    "reserved_puts": "reservations: space held for writers' next puts, not yet committed",
     "disk_capacity": "bytes of disk tier offered by nodes",
     "disk_used": "bytes of objects in disk tiers",
 }

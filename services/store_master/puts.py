@@ -1,8 +1,15 @@
 """Puts in progress: ``put_start`` places the replicas a writer fills, ``put_end`` makes them
 readable (replacing an upserted object's replicas) and ``put_revoke`` abandons them.
 
+Reservations are puts whose key comes last: ``reserve`` places one replica for a writer ahead of
+its puts, ``commit`` names the key and ends the put, ``unreserve`` gives the space back. A writer
+holding reservations puts with one transfer and one RPC (the commit, which also reserves again)
+instead of two RPCs around the transfer. They live in ``core.reserved``, not among the objects,
+and are not persisted: a restarted master counts their space free, so a writer drops its
+reservations when its connection to the master drops (:mod:`yutu.store.reservations`).
+
 A put is known by its ``put_id``: a random prefix per master process and a serial, unique across
-restarts. Reclaiming puts whose writer is gone is the sweep's job.
+restarts. Reclaiming puts (and reservations) not ended within the put timeout is the sweep's job.
 """
 
 from __future__ import annotations
@@ -42,17 +49,36 @@ class Puts:
         check_int("size", size, 1)
         check_int("replicas", replicas, 1)
         entry = self.core.objects.get(key)
-        if entry is not None:
-            if entry.pending is not None:
-                if not upsert:
-                    return None, []
-                raise YutuError(
-                    f"key {key!r} is being written by {entry.pending.writer or 'another writer'}; retry the upsert "
-                    "after that put ends",
-                    ErrorKind.OVERLOADED,
-                )
-            if entry.readable and not upsert:
-                return None, []
+        if self._taken(entry, upsert):
+            return None, []
+        pending = self._place(size, replicas, writer, repr(key))
+        if entry is None:
+            entry = ObjectEntry(key, 0, [], pending.started_at)
+            self.core.objects[key] = entry
+        entry.pending = pending
+        entry.soft_pin = bool(soft_pin) or (upsert and entry.soft_pin)
+        self.core.effects.dirty_objects.add(key)
+        return pending.put_id, pending.replicas
+
+    @staticmethod
+    def _taken(entry: ObjectEntry | None, upsert: bool) -> bool:
+        """Whether a put of ``entry``'s key must not go ahead: it is stored, or being stored, and
+        not ``upsert``. Raises OVERLOADED for an upsert while another put of the key runs."""
+        if entry is None:
+            return False
+        if entry.pending is not None:
+            if not upsert:
+                return True
+            raise YutuError(
+                f"key {entry.key!r} is being written by {entry.pending.writer or 'another writer'}; retry the "
+                "upsert after that put ends",
+                ErrorKind.OVERLOADED,
+            )
+        return entry.readable and not upsert
+
+    def _place(self, size: int, replicas: int, writer: str, what: str) -> PendingPut:
+        """A new put of ``size`` bytes with ``replicas`` WRITING replicas placed; raises TOO_LARGE,
+        UNAVAILABLE (no segment) or :class:`NoSpaceError` (the caller evicts and retries)."""
         if size > self.core.segments.largest_segment:
             if not len(self.core.segments):
                 raise YutuError("no store segment is mounted: start a store node", ErrorKind.UNAVAILABLE)
@@ -63,23 +89,61 @@ class Puts:
             )
         placed = self.core.segments.place(size, replicas)
         if not placed:
-            raise NoSpaceError(f"no segment has {size} free bytes for {key!r}: evict or add capacity")
-        now = self.core.clock()
-        put_id = f"{self.core.put_prefix}{next(self.core.put_serial):x}"
-        pending = PendingPut(
-            put_id,
+            raise NoSpaceError(f"no segment has {size} free bytes for {what}: evict or add capacity")
+        return PendingPut(
+            f"{self.core.put_prefix}{next(self.core.put_serial):x}",
             size,
             [Replica(name, offset, size, ReplicaState.WRITING) for name, offset in placed],
-            now,
+            self.core.clock(),
             writer if isinstance(writer, str) else "",
         )
+
+    def reserve(self, size: int, writer: str = "") -> PendingPut:
+        """Place one replica of ``size`` bytes for a put ``writer`` keys at :meth:`commit`.
+        Raises as :meth:`put_start` when there is no room."""
+        check_int("size", size, 1)
+        pending = self._place(size, 1, writer, "a reservation")
+        self.core.reserved[pending.put_id] = pending
+        return pending
+
+    def commit(self, key: str, put_id: str, soft_pin: bool = False, upsert: bool = False) -> bool | None:
+        """End reservation ``put_id``'s put as ``key``'s (as put_start + put_end would). None when
+        ``key`` is stored or being stored and not ``upsert``: nothing changes, the reservation stays
+        its writer's. Else put_end's answer: True when it released space (an upsert)."""
+        try:
+            validate_key(key)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        pending = self.core.reserved.get(put_id) if isinstance(put_id, str) else None
+        if pending is None:
+            raise self._no_reservation(put_id)
+        entry = self.core.objects.get(key)
+        if self._taken(entry, upsert):
+            return None
+        del self.core.reserved[put_id]
         if entry is None:
-            entry = ObjectEntry(key, 0, [], now)
+            entry = ObjectEntry(key, 0, [], self.core.clock())
             self.core.objects[key] = entry
         entry.pending = pending
         entry.soft_pin = bool(soft_pin) or (upsert and entry.soft_pin)
-        self.core.effects.dirty_objects.add(key)
-        return put_id, pending.replicas
+        return self.put_end(key, put_id)
+
+    def unreserve(self, put_id: str) -> None:
+        """Free a reservation at once (its writer gave it back)."""
+        pending = self.core.reserved.pop(put_id, None) if isinstance(put_id, str) else None
+        if pending is None:
+            raise self._no_reservation(put_id)
+        for replica in pending.replicas:
+            assert replica.offset is not None
+            self.core.segments.free(replica.segment, replica.offset)
+
+    @staticmethod
+    def _no_reservation(put_id: object) -> YutuError:
+        return YutuError(
+            f"no reservation {put_id!r} (reclaimed after the put timeout, its node was lost, or the master "
+            "restarted): put the object again",
+            ErrorKind.NOT_FOUND,
+        )
 
     def put_end(self, key: str, put_id: str) -> bool:
         """Make the pending put readable; replaced replicas (upsert) are released. True when it

@@ -60,6 +60,9 @@ class MasterState(StateCore):
         self.put_start = self.puts.put_start
         self.put_end = self.puts.put_end
         self.put_revoke = self.puts.put_revoke
+        self.reserve = self.puts.reserve
+        self.commit = self.puts.commit
+        self.unreserve = self.puts.unreserve
         self.over_watermark = self.evictor.over_watermark
         self.evict = self.evictor.evict
         self.next_release_at = self.evictor.next_release_at
@@ -94,7 +97,8 @@ class MasterState(StateCore):
     # -- housekeeping ----------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Drop silent nodes, reclaim abandoned puts, free retired space, evict past the watermark."""
+        """Drop silent nodes, reclaim abandoned puts and reservations, free retired space, evict past
+        the watermark."""
         now = self.clock()
         for name in self.segments.expired(now, self.policy.node_ttl_s):
             self.drop_segment(name)
@@ -103,6 +107,9 @@ class MasterState(StateCore):
             if now - entry.pending.started_at > self.policy.put_timeout_s:
                 self.counters.reclaimed_puts += 1
                 self.put_revoke(entry.key, entry.pending.put_id)
+        for put_id in [i for i, r in self.reserved.items() if now - r.started_at > self.policy.put_timeout_s]:
+            self.counters.reclaimed_puts += 1
+            self.unreserve(put_id)
         due = [r for r in self.retired if r[0] <= now]
         if due:
             self.retired = [r for r in self.retired if r[0] > now]
@@ -119,7 +126,7 @@ class MasterState(StateCore):
         Restored segments count as alive now: a node that does not heartbeat within the node TTL
         loses them as usual.
         """
-        assert not self.objects and not len(self.segments)
+        assert not self.objects and not self.reserved and not len(self.segments)
         now = self.clock()
         for segment in segments:
             segment.last_seen = now
@@ -171,6 +178,14 @@ class MasterState(StateCore):
                     )
             for name in names:
                 expected[name] = expected.get(name, 0) + 1
+        for reservation in self.reserved.values():
+            (replica,) = reservation.replicas
+            assert replica.offset is not None
+            size = self.segments.allocators[replica.segment].allocated_size(replica.offset)
+            assert size == align_up(replica.length, self.policy.alignment), (
+                f"bad extent for {reservation.put_id}"
+            )
+            expected[replica.segment] = expected.get(replica.segment, 0) + 1
         for _, segment, offset in self.retired:
             assert self.segments.allocators[segment].allocated_size(offset) is not None
             expected[segment] = expected.get(segment, 0) + 1

@@ -22,7 +22,7 @@ from yutu.store.types import Medium
 
 from services.store_master.disk_tier import DiskTier
 from services.store_master.eviction_order import EvictionOrder
-from services.store_master.objects import NodeTask, ObjectEntry, Replica
+from services.store_master.objects import NodeTask, ObjectEntry, PendingPut, Replica
 from services.store_master.segments import SegmentTable
 
 
@@ -94,7 +94,7 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
 
 
 class StateCore:
-    """The master's tables (segments, objects, eviction order, retired extents, disk tier) and the
+    """The master's tables (segments, objects, reservations, eviction order, retired extents, disk tier) and the
     effects and counters its operations leave; only the state's own operations mutate them."""
 
     def __init__(self, policy: StatePolicy, clock: Callable[[], float] = time.time) -> None:
@@ -102,6 +102,7 @@ class StateCore:
         self.clock = clock
         self.segments = SegmentTable(policy.alignment)
         self.objects: dict[str, ObjectEntry] = {}
+        self.reserved: dict[str, PendingPut] = {}  # put_id -> a reservation (see services.store_master.puts)
         self.eviction = EvictionOrder(policy.eviction_policy, policy.alignment)  # objects holding DRAM
         self.retired: list[tuple[float, str, int]] = []  # (free at, segment, offset)
         self.disk = DiskTier(self)

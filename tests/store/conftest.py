@@ -71,6 +71,9 @@ class Proc:
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.admin + path, timeout=5.0)
 
+    def post(self, path: str) -> httpx.Response:
+        return httpx.post(self.admin + path, timeout=5.0)
+
 
 @dataclass
 class Cluster:

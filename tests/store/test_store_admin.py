@@ -21,10 +21,12 @@ async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster)
     assert master.get("/ready").json() == {"ready": True}
     assert master.get("/info").json()["kind"] == "store-master"
     stats = master.get("/stats").json()
-    assert (stats["capacity"], stats["used"], stats["objects"], stats["segments"]) == (2 << 20, 3 * 128, 3, 1)
+    # three objects and the client's reservation for its next put of that size
+    assert (stats["capacity"], stats["used"], stats["objects"], stats["segments"]) == (2 << 20, 4 * 128, 3, 1)
+    assert stats["reserved_puts"] == 1
     (segment,) = master.get("/segments").json()
     assert (segment["segment"], segment["node_id"], segment["allocations"], segment["fragmentation"]) == (
-        "n0", "n0", 3, 0.0,
+        "n0", "n0", 4, 0.0,
     )  # fmt: skip
     obj = master.get("/objects/00bb").json()
     assert obj["size"] == 100 and obj["replicas"] == [
@@ -35,8 +37,10 @@ async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster)
     for line in (
         "yutu_store_capacity 2.097152e+06",
         "yutu_store_objects 3.0",
-        'yutu_store_ops_total{op="BatchPutStart",outcome="ok"} 3.0',
-        'yutu_store_op_latency_seconds_count{op="BatchPutEnd"} 3.0',
+        # the first put reserves, every put commits (and reserves the next)
+        'yutu_store_ops_total{op="BatchReserve",outcome="ok"} 1.0',
+        'yutu_store_op_latency_seconds_count{op="BatchPutCommit"} 3.0',
+        "yutu_store_reserved_puts 1.0",
         "yutu_store_evicted_objects_total 0.0",
     ):
         assert line in metrics, line

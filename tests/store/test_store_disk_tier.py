@@ -14,7 +14,7 @@ async def test_evicted_objects_go_to_disk_and_come_back(store_cluster: Cluster, 
     master = store_cluster.master()
     disk = tmp_path / "disk"
     node = store_cluster.node("n0", size="1MiB", disk_dir=str(disk), disk_capacity="4MiB")
-    client = await store_cluster.client()
+    client = await store_cluster.client(reserve_bytes=0)  # exact space: no reservations held
     blobs = {f"d{i:02d}": os.urandom(SLOT - 7 * i) for i in range(24)}  # 1.5x the DRAM segment
     for key, data in blobs.items():
         assert await client.put(key, data) is True

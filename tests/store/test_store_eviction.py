@@ -37,7 +37,7 @@ async def test_eviction_order_and_protected_objects(store_cluster: Cluster) -> N
     sub.connect(endpoints["kv_events"])
     await asyncio.sleep(0.3)  # let the subscription reach the publisher
     rpc = RpcClient(p.CHANNEL, endpoints["rpc"])
-    client = await store_cluster.client()
+    client = await store_cluster.client(reserve_bytes=0)  # exact space: no reservations held
     data = {f"k{i:02d}": os.urandom(SLOT) for i in range(15)}
     try:
         await client.put("k00", data["k00"], soft_pin=True)  # pinned
@@ -84,7 +84,7 @@ async def test_eviction_order_and_protected_objects(store_cluster: Cluster) -> N
 async def test_lease_expiry_and_abandoned_put(store_cluster: Cluster) -> None:
     master = store_cluster.master()  # lease 1 s, put timeout 3 s
     store_cluster.node("n0", size="1MiB")
-    client = await store_cluster.client()
+    client = await store_cluster.client(reserve_bytes=0)  # exact space: no reservations held
     endpoints = await _master_endpoints(store_cluster)
     rpc = RpcClient(p.CHANNEL, endpoints["rpc"])
     try:
@@ -113,7 +113,7 @@ async def test_lease_expiry_and_abandoned_put(store_cluster: Cluster) -> None:
 async def test_eviction_policy_option_lfu_keeps_the_frequently_read(store_cluster: Cluster) -> None:
     master = store_cluster.master(eviction_policy="lfu")
     store_cluster.node("n0", size="1MiB")  # 16 slots of 64 KiB
-    client = await store_cluster.client()
+    client = await store_cluster.client(reserve_bytes=0)  # exact space: no reservations held
     keys = [f"k{i:02d}" for i in range(14)]
     await client.put_batch([(k, bytes([i]) * SLOT) for i, k in enumerate(keys)])  # 87.5 %
     await client.get("k00")

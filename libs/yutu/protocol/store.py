@@ -8,6 +8,10 @@ Calls (request -> reply), after Mooncake's master RPCs::
     PutStart / BatchPutStart                -> PutStartReply / BatchPutStartReply   allocate: where to write
     PutEnd / BatchPutEnd                    -> Ack / BatchReply       bytes written: make readable
     PutRevoke / BatchPutRevoke              -> Ack / BatchReply       writer gave up: free the space
+    BatchReserve                            -> BatchReserveReply      allocate for puts keyed later
+    BatchPutCommit                          -> BatchPutCommitReply    reserved space written: key it,
+                                                                      make it readable, reserve again
+    BatchUnreserve                          -> BatchReply             reservations given back
     GetReplicas / BatchGetReplicas          -> ReplicasReply / BatchReplicasReply   grants a read lease
     Exists / BatchExists                    -> ExistsReply / BatchExistsReply
     Remove / BatchRemove / RemoveAll        -> Ack / BatchReply / Ack
@@ -408,6 +412,63 @@ class PutRevoke:
 @dataclass
 class BatchPutRevoke:
     keys: list[str]
+    put_ids: list[str]
+
+
+@CHANNEL.message("batch_reserve")
+@dataclass
+class BatchReserve:
+    """Allocate one replica of each size for puts whose keys the writer names when it commits
+    them (:class:`BatchPutCommit`): a writer that holds reservations puts with one transfer and
+    one RPC. Unused reservations are reclaimed ``ttl_s`` after they were made (the put timeout)."""
+
+    sizes: list[int]
+    writer: str = ""
+
+
+@CHANNEL.message("batch_reserve_ok")
+@dataclass
+class BatchReserveReply:
+    results: list[Outcome[PutSlot]]  # a reservation per size (its put_id and the one replica to write)
+    ttl_s: float  # the master reclaims a reservation not committed this long after it was made
+
+    def __post_init__(self) -> None:
+        self.results = _outcomes(self.results, PutSlot.from_wire)
+
+
+@CHANNEL.message("batch_put_commit")
+@dataclass
+class BatchPutCommit:
+    """``keys[i]`` is written in reservation ``put_ids[i]``: make it readable (as put_end). Then
+    free the reservations in ``release`` and make new ones of the sizes in ``refill``."""
+
+    keys: list[str]
+    put_ids: list[str]
+    soft_pin: bool = False
+    upsert: bool = False
+    writer: str = ""
+    refill: list[int] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+
+
+@CHANNEL.message("batch_put_commit_ok")
+@dataclass
+class BatchPutCommitReply:
+    """Per key 1 (stored) or 0 (already stored, not upserted: the reservation is still the
+    writer's); NOT_FOUND when the reservation is gone (reclaimed, or its node was lost)."""
+
+    results: list[Outcome[int]]
+    refills: list[Outcome[PutSlot]]
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        self.results = _outcomes(self.results, _count)
+        self.refills = _outcomes(self.refills, PutSlot.from_wire)
+
+
+@CHANNEL.message("batch_unreserve")
+@dataclass
+class BatchUnreserve:
     put_ids: list[str]
 
 

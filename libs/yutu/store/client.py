@@ -7,7 +7,8 @@
         await store.get_into("ab12...", buf, offset=0)                      #   straight into buf
 
 Every call is batched: one RPC to the master for all keys (``BatchPutStart``/``BatchGetReplicas``),
-one transfer submission for all blocks, one RPC to finish (``BatchPutEnd``). A put writes every
+one transfer submission for all blocks, one RPC to finish (``BatchPutEnd``); a put into space
+reserved ahead skips the first RPC (``StoreClientConfig.reserve_bytes``, :mod:`yutu.store.reservations`). A put writes every
 replica the master allocated and revokes the put if any write fails. A get reads each key from its
 best replica (same host first) and falls back to the next replica when a transfer fails. Those
 protocols live in :mod:`yutu.store.datapath`; this module is the API around them: argument checks,
@@ -71,6 +72,10 @@ class StoreClientConfig:
     heartbeat_interval_s: float = 1.0
     lease_cache: bool = False  # reuse replica descriptors while their read lease lasts (module doc)
     lease_cache_margin_s: float = 1.0  # stop using a cached entry this long before its lease ends
+    # single-replica puts of up to this many bytes per call write into space reserved ahead and
+    # cost one master RPC instead of two; the client holds at most this much (yutu.store.reservations).
+    # 0: every put is put_start / write / put_end
+    reserve_bytes: int = 32 << 20
 
 
 class StoreClient:
@@ -136,7 +141,7 @@ class StoreClient:
         await self.master.connect()
         self._datapath = DataPath(
             self.master, engine, self._leases, client_id=self.client_id, host_id=self.host_id,
-            lease_cache=c.lease_cache,
+            lease_cache=c.lease_cache, reserve_bytes=c.reserve_bytes,
         )  # fmt: skip
         if c.segment_bytes > 0:
             incarnation = engine.descriptor().incarnation
@@ -151,6 +156,8 @@ class StoreClient:
         try:
             if self._segment is not None:
                 await self._segment.close()
+            if self._datapath is not None:
+                await self._datapath.close()
             if self.master is not None:
                 await self.master.close()
         finally:

@@ -7,6 +7,10 @@ no ZeroMQ I/O-thread hops, ~100 us less per call on a small host) when it is adv
 ``stream`` is on, else its ZeroMQ one (``rpc``, the reference). When a call finds the master
 unreachable and the registry now names another endpoint (the master restarted on a new port), the
 client switches to it and retries once; otherwise the error goes up.
+
+:attr:`MasterClient.session` changes when the stream connection to the master drops: a writer's
+reservations (:mod:`yutu.store.reservations`) are good only in the session they were made in,
+since a restarted master has forgotten them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from yutu.errors import ErrorKind, YutuError
@@ -45,12 +50,16 @@ async def find_master(registry: Registry, stream: bool = False) -> str:
 FIND_AGAIN_S = 0.25  # a stream endpoint from the registry that refuses: read the registry again this often
 
 
-def _rpc_client(endpoint: str, timeout_s: float, found: bool) -> RpcClient | StreamRpcClient:
+def _rpc_client(
+    endpoint: str, timeout_s: float, found: bool, on_connection: Callable[[bool], None]
+) -> RpcClient | StreamRpcClient:
     """``stream+tcp://...``: the stream RPC; ``tcp://...``: ZeroMQ. ``found`` (in the registry):
     connection attempts give up after FIND_AGAIN_S, for the caller to look the master up again."""
     if endpoint.startswith("stream+"):
         connect_timeout = FIND_AGAIN_S if found else None
-        return StreamRpcClient(p.CHANNEL, endpoint.removeprefix("stream+"), timeout_s, connect_timeout)
+        return StreamRpcClient(
+            p.CHANNEL, endpoint.removeprefix("stream+"), timeout_s, connect_timeout, on_connection
+        )
     return RpcClient(p.CHANNEL, endpoint, timeout_s)
 
 
@@ -70,6 +79,18 @@ class MasterClient:
         self.stream = stream
         self._rpc: RpcClient | StreamRpcClient | None = None
         self._address: str | None = None  # the endpoint _rpc talks to, as find_master names it
+        self._lost = 0  # stream connections lost, and moves to another endpoint (see session)
+
+    @property
+    def session(self) -> int | None:
+        """Changes whenever the stream connection to the master drops or the client moves to
+        another endpoint: a reply to a call made when the session was ``s`` came from the master of
+        session ``s``. None when the master is reached over ZeroMQ (no connection to watch)."""
+        return self._lost if isinstance(self._rpc, StreamRpcClient) else None
+
+    def _connection_changed(self, up: bool) -> None:
+        if not up:
+            self._lost += 1
 
     @property
     def endpoint(self) -> str | None:
@@ -84,10 +105,11 @@ class MasterClient:
             return
         old, self._rpc, self._address = (
             self._rpc,
-            _rpc_client(endpoint, self.timeout_s, self._fixed is None),
+            _rpc_client(endpoint, self.timeout_s, self._fixed is None, self._connection_changed),
             endpoint,
         )
         if old is not None:
+            self._lost += 1
             log.info("store master moved from %s to %s", old.endpoint, endpoint)
             await old.close()
 
