@@ -227,11 +227,11 @@ async def bench_store_size(
     return out
 
 
-async def run_store(store: Store, working_set: int, seconds: float) -> dict[str, Any]:
+async def run_store(store: Store, working_set: int, seconds: float, reserve_bytes: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for transport, transports in (("tcp", ("tcp",)), ("shm", ("shm", "tcp"))):
         config = StoreClientConfig(store.redis_url, prefix=store.prefix, staging_bytes=BATCH * 4 * MiB + MiB,
-                                   transports=transports)  # fmt: skip
+                                   transports=transports, reserve_bytes=reserve_bytes)  # fmt: skip
         warm_config = dataclasses.replace(config, lease_cache=True, staging_bytes=MiB)
         async with StoreClient(config) as client, StoreClient(warm_config) as warm:
             src = client.register_buffer("src", working_set)
@@ -299,7 +299,7 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
 def design_bound(res: dict[str, Any], op: str, nbytes: int, bytes_per_s: float) -> float:
     """Seconds a call moving ``nbytes`` cannot go below (see "Design floors" in the docstring)."""
     rtt = res["floors"]["tcp_rtt"]["p50_us"] * 1e-6  # the master's stream RPC
-    reserved = nbytes <= StoreClientConfig.reserve_bytes  # a put into reservations: its commit only
+    reserved = nbytes <= res["reserve_bytes"]  # a put into reservations: its commit only
     return (1 if op == "get" or reserved else 2) * rtt + nbytes / bytes_per_s
 
 
@@ -377,6 +377,10 @@ def main() -> int:
                         "median over rounds (a shared machine's load drifts)")  # fmt: skip
     parser.add_argument("--mooncake", default="auto",
                         help="the Mooncake peer's python; 'auto': loadtests/setup_mooncake.sh's if made; 'off'")  # fmt: skip
+    parser.add_argument("--reserve-bytes", type=int, default=StoreClientConfig.reserve_bytes,
+                        help="the store clients' reserve_bytes: single-replica puts of up to this many bytes per "
+                        "call write into space reserved ahead (one master RPC); 0 measures the classic "
+                        "put_start / put_end protocol (default %(default)s)")  # fmt: skip
     args = parser.parse_args()
     mooncake = (
         None
@@ -429,7 +433,7 @@ def main() -> int:
                 peers.append(run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log"))
             print("store...", flush=True)
             # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
-            stores.append(uvloop.run(run_store(store, working_set, args.seconds)))
+            stores.append(uvloop.run(run_store(store, working_set, args.seconds, args.reserve_bytes)))
         res = {"baselines": baselines, "floors": floors, "store": median_of(stores)}
         if peers:
             res["mooncake"] = median_of(peers)
@@ -438,6 +442,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     rows = report(res)
     res["rows"] = rows
+    res["reserve_bytes"] = args.reserve_bytes
     res["targets"] = targets(res)
     if "mooncake" in res:
         res["mooncake_targets"] = compare(res, SIZES)
