@@ -10,8 +10,9 @@ loadtests/setup_mooncake.sh) and returns its rows; ``compare`` judges Yutu's row
 
 A single 64 KiB op is bounded by its fixed costs, not by bytes: a get is one round trip to the
 master (its stream RPC: a plain TCP round trip at least) plus one TCP exchange with the node; a put
-into space reserved ahead is the same: one exchange and one master round trip, its commit (its
-Redis metadata write is written behind). ``compare`` prints that bound (from the same run's floors
+into space reserved ahead (``reserve_bytes``, see bench_store) is the same: one exchange and one
+master round trip, its commit; a classic put is two round trips (put_start, put_end) and the
+exchange (the Redis metadata write is written behind either way). ``compare`` prints that bound (from the same run's floors
 and socket baseline) next to the 64 KiB single rows.
 """
 
@@ -61,7 +62,13 @@ def small_bound_us(res: dict[str, Any], op: str, size: int) -> float:
     """Microseconds a single op of ``size`` bytes cannot go below in this design (fixed costs only)."""
     floors, socket = res["floors"], res["baselines"][str(size)]["socket"]
     rtt, wire = floors["tcp_rtt"]["p50_us"], socket["p50_us"]  # the master's stream RPC; one exchange
-    return rtt + wire  # a get: locate, read; a put into a reservation: write, commit
+    return master_trips(res, op, size) * rtt + wire
+
+
+def master_trips(res: dict[str, Any], op: str, size: int) -> int:
+    """Round trips to the master of a single op: a get locates, a put into a reservation commits
+    (one each); a classic put starts and ends."""
+    return 1 if op == "get" or size <= res["reserve_bytes"] else 2
 
 
 def compare(res: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
@@ -104,7 +111,8 @@ def compare(res: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
         bound = small_bound_us(res, op, size)
         mine = res["store"][f"tcp/{size}"][f"{op}/single/zero-copy"]["p50_us"]
         theirs = mc[str(size)][f"{op}/single"]["p50_us"]
-        print(f"[info] {size // KiB} KiB single {op}: fixed costs alone {bound:.0f} us (TCP round trip"
+        trips = "round trip" if master_trips(res, op, size) == 1 else "round trips x2"
+        print(f"[info] {size // KiB} KiB single {op}: fixed costs alone {bound:.0f} us (TCP {trips}"
               " to the master + one socket exchange) -> at best "
               f"x{theirs / bound:.2f} Mooncake's p50 of {theirs:.0f} us; ours {mine:.0f} us")  # fmt: skip
     return out
