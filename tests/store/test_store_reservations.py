@@ -208,3 +208,31 @@ async def test_closing_the_client_gives_its_reservations_back(store_cluster: Clu
     await client.close()
     stats = master.get("/stats").json()
     assert (stats["reserved_puts"], stats["used"]) == (0, 8 * 1024)
+
+
+async def test_reservations_on_a_lost_node_fall_back_to_classic_puts_on_the_live_one(
+    store_cluster: Cluster,
+) -> None:
+    # node TTL 1.5 s; reservations usable for half the put timeout: longer than n0 takes to drop
+    master = store_cluster.master(put_timeout="30")
+    n0 = store_cluster.node("n0", size="32MiB")  # the most free space: placement picks it
+    store_cluster.node("n1")
+    client = await store_cluster.client(transports=("tcp",))
+    assert await client.put_batch({f"a{i}": os.urandom(10_000) for i in range(8)}) == [True] * 8
+    pool = client._io.reservations
+    assert pool is not None
+    segments = set()
+    for _ in range(8):  # the client's reservations for its next put
+        r = pool.take(10_000, client.master.session, time.monotonic())  # type: ignore[union-attr, arg-type]
+        assert r is not None
+        segments.add(r.replica.segment)
+        pool.add(r)
+    assert segments == {"n0"}
+    n0.kill()
+    store_cluster.wait_for(lambda: master.get("/stats").json()["segments"] == 1, 10, "n0 dropped")
+    fresh = {f"b{i}": os.urandom(10_000) for i in range(8)}
+    assert await client.put_batch(fresh) == [True] * 8  # n0's reservations: write fails, put classic
+    assert await client.get_batch(list(fresh)) == list(fresh.values())
+    assert {r.segment for k in fresh for r in await client.replicas(k)} == {"n1"}
+    assert _ops(master, "BatchPutStart") == 1
+    assert master.post("/debug/check_integrity").json()["ok"] is True
