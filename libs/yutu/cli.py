@@ -385,7 +385,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
             specs.append(service(f"worker-{i}", "worker", *engine))
     else:
         policy = ["--policy", args.policy, "--disagg-threshold", str(args.disagg_threshold),
-                  "--balancing-threshold", str(args.balancing_threshold), "--block-size", str(args.block_size)]  # fmt: skip
+                  "--balancing-threshold", str(args.balancing_threshold), "--block-size", str(args.block_size),
+                  "--prefill-stealing" if args.prefill_stealing else "--no-prefill-stealing"]  # fmt: skip
         for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tbt-ms", args.slo_tbt_ms)):
             if value is not None:
                 policy += [flag, str(value)]

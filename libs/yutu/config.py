@@ -265,6 +265,14 @@ def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     )
     opt(
         parser,
+        "--prefill-stealing",
+        type=bool,
+        default=True,
+        help="a decode instance takes a prefill off a prefill instance's queue when it would finish it "
+        "sooner and that saves more time than it adds to the sequences decoding there",
+    )
+    opt(
+        parser,
         "--balancing-threshold",
         type=float,
         default=1.0,

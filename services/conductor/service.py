@@ -47,6 +47,7 @@ class PolicyChange(BaseModel):
     policy: str
     balancing_threshold: float | None = None
     disagg_threshold: int | None = None
+    prefill_stealing: bool | None = None
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
 
@@ -257,6 +258,9 @@ class ConductorService(Service):
             disagg_threshold=o.disagg_threshold
             if change.disagg_threshold is None
             else change.disagg_threshold,
+            prefill_stealing=o.prefill_stealing
+            if change.prefill_stealing is None
+            else change.prefill_stealing,
             slo_ttft_s=o.slo_ttft_s if change.slo_ttft_ms is None else change.slo_ttft_ms / 1000,
             slo_tbt_s=o.slo_tbt_s if change.slo_tbt_ms is None else change.slo_tbt_ms / 1000,
         )
@@ -271,6 +275,7 @@ class ConductorService(Service):
             "policy": self.policy.name,
             "balancing_threshold": o.balancing_threshold,
             "disagg_threshold": o.disagg_threshold,
+            "prefill_stealing": o.prefill_stealing,
             "slo_ttft_ms": None if o.slo_ttft_s is None else o.slo_ttft_s * 1000,
             "slo_tbt_ms": None if o.slo_tbt_s is None else o.slo_tbt_s * 1000,
             "ttft_correction": round(self.correction.factor, 3),  # measured / predicted TTFT, smoothed
@@ -358,6 +363,7 @@ def _options(options: PolicyOptions) -> dict[str, Any]:
     return {
         "balancing_threshold": options.balancing_threshold,
         "disagg_threshold": options.disagg_threshold,
+        "prefill_stealing": options.prefill_stealing,
         "slo_ttft_s": options.slo_ttft_s,
         "slo_tbt_s": options.slo_tbt_s,
     }

@@ -37,6 +37,7 @@ class ConductorSettings(ServiceSettings):
         options = PolicyOptions(
             balancing_threshold=args.balancing_threshold,
             disagg_threshold=args.disagg_threshold,
+            prefill_stealing=args.prefill_stealing,
             slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000.0,
             slo_tbt_s=None if args.slo_tbt_ms is None else args.slo_tbt_ms / 1000.0,
         )

@@ -32,6 +32,7 @@ All times are the conductor's monotonic clock, passed in; nothing here reads a c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from yutu.protocol.load import LoadReport
@@ -63,6 +64,7 @@ class Pending:
     placed_at: float
     ready_at: float  # predicted end of its prefill (when a decode instance gets it)
     handed_at: float | None = None  # its first token came: the decode instance has it from now on
+    local: bool = False  # on a decode instance that prefills it itself (no prefill instance named)
     floor: int | None = None  # on a decode: fewest running sequences of its signature seen since then
 
     @property
@@ -204,6 +206,7 @@ class GlobalView:
                         blocks,
                         now,
                         placement.ready_at_s,
+                        local=placement.prefill_id is None,
                     )  # fmt: skip
                 )
 
@@ -263,11 +266,7 @@ class GlobalView:
     def _prefill_view(self, instance: Instance) -> PrefillView:
         report = instance.report
         assert report is not None
-        queue = [
-            QueuedPrefill(q[0], min(q[1], q[0]), max(0, min(q[2], q[0] - min(q[1], q[0]))))
-            for q in report.queued
-            if q and q[0] > 0
-        ]
+        queue = [_queued(q) for q in report.queued if q and q[0] > 0]
         queue += [QueuedPrefill(p.prompt_len, p.reused_tokens) for p in instance.pending]
         free = report.free_blocks - sum(p.blocks for p in instance.pending)
         return PrefillView(instance.instance_id, instance.cached, max(0, free), tuple(queue))
@@ -287,7 +286,27 @@ class GlobalView:
             incoming,
             instance.cached,
             chunk_tokens=instance.chunk_tokens,
+            prefills=_local_prefills(instance.pending, report),
         )
+
+
+def _queued(q: list[Any]) -> QueuedPrefill:
+    """A load report's ``[prompt_len, reused, computed, ...]`` row, clamped into a valid entry."""
+    reused = min(q[1], q[0])
+    return QueuedPrefill(q[0], reused, max(0, min(q[2], q[0] - reused)))
+
+
+def _local_prefills(pending: list[Pending], report: LoadReport) -> tuple[QueuedPrefill, ...]:
+    """The prompts a decode instance prefills itself: the local placements whose first token has not
+    come, with the progress its report shows for those it names (a decode's report also lists the
+    handed-over requests whose KV is loading; those are not its prefills)."""
+    rows = {q[3]: q for q in report.queued if len(q) > 3 and isinstance(q[3], str) and q[0] > 0}
+    out = []
+    for p in pending:
+        if p.local and p.handed_at is None:
+            row = rows.get(p.request_id)
+            out.append(QueuedPrefill(p.prompt_len, p.reused_tokens) if row is None else _queued(row))
+    return tuple(out)
 
 
 def _arrival(p: Pending, now: float) -> float:

@@ -6,7 +6,7 @@ import pytest
 from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from yutu.protocol.load import LoadReport
 from yutu.registry import ServiceRecord
-from yutu.sched import KVCentric, Placement, PrefixPlan, RequestView
+from yutu.sched import KVCentric, Placement, PrefixPlan, QueuedPrefill, RequestView
 
 from services.conductor.view import STORE, GlobalView
 
@@ -230,6 +230,21 @@ def test_a_placement_again_replaces_the_first() -> None:
     place_on_d0(view, "r1", now=1.1, ready=1.5)
     place_on_d0(view, "r1", now=1.3, ready=2.5)  # its prefill instance failed: placed again
     assert incoming(view, 1.3) == [2.5]
+
+
+def test_a_decode_lists_the_prefills_it_took_on_until_their_first_token() -> None:
+    view = decode_view()
+    view.on_report(report("d0", 1, "decode"), now=1.0)
+    place_on_d0(view, "r1", now=1.1, prefill=None)  # the decode prefills r1 itself
+    place_on_d0(view, "r2", now=1.2)  # r2 comes through a prefill instance: not the decode's work
+    assert view.snapshot(now=1.2).decodes[0].prefills == (QueuedPrefill(40),)
+    # Its report shows r1's progress; it also lists r2 (handed over, loading its KV): not a prefill of d0.
+    rows = [[40, 0, 16, "r1"], [40, 0, 0, "r2"]]
+    view.on_report(report("d0", 2, "decode", queued=rows), now=1.3)
+    assert view.snapshot(now=1.3).decodes[0].prefills == (QueuedPrefill(40, 0, 16),)
+    view.prefill_done("r1", now=1.4)
+    assert view.snapshot(now=1.4).decodes[0].prefills == ()
+    assert len(view.snapshot(now=1.4).decodes[0].incoming) == 2  # both still join its batch
 
 
 def test_the_decode_prefill_chunk_comes_from_its_record() -> None:

@@ -5,6 +5,9 @@ a gateway (each a ``yutu`` subprocess, logs in a temp dir, region files in their
 a leak is seen) and tears everything down checking what a user would: every worker's block pool
 intact, no prefill hold left, no region file left. Helpers send OpenAI requests with token-id
 prompts and read the ``x-yutu-*`` headers.
+
+The conductor runs without prefill stealing unless a test asks for it: the tests script which
+instance prefills what (test_disagg_stealing.py turns it on).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class DisaggStack:
         conductor: bool = True,
         policy: str = "kvcentric",
         disagg_threshold: int = 0,
+        prefill_stealing: bool = False,
         conductor_flags: tuple[str, ...] = (),
         worker_flags: tuple[str, ...] = (),
     ) -> None:
@@ -115,7 +119,8 @@ class DisaggStack:
             self._add("store-master", "store-master", *common)
             self._add("store-node-0", "store-node", "--segment-size", "64MiB", *common)
         if conductor:
-            self._add("conductor", "conductor", "--policy", policy, "--disagg-threshold", str(disagg_threshold),
+            stealing = "--prefill-stealing" if prefill_stealing else "--no-prefill-stealing"
+            self._add("conductor", "conductor", "--policy", policy, "--disagg-threshold", str(disagg_threshold), stealing,
                       "--block-size", str(BLOCK_SIZE), "--report-stale", "3", *conductor_flags, *common)  # fmt: skip
         for i in range(prefill):
             self._add(f"prefill-{i}", "prefill", *engine, *common)

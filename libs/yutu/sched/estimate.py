@@ -16,17 +16,19 @@ and the transfer time is affine in it, so their difference peaks at an end of th
 
 TTFT on a prefill instance = queue (predicted compute of everything queued there) + transfer +
 prefill, as in Algorithm 1 (no overlap assumed). On a decode instance prefilling locally, the queue is
-the step it is running now (the prompt's chunk rides the next step).
+the step it is running now (the prompt's chunk rides the next step) and the prefills it already
+took on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from yutu.sched.costs import CostModels
 from yutu.sched.outcome import PrefixPlan
 from yutu.sched.prefix import cdiv, match, usable_blocks
-from yutu.sched.view import ClusterView, KeySet, PrefillView, RequestView
+from yutu.sched.view import ClusterView, KeySet, QueuedPrefill, RequestView
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,10 @@ def plan_prefix(
     return plan, reach, transfer_s, decision
 
 
-def queue_time(instance: PrefillView, costs: CostModels) -> float:
-    """Predicted compute time of everything queued or running on a prefill instance."""
+def queue_time(queue: Sequence[QueuedPrefill], costs: CostModels) -> float:
+    """Predicted compute time of the prefills of ``queue`` (an instance's, queued or running)."""
     return sum(
-        costs.prefill.predict(q.prompt_len, q.done_tokens)
-        for q in instance.queue
-        if q.done_tokens < q.prompt_len
+        costs.prefill.predict(q.prompt_len, q.done_tokens) for q in queue if q.done_tokens < q.prompt_len
     )
 
 

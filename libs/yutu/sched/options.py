@@ -18,6 +18,10 @@ class PolicyOptions:
     disagg_threshold: conditional disaggregation. When at most this many prompt tokens remain
         uncached after the decode instance's own cache and the store, the decode instance prefills
         them itself. 0 turns it off.
+    prefill_stealing: a decode instance takes a request's prefill off a prefill instance's queue when
+        it would finish it sooner and the time saved exceeds the delay it adds to the sequences
+        decoding there (``yutu.sched.placer``, step 5). False: decode instances prefill only under
+        ``disagg_threshold``, with no prefill instance live, or when none has room.
     slo_ttft_s / slo_tbt_s: early rejection. A request whose best placement predicts a TTFT or TBT
         above its SLO is rejected; None means no SLO.
     """
@@ -26,6 +30,7 @@ class PolicyOptions:
     disagg_threshold: int = 0
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
+    prefill_stealing: bool = True
 
     def __post_init__(self) -> None:
         t = self.balancing_threshold
@@ -39,6 +44,8 @@ class PolicyOptions:
             raise ValueError(
                 f"disagg_threshold must be an integer number of tokens >= 0 (0 = off), got {d!r}"
             )
+        if not isinstance(self.prefill_stealing, bool):
+            raise ValueError(f"prefill_stealing must be True or False, got {self.prefill_stealing!r}")
         for name in ("slo_ttft_s", "slo_tbt_s"):
             v = getattr(self, name)
             if v is None:

@@ -18,7 +18,15 @@
    is turned away: the request goes where it would wait least (it queues there).
 4. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
    the chosen decode's own cache and the store, that decode prefills them itself.
-5. Early rejection: a predicted TTFT (what the request already waited before placement, then
+5. Prefill stealing (``prefill_stealing``, on by default): otherwise, when the chosen prefill instance
+   has a queue and the chosen decode would finish the prefill itself sooner (its own step and the
+   prefills it already took on are its queue), the decode takes it -- if the time saved exceeds the
+   delay it adds to the sequences decoding there (their number when it starts times its prefill
+   time) and, under a TBT SLO, the stall fits the SLO as in "Overflow". A burst then prefills on
+   every core while the decode batches are small, and a decode with a long batch leaves the
+   prefill instances their work. Dynamo's disaggregated router makes the same call with a fixed
+   bound (remote only while the prefill queue is short); here the cost models judge it.
+6. Early rejection: a predicted TTFT (what the request already waited before placement, then
    queue + transfer + prefill) above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
    request with a ``retry_after_s`` estimate -- once the cost model behind the prediction is
    calibrated (measured, or a trusted prior). The TBT is the one of the heaviest batch forecast over
@@ -149,14 +157,19 @@ class Placer(ABC):
         if not cands:
             return self._no_capacity(request, built, roomy, need, now)
         decode = self.choose_decode(cands)
-        if prefill is not None and self.options.disagg_threshold > 0:
-            local_here = self._local(view, request, decode.view, now)
-            if local_here is not None:
-                assert local_here.local is not None
-                left = uncached_tokens(request, local_here.local.reach, view.block_size)
-                if left <= self.options.disagg_threshold:
-                    decode, prefill = local_here, None
-                    note = f"{left} uncached tokens <= disagg_threshold {self.options.disagg_threshold}"
+        if prefill is not None and (self.options.disagg_threshold > 0 or self.options.prefill_stealing):
+            here = self._local(view, request, decode.view, now)
+            assert here is not None and here.local is not None
+            left = uncached_tokens(request, here.local.reach, view.block_size)
+            if left <= self.options.disagg_threshold:
+                decode, prefill = here, None
+                note = f"{left} uncached tokens <= disagg_threshold {self.options.disagg_threshold}"
+            elif self.options.prefill_stealing and self._steals(view, request, prefill, here, need, now):
+                note = (
+                    f"stolen from the queue of prefill {prefill.instance_id} (ttft {prefill.ttft_s:.3f}s "
+                    f"there; queue {prefill.queue_s:.3f}s)"
+                )
+                decode, prefill = here, None
         return self._judge(request, prefill, decode, now, note)
 
     # ------------------------------------------------------------------ steps
@@ -177,7 +190,7 @@ class Placer(ABC):
                 p.instance_id,
                 p.cached,
                 p.bandwidth_bps,
-                queue_time(p, self.costs),
+                queue_time(p.queue, self.costs),
                 self.costs,
                 self.options.balancing_threshold,
             )
@@ -219,9 +232,10 @@ class Placer(ABC):
     def _local(
         self, view: ClusterView, request: RequestView, d: DecodeView, now: float, overflow: bool = False
     ) -> DecodeCandidate | None:
-        """``d`` prefilling the request itself: the step it runs now is its queue. With ``overflow``
-        (a prefill instance could take it instead): None unless ``d`` can afford the stall."""
-        wait = step_now(d, self.costs.decode) if d.running else 0.0
+        """``d`` prefilling the request itself: the step it runs now and the prefills it took on are
+        its queue. With ``overflow`` (a prefill instance could take it instead): None unless ``d`` can
+        afford the stall."""
+        wait = (step_now(d, self.costs.decode) if d.running else 0.0) + queue_time(d.prefills, self.costs)
         est = estimate(
             view,
             request,
@@ -235,6 +249,30 @@ class Placer(ABC):
         if overflow and not self._affords(view, request, d, est, now):
             return None
         return self._candidate(view, request, d, now + est.ttft_s, now, est)
+
+    def _steals(
+        self,
+        view: ClusterView,
+        request: RequestView,
+        prefill: Estimate,
+        here: DecodeCandidate,
+        need: int,
+        now: float,
+    ) -> bool:
+        """Whether ``here`` takes the prefill off ``prefill``'s queue (module docstring, 5)."""
+        est = here.local
+        assert est is not None
+        saved = prefill.ttft_s - est.ttft_s
+        if prefill.queue_s <= 0 or saved <= 0:
+            return False
+        if here.free_blocks < need or here.joins.batch_size >= here.view.max_batch:
+            return False
+        d = here.view
+        running = load_at(d, now + est.queue_s, now, step_now(d, self.costs.decode))
+        compute = est.prefill_s if d.chunk_tokens is not None else est.transfer_s + est.prefill_s
+        if running.batch_size * compute >= saved:
+            return False
+        return self.options.slo_tbt_s is None or self._affords(view, request, d, est, now)
 
     def _affords(
         self, view: ClusterView, request: RequestView, d: DecodeView, est: Estimate, now: float

@@ -162,6 +162,8 @@ class DecodeView:
     ``cached``: its local prefix cache (used when it prefills a short uncached remainder itself).
     ``chunk_tokens``: prompt tokens one of its steps computes when it prefills (chunked prefill, the
     engine's ``max_num_batched_tokens``); None: a prefill it runs rides one step whole.
+    ``prefills``: prompts it prefills itself (placed on it without a prefill instance), queued or
+    running, until their first token; each is also in ``incoming``, which forecasts its decode.
     """
 
     instance_id: str
@@ -172,6 +174,7 @@ class DecodeView:
     cached: KeySet = field(default_factory=frozenset)
     bandwidth_bps: float | None = None
     chunk_tokens: int | None = None
+    prefills: tuple[QueuedPrefill, ...] = ()
 
     def __post_init__(self) -> None:
         _check_count(f"DecodeView({self.instance_id}).free_blocks", self.free_blocks)

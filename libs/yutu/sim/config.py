@@ -40,6 +40,7 @@ class SimConfig:
     profile: Profile = field(default_factory=paper_profile)
     balancing_threshold: float = 1.0
     disagg_threshold: int = 0
+    prefill_stealing: bool = True
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
     rejection: Rejection = Rejection.PREDICTED
@@ -79,7 +80,9 @@ class SimConfig:
         """The options the policy gets in this rejection mode (module docstring of Rejection)."""
         ttft = None if self.rejection is Rejection.NONE else self.slo_ttft_s
         tbt = self.slo_tbt_s if self.rejection in (Rejection.EARLY, Rejection.PREDICTED) else None
-        return PolicyOptions(self.balancing_threshold, self.disagg_threshold, ttft, tbt)
+        return PolicyOptions(
+            self.balancing_threshold, self.disagg_threshold, ttft, tbt, prefill_stealing=self.prefill_stealing
+        )
 
     @property
     def local_cache_blocks(self) -> int:

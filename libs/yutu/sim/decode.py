@@ -24,7 +24,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from yutu.sched import DecodeView, IncomingDecode, RunningDecode
+from yutu.sched import DecodeView, IncomingDecode, QueuedPrefill, RunningDecode
 from yutu.sched.prefix import cdiv
 from yutu.sim.profile import Profile
 from yutu.sim.record import RequestRecord
@@ -45,6 +45,7 @@ class Sequence:
 class LocalJob:
     record: RequestRecord
     seconds: float  # its prefill (and fetch) time
+    reused_tokens: int = 0  # prompt tokens fetched from the store, not computed
 
 
 class DecodeInstance:
@@ -199,4 +200,10 @@ class DecodeInstance:
         if not forecast:
             incoming = [IncomingDecode(now, i.prompt_len, FOREVER) for i in incoming]
         free = max(0, self.profile.decode_kv_blocks - (self.reserved_blocks if blocks else 0))
-        return DecodeView(self.instance_id, free, self.profile.max_batch, running, tuple(incoming))
+        prefills = tuple(
+            QueuedPrefill(j.record.prompt_len, min(j.reused_tokens, j.record.prompt_len - 1))
+            for j in (*self._riding, *self.local)
+        )
+        return DecodeView(
+            self.instance_id, free, self.profile.max_batch, running, tuple(incoming), prefills=prefills
+        )

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="overload handling: none, after_prefill (decode refuses), early (load now), predicted (forecast)")  # fmt: skip
     a("--balancing-threshold", type=float, default=1.0, help="the policies' kvcache_balancing_threshold")
     a("--disagg-threshold", type=int, default=0, help="uncached tokens a decode instance prefills itself")
+    a("--prefill-stealing", type=bool, default=True,
+      help="decode instances take prefills off long prefill queues when that pays (yutu.sched.placer)")  # fmt: skip
     a(
         "--store-capacity-blocks",
         type=int,
@@ -85,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         profile=_profile(args),
         balancing_threshold=args.balancing_threshold,
         disagg_threshold=args.disagg_threshold,
+        prefill_stealing=args.prefill_stealing,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
         slo_tbt_s=None if args.slo_tbt_ms is None else args.slo_tbt_ms / 1000,
         rejection=Rejection(args.rejection),

@@ -185,7 +185,7 @@ class Simulation:
         record.prefill_s = prof.prefill_s(req.input_length, end * bs) * self._slowdown()
         self.store.admit(req.block_keys)
         decode = self.decodes[d]
-        decode.add_local(LocalJob(record, record.transfer_s + record.prefill_s))
+        decode.add_local(LocalJob(record, record.transfer_s + record.prefill_s, end * bs))
         end_at = decode.start_step(now, self._slowdown())
         if end_at is not None:
             self._push(end_at, STEP, d)

@@ -105,6 +105,7 @@ def summarise(sim: Simulation) -> dict[str, Any]:
             "rejection": str(cfg.rejection),
             "balancing_threshold": cfg.balancing_threshold,
             "disagg_threshold": cfg.disagg_threshold,
+            "prefill_stealing": cfg.prefill_stealing,
             "store_capacity_blocks": cfg.store_capacity_blocks,
             "cache_blocks": cfg.local_cache_blocks,
             "eviction_policy": cfg.eviction_policy,
