@@ -124,8 +124,13 @@ class GenerateRole:
         tokens = msg.prompt_token_ids + list(msg.generated)
         if msg.kv is not None:
             handle = KVHandle.from_wire(msg.kv)
-            self.imports.expect(rid, FromPeer(handle))
-            return min(handle.num_tokens, len(tokens) - 1)
+            num_tokens = min(handle.num_tokens, len(tokens) - 1)
+            keys: list[str] = []
+            if self.imports.write_behind is not None:
+                full = num_tokens // self.block_size * self.block_size
+                keys = [k.hex() for k in block_key_digests(self.root_key, tokens[:full], self.block_size)]
+            self.imports.expect(rid, FromPeer(handle, keys))
+            return num_tokens
         usable = (
             min(msg.store_blocks, (len(tokens) - 1) // self.block_size)
             if type(msg.store_blocks) is int

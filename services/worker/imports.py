@@ -5,6 +5,7 @@ blocks to fill) to the event loop; this module copies the KV in and answers ``fi
 how many tokens arrived, whatever happened (a failed copy means those tokens are computed)::
 
     decode:   FromPeer(handle)  -> one batched READ from the prefill's KV region -> release its hold
+              (the prefill instance writes those blocks into the store: not written again here)
     prefill:  FromStore(keys)   -> one batched get_into from the KV store (the planned prefix)
     (a decode prefilling locally, or taking over a migrated request, imports FromStore too)
 
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from yutu.engine.engine import KVLoad
 from yutu.protocol.prefill import KVHandle
@@ -35,9 +36,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FromPeer:
-    """Pull the blocks a prefill instance holds for this request."""
+    """Pull the blocks a prefill instance holds for this request. ``keys[i]``: the key of block ``i``
+    (full blocks; may be empty without write-behind): the prefill instance that computed them
+    writes them into the store, so the pulled ones are not written again from here."""
 
     handle: KVHandle
+    keys: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class KVImports:
         started = time.perf_counter()
         try:
             if isinstance(source, FromPeer):
-                loaded = await self._pull(load, source.handle)
+                loaded = await self._pull(load, source)
             elif isinstance(source, FromStore):
                 loaded = await self._fetch(load, source.keys)
             else:
@@ -129,7 +133,8 @@ class KVImports:
         if loaded < load.num_tokens:
             self.failed += 1
 
-    async def _pull(self, load: KVLoad, handle: KVHandle) -> int:
+    async def _pull(self, load: KVLoad, source: FromPeer) -> int:
+        handle = source.handle
         try:
             problem = self._unlike_ours(handle)
             if problem is not None:
@@ -155,6 +160,8 @@ class KVImports:
             )
         finally:
             self._release_remote(handle, load.seq_id)
+        if self.write_behind is not None:  # their writer is the prefill instance (FromPeer)
+            self.write_behind.remember(source.keys[load.first_block : load.first_block + got])
         self.pulled_blocks += got
         return self._tokens(load, got)
 

@@ -68,6 +68,10 @@ def test_disaggregated_output_equals_the_mixed_worker(
         assert g.headers["x-request-id"]
     decode_info = disagg.get("decode", "decode-0", "/info")
     assert decode_info["imports"]["pulled_blocks"] > 0  # the KV came from the prefill, by transfer
+    # The prompt blocks the decode pulled are the prefill instance's to write behind: none was put
+    # into the store a second time (they are known; only the blocks the decode computed are written).
+    behind = decode_info["write_behind"]
+    assert behind["already_stored"] == 0 and behind["known"] > 0 and behind["written"] > 0, behind
     metrics = httpx.get(disagg.admin("decode", "decode-0") + "/metrics", timeout=10).text
     values = {
         line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line and line[0] != "#"

@@ -71,7 +71,8 @@ class WriteBehind:
         return self._in_flight
 
     def remember(self, keys: Sequence[str]) -> None:
-        """Keys known to be in the store (fetched from it): never offered for writing."""
+        """Keys known to be in the store, or written by the instance that computed them (fetched from
+        the store, pulled from a prefill instance): never offered for writing."""
         for key in keys:
             self._known[key] = None
             self._known.move_to_end(key)
