@@ -2,7 +2,7 @@
 
     .venv/bin/python loadtests/sim_experiments.py all              # every table, ~4 min on one core
     .venv/bin/python loadtests/sim_experiments.py capacity         # or one: capacity, ablation,
-                                                                   # overload, pd, ours
+                                                                   # overload, pd, ours, stealing
     ... --plots docs/simulation                                    # also the overload load plot
 
 Every run is the paper profile (paper-llama3-70b-a800) through ``yutu.sim`` in this process; the
@@ -35,9 +35,6 @@ def trace(dir_: Path, name: str, scale: float = 1.0) -> list[TraceRequest]:
 
 
 def simulate(requests: list[TraceRequest], **config: object) -> tuple[Simulation, dict[str, object]]:
-    """One replay; without prefill stealing unless ``config`` turns it on: the paper's scheduler
-    never prefills on a decode instance, and the tables replicate its experiments."""
-    config = {"prefill_stealing": False, **config}
     started = time.perf_counter()
     sim = Simulation(SimConfig(**config), requests)  # type: ignore[arg-type]
     sim.run()

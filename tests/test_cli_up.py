@@ -71,7 +71,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64",
-         "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json"],
+         "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json",
+         "--prefill-stealing"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -129,7 +130,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert decode["num_running"] == 0 and decode["dtype"] == AUTO_DTYPE and 0 <= decode["kv_usage"] <= 1
         master = rows[("store-master", "store-master")]["load"]
         assert master["objects"] >= 1 and master["capacity"] == 32 * 2**20  # the round trip's object
-        assert rows[("conductor", "conductor")]["load"]["policy"] == "kvcentric"
+        conductor = rows[("conductor", "conductor")]["load"]
+        assert conductor["policy"] == "kvcentric" and conductor["prefill_stealing"] is True  # passed on
         table = subprocess.run([sys.executable, "-m", "yutu.cli", "status", "--redis-url", redis_url],
                                capture_output=True, text=True, timeout=60).stdout  # fmt: skip
         assert table.splitlines()[0].split() == ["KIND", "INSTANCE", "READY", "ENDPOINT", "LOAD"]

@@ -267,7 +267,7 @@ def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         parser,
         "--prefill-stealing",
         type=bool,
-        default=True,
+        default=False,
         help="a decode instance takes a prefill off a prefill instance's queue when it would finish it "
         "sooner and that saves more time than it adds to the sequences decoding there",
     )

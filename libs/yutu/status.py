@@ -73,7 +73,7 @@ def _load(http: Any, kind: str, record: dict[str, Any], url: str | None) -> dict
             stats = http.get(f"{url}/stats").json()
             return {k: stats[k] for k in ("objects", "used", "capacity", "usage", "segments") if k in stats}
         policy = http.get(f"{url}/policy").json()
-        return {k: policy[k] for k in ("policy", "disagg_threshold") if k in policy}
+        return {k: policy[k] for k in ("policy", "disagg_threshold", "prefill_stealing") if k in policy}
     except (httpx.HTTPError, ValueError, TypeError):
         return {}
 

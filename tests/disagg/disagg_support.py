@@ -6,8 +6,8 @@ a leak is seen) and tears everything down checking what a user would: every work
 intact, no prefill hold left, no region file left. Helpers send OpenAI requests with token-id
 prompts and read the ``x-yutu-*`` headers.
 
-The conductor runs without prefill stealing unless a test asks for it: the tests script which
-instance prefills what (test_disagg_stealing.py turns it on).
+The conductor runs without prefill stealing (its default) unless a test asks for it
+(test_disagg_stealing.py).
 """
 
 from __future__ import annotations

@@ -26,9 +26,7 @@ from tests.sched.sched_support import PROMPT, cluster, costs, decode, prefill, r
 
 
 def placements(name: str, view: ClusterView, n: int) -> list[tuple[str | None, str]]:
-    """The (prefill, decode) pairs of ``n`` placements; prefill stealing off, so the idle decodes of
-    these views do not take prefills off the queues they script (tests/sched/test_sched_stealing.py)."""
-    policy = policy_by_name(name, costs=costs(), prefill_stealing=False)
+    policy = policy_by_name(name, costs=costs())
     out = []
     for i in range(n):
         p = policy.place(view, request(rid=f"r{i}"), float(i))
@@ -52,7 +50,7 @@ def test_round_robin_ignores_cache_and_load_but_still_weighs_the_fetch() -> None
     view = cluster(
         (prefill("p0", queue=(QueuedPrefill(1000),)), prefill("p1", local=9)), (decode("d0"),), store=6
     )
-    out = policy_by_name("round_robin", costs=costs(), prefill_stealing=False).place(view, request(), 0.0)
+    out = policy_by_name("round_robin", costs=costs()).place(view, request(), 0.0)
     assert isinstance(out, Placement)
     assert out.prefill_id == "p0"
     assert out.plan == PrefixPlan(local_blocks=0, fetch_end=6, compute_tokens=PROMPT - 96)

@@ -39,7 +39,7 @@ def place(name: str, view: ClusterView, **options: object) -> Placement | Reject
 def test_ttft_above_the_slo_is_rejected_with_the_queue_drain_as_retry() -> None:
     view = cluster((prefill("p0", queue=(QueuedPrefill(10240),)),), (decode("d0"),))  # 10 s queued
     ttft = 10.0 + prefill_time(PROMPT)
-    out = place("kvcentric", view, slo_ttft_s=1.0, prefill_stealing=False)  # (d0 would take it: below)
+    out = place("kvcentric", view, slo_ttft_s=1.0)
     assert isinstance(out, Rejection)
     assert out.cause is RejectCause.TTFT_SLO
     assert out.error_kind is ErrorKind.OVERLOADED

@@ -22,7 +22,9 @@ BUSY = (RunningDecode(50, 1000), RunningDecode(50, 1000))  # two sequences decod
 
 
 def place(name: str, view: ClusterView, **options: object) -> Placement | Rejection:
-    return policy_by_name(name, costs=costs(), **options).place(view, request(), 0.0)
+    return policy_by_name(name, costs=costs(), **{"prefill_stealing": True, **options}).place(
+        view, request(), 0.0
+    )
 
 
 def queued(tokens: int) -> tuple[QueuedPrefill, ...]:
@@ -104,7 +106,7 @@ def test_a_decode_without_blocks_for_the_prompt_does_not_steal() -> None:
     assert (out.prefill_id, out.decode_id) == ("p0", "d0")
 
 
-def test_stealing_is_an_option_and_validated() -> None:
-    assert policy_by_name("kvcentric").options.prefill_stealing is True
+def test_stealing_is_an_option_off_by_default_and_validated() -> None:
+    assert policy_by_name("kvcentric").options.prefill_stealing is False
     with pytest.raises(ValueError, match="prefill_stealing must be True or False"):
         policy_by_name("kvcentric", prefill_stealing="yes")

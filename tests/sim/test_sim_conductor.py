@@ -40,9 +40,7 @@ def scenario() -> Simulation:
         shared = [1, 2, 3] if i % 2 == 0 else [50 + i % 4, 60 + i % 4]
         ids = shared + [1000 + i, 2000 + i, 3000 + i]
         trace.append(req(i, 0.1 * i, BS * len(ids) - 2, 6 + i % 7, ids))
-    # Disaggregated throughout (no prefill stealing): every decode's requests come through the handoff.
-    config = SimConfig(prefill=3, decode=2, policy="kvcentric", profile=prof, prefill_stealing=False)
-    sim = Simulation(config, trace)
+    sim = Simulation(SimConfig(prefill=3, decode=2, policy="kvcentric", profile=prof), trace)
     sim.run(until=T)
     return sim
 

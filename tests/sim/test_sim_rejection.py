@@ -25,7 +25,7 @@ from tests.sim.sim_support import req, tiny_profile
 def run(mode: Rejection, r0_output: int) -> Simulation:
     trace = [req(0, 0.0, 9, r0_output, [1, 2, 3]), req(1, 0.5, 5, 3, [7, 8])]
     config = SimConfig(prefill=1, decode=1, profile=tiny_profile(decode=(0.0, 2.0**-4, 0.0)), slo_ttft_s=100.0,
-                       slo_tbt_s=0.1, rejection=mode, prefill_stealing=False)  # fmt: skip
+                       slo_tbt_s=0.1, rejection=mode)  # fmt: skip
     sim = Simulation(config, trace)
     sim.run()
     return sim

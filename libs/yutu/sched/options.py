@@ -20,8 +20,10 @@ class PolicyOptions:
         them itself. 0 turns it off.
     prefill_stealing: a decode instance takes a request's prefill off a prefill instance's queue when
         it would finish it sooner and the time saved exceeds the delay it adds to the sequences
-        decoding there (``yutu.sched.placer``, step 5). False: decode instances prefill only under
-        ``disagg_threshold``, with no prefill instance live, or when none has room.
+        decoding there (``yutu.sched.placer``, step 5). Off by default: it lowers TTFT and doubles the
+        TBT tail in the simulator, and measured no throughput gain on one 2-core 1P+1D machine
+        (docs/architecture.md). Off, decode instances prefill only under ``disagg_threshold``, with
+        no prefill instance live, or when none has room.
     slo_ttft_s / slo_tbt_s: early rejection. A request whose best placement predicts a TTFT or TBT
         above its SLO is rejected; None means no SLO.
     """
@@ -30,7 +32,7 @@ class PolicyOptions:
     disagg_threshold: int = 0
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
-    prefill_stealing: bool = True
+    prefill_stealing: bool = False
 
     def __post_init__(self) -> None:
         t = self.balancing_threshold

@@ -18,7 +18,7 @@
    is turned away: the request goes where it would wait least (it queues there).
 4. Conditional disaggregation: when at most ``disagg_threshold`` prompt tokens remain uncached after
    the chosen decode's own cache and the store, that decode prefills them itself.
-5. Prefill stealing (``prefill_stealing``, on by default): otherwise, when the chosen prefill instance
+5. Prefill stealing (``prefill_stealing``, off by default): otherwise, when the chosen prefill instance
    has a queue and the chosen decode would finish the prefill itself sooner (its own step and the
    prefills it already took on are its queue), the decode takes it -- if the time saved exceeds the
    delay it adds to the sequences decoding there (their number when it starts times its prefill

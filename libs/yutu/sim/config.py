@@ -40,7 +40,7 @@ class SimConfig:
     profile: Profile = field(default_factory=paper_profile)
     balancing_threshold: float = 1.0
     disagg_threshold: int = 0
-    prefill_stealing: bool = True
+    prefill_stealing: bool = False
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
     rejection: Rejection = Rejection.PREDICTED

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="overload handling: none, after_prefill (decode refuses), early (load now), predicted (forecast)")  # fmt: skip
     a("--balancing-threshold", type=float, default=1.0, help="the policies' kvcache_balancing_threshold")
     a("--disagg-threshold", type=int, default=0, help="uncached tokens a decode instance prefills itself")
-    a("--prefill-stealing", type=bool, default=True,
+    a("--prefill-stealing", type=bool, default=False,
       help="decode instances take prefills off long prefill queues when that pays (yutu.sched.placer)")  # fmt: skip
     a(
         "--store-capacity-blocks",
