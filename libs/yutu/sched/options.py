@@ -21,7 +21,7 @@ class PolicyOptions:
     prefill_stealing: a decode instance takes a request's prefill off a prefill instance's queue when
         it would finish it sooner and the time saved exceeds the delay it adds to the sequences
         decoding there (``yutu.sched.placer``, step 5). Off by default: it lowers TTFT and doubles the
-        TBT tail in the simulator, and measured no throughput gain on one 2-core 1P+1D machine
+        TBT tail in the simulator, and lowered the burst throughput of one 2-core 1P+1D machine
         (docs/architecture.md). Off, decode instances prefill only under ``disagg_threshold``, with
         no prefill instance live, or when none has room.
     slo_ttft_s / slo_tbt_s: early rejection. A request whose best placement predicts a TTFT or TBT
