@@ -22,10 +22,10 @@
    has a queue and the chosen decode would finish the prefill itself sooner (its own step and the
    prefills it already took on are its queue), the decode takes it -- if the time saved exceeds the
    delay it adds to the sequences decoding there (their number when it starts times its prefill
-   time) and, under a TBT SLO, the stall fits the SLO as in "Overflow". A burst then prefills on
-   every core while the decode batches are small, and a decode with a long batch leaves the
-   prefill instances their work. Dynamo's disaggregated router makes the same call with a fixed
-   bound (remote only while the prefill queue is short); here the cost models judge it.
+   time) and, under a TBT SLO, the stall fits the SLO as in "Overflow". Dynamo's disaggregated
+   router makes the same call with a fixed bound (remote only while the prefill queue is short);
+   here the cost models judge it. It trades the TBT tail (and work on a decode that may be the
+   bottleneck) for TTFT: measured in docs/architecture.md, hence off by default.
 6. Early rejection: a predicted TTFT (what the request already waited before placement, then
    queue + transfer + prefill) above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
    request with a ``retry_after_s`` estimate -- once the cost model behind the prediction is
