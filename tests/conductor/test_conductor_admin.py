@@ -34,14 +34,16 @@ async def test_policy_is_read_freely_and_changed_only_with_the_admin_token() -> 
             got["policy"] == "cache_aware"
             and got["slo_ttft_ms"] == 800
             and got["disagg_threshold"] == DEFAULT_DISAGG_THRESHOLD
+            and got["prefill_stealing"] is False
         )
-        change = {"policy": "round_robin", "disagg_threshold": 0}
+        change = {"policy": "round_robin", "disagg_threshold": 0, "prefill_stealing": True}
         assert (await http.put("/policy", json=change)).status_code == 401
         wrong = await http.put("/policy", json=change, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
         ok = await http.put("/policy", json=change, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["policy"] == "round_robin"
         assert service.policy.name == "round_robin" and service.options.disagg_threshold == 0
+        assert service.policy.options.prefill_stealing is True and ok.json()["prefill_stealing"] is True
         assert service.options.slo_ttft_s == 0.8  # what the change did not name stays
         bad = await http.put(
             "/policy", json={"policy": "fastest"}, headers={"Authorization": "Bearer s3cret"}
