@@ -300,6 +300,8 @@ def _local_prefills(pending: list[Pending], report: LoadReport) -> tuple[QueuedP
     """The prompts a decode instance prefills itself: the local placements whose first token has not
     come, with the progress its report shows for those it names (a decode's report also lists the
     handed-over requests whose KV is loading; those are not its prefills)."""
+    if not any(p.local for p in pending):
+        return ()
     rows = {q[3]: q for q in report.queued if len(q) > 3 and isinstance(q[3], str) and q[0] > 0}
     out = []
     for p in pending:

@@ -125,10 +125,11 @@ class GenerateRole:
         if msg.kv is not None:
             handle = KVHandle.from_wire(msg.kv)
             num_tokens = min(handle.num_tokens, len(tokens) - 1)
-            keys: list[str] = []
-            if self.imports.write_behind is not None:
-                full = num_tokens // self.block_size * self.block_size
-                keys = [k.hex() for k in block_key_digests(self.root_key, tokens[:full], self.block_size)]
+            keys = (
+                self._keys(tokens, num_tokens // self.block_size)
+                if self.imports.write_behind is not None
+                else []
+            )
             self.imports.expect(rid, FromPeer(handle, keys))
             return num_tokens
         usable = (
@@ -138,9 +139,15 @@ class GenerateRole:
         )
         if usable <= 0 or self.imports.store is None:
             return 0
-        digests = block_key_digests(self.root_key, tokens[: usable * self.block_size], self.block_size)
-        self.imports.expect(rid, FromStore([k.hex() for k in digests]))
+        self.imports.expect(rid, FromStore(self._keys(tokens, usable)))
         return usable * self.block_size
+
+    def _keys(self, tokens: list[int], blocks: int) -> list[str]:
+        """The hex keys of the first ``blocks`` full blocks of ``tokens``."""
+        return [
+            k.hex()
+            for k in block_key_digests(self.root_key, tokens[: blocks * self.block_size], self.block_size)
+        ]
 
     def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
         if self._routes.get(msg.request_id) == identity:  # only the front end that sent it
