@@ -227,11 +227,13 @@ async def bench_store_size(
     return out
 
 
-async def run_store(store: Store, working_set: int, seconds: float, reserve_bytes: int) -> dict[str, Any]:
+async def run_store(
+    store: Store, working_set: int, seconds: float, reserve_bytes: int, spin_us: int
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for transport, transports in (("tcp", ("tcp",)), ("shm", ("shm", "tcp"))):
         config = StoreClientConfig(store.redis_url, prefix=store.prefix, staging_bytes=BATCH * 4 * MiB + MiB,
-                                   transports=transports, reserve_bytes=reserve_bytes)  # fmt: skip
+                                   transports=transports, reserve_bytes=reserve_bytes, spin_us=spin_us)  # fmt: skip
         warm_config = dataclasses.replace(config, lease_cache=True, staging_bytes=MiB)
         async with StoreClient(config) as client, StoreClient(warm_config) as warm:
             src = client.register_buffer("src", working_set)
@@ -381,6 +383,10 @@ def main() -> int:
                         help="the store clients' reserve_bytes: single-replica puts of up to this many bytes per "
                         "call write into space reserved ahead (one master RPC); 0 measures the classic "
                         "put_start / put_end protocol (default %(default)s)")  # fmt: skip
+    parser.add_argument("--spin-us", type=int, default=StoreClientConfig.spin_us,
+                        help="the store clients' spin_us: how long a call waits for the master's reply, and a "
+                        "small TCP transfer for the node's, awake before sleeping (yutu.busypoll); 0 measures "
+                        "the plain path (default %(default)s)")  # fmt: skip
     args = parser.parse_args()
     mooncake = (
         None
@@ -433,7 +439,9 @@ def main() -> int:
                 peers.append(run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log"))
             print("store...", flush=True)
             # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
-            stores.append(uvloop.run(run_store(store, working_set, args.seconds, args.reserve_bytes)))
+            stores.append(
+                uvloop.run(run_store(store, working_set, args.seconds, args.reserve_bytes, args.spin_us))
+            )
         res = {"baselines": baselines, "floors": floors, "store": median_of(stores)}
         if peers:
             res["mooncake"] = median_of(peers)
@@ -443,6 +451,7 @@ def main() -> int:
     rows = report(res)
     res["rows"] = rows
     res["reserve_bytes"] = args.reserve_bytes
+    res["spin_us"] = args.spin_us
     res["targets"] = targets(res)
     if "mooncake" in res:
         res["mooncake_targets"] = compare(res, SIZES)

@@ -97,6 +97,42 @@ async def test_stream_answers_every_call_exactly_like_the_zeromq_reference() -> 
         await stream_server.close()
 
 
+async def test_a_client_polling_for_replies_answers_like_one_that_sleeps() -> None:
+    """``spin_s`` (yutu.busypoll) changes how a caller waits, not what it gets: the same outcomes,
+    other calls go out and come back while one polls, and a call's timeout still ends it."""
+    handler = Handler()
+    server = StreamRpcServer(p.CHANNEL, handler)
+    await server.start()
+    sleeping = StreamRpcClient(p.CHANNEL, server.endpoint)
+    polling = StreamRpcClient(p.CHANNEL, server.endpoint, spin_s=30.0)  # polls for as long as a call lasts
+    try:
+        assert [await outcome(polling, m) for m in CALLS] == [await outcome(sleeping, m) for m in CALLS]
+        held = asyncio.ensure_future(polling.call(p.Exists("held"), timeout_s=30.0))
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        # the held call's poll yields: this one is sent, answered and returned meanwhile
+        assert await polling.call(p.Exists("here"), timeout_s=5.0) == p.ExistsReply(True)
+        batches = [p.BatchExists(["here"] * n) for n in range(20, 0, -1)]
+        replies = await asyncio.gather(*(polling.call(b) for b in batches))
+        assert [r.exists for r in replies] == [[True] * n for n in range(20, 0, -1)]
+        assert not held.done()
+        handler.release.set()
+        assert await held == p.ExistsReply(True)
+        handler.release.clear()
+        started = time.monotonic()
+        with pytest.raises(YutuError) as err:
+            await polling.call(p.Exists("held"), timeout_s=0.3)
+        assert err.value.kind is ErrorKind.UNAVAILABLE and "got no answer in time" in str(err.value)
+        assert time.monotonic() - started < 5.0  # the call's timeout, not the 30 s poll budget
+        with pytest.raises(ValueError, match="spin_s"):
+            StreamRpcClient(p.CHANNEL, server.endpoint, spin_s=-1.0)
+    finally:
+        handler.release.set()
+        await sleeping.close()
+        await polling.close()
+        await server.close()
+
+
 async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_reconnects() -> None:
     handler = Handler()
     server = StreamRpcServer(p.CHANNEL, handler)

@@ -2,8 +2,9 @@
 
 The thread path (``tcp_inline_bytes=0``) is the reference: the same mixed batch of READs and WRITEs
 -- more requests than one pipeline window, both ops interleaved so windows alternate -- moves the
-same bytes with the same per-request results through both, against a peer in another process; a
-killed peer fails both the same way.
+same bytes with the same per-request results through both, and through the inline path that
+sleeps at once on a socket with nothing to read (``tcp_spin_us=0``, not polling: yutu.busypoll),
+against a peer in another process; a killed peer fails them the same way.
 """
 
 from __future__ import annotations
@@ -47,21 +48,25 @@ async def run(
 async def test_inline_and_thread_paths_move_the_same_bytes(
     spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
 ) -> None:
-    peer = spawn_peer("inl-peer", [f"source:{SIZE}:71", f"sink-a:{SIZE}:72", f"sink-b:{SIZE}:72"], "tcp")
+    sinks = [f"sink-{x}:{SIZE}:72" for x in "abc"]
+    peer = spawn_peer("inl-peer", [f"source:{SIZE}:71", *sinks], "tcp")
     fast = make_engine("inl-fast", transports=("tcp",))
     plain = make_engine("inl-plain", transports=("tcp",), tcp_inline_bytes=0)
-    for engine in (fast, plain):
+    sleepy = make_engine("inl-sleepy", transports=("tcp",), tcp_spin_us=0)
+    assert fast._tcp.spin_s > 0 and sleepy._tcp.spin_s == 0
+    for engine in (fast, plain, sleepy):
         engine.register_region("buf", SIZE).view_numpy()[SIZE // 2 :] = pattern(73, SIZE // 2)
         await engine.start()
     assert len(mixed_batch("x", "y")) > 2 * PIPELINE_WINDOW
 
     fast_status, fast_read = await run(fast, peer, "sink-a")
     plain_status, plain_read = await run(plain, peer, "sink-b")
+    sleepy_status, sleepy_read = await run(sleepy, peer, "sink-c")
 
     # the warm-up connects on the thread path; the batch then runs inline on the pooled connection
-    assert fast._tcp.inline_batches == 1 and plain._tcp.inline_batches == 0
-    assert fast_status == plain_status == [TransferStatus.COMPLETED] * 70
-    assert np.array_equal(fast_read, plain_read)
+    assert fast._tcp.inline_batches == sleepy._tcp.inline_batches == 1 and plain._tcp.inline_batches == 0
+    assert fast_status == plain_status == sleepy_status == [TransferStatus.COMPLETED] * 70
+    assert np.array_equal(fast_read, plain_read) and np.array_equal(sleepy_read, plain_read)
     source, sink = pattern(71, SIZE), pattern(72, SIZE).copy()
     local = fast.regions["buf"].view_numpy()
     for r in mixed_batch("inl-peer", "sink-a"):
@@ -72,7 +77,8 @@ async def test_inline_and_thread_paths_move_the_same_bytes(
             sink[r.remote_offset : r.remote_offset + r.length] = local[
                 r.local_offset : r.local_offset + r.length
             ]
-    assert await peer.adigest("sink-a", 0, SIZE) == await peer.adigest("sink-b", 0, SIZE) == digest(sink)
+    expected = digest(sink)
+    assert [await peer.adigest(f"sink-{x}", 0, SIZE) for x in "abc"] == [expected] * 3
 
 
 async def test_a_killed_peer_fails_both_paths_alike(

@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import msgpack
 
+from yutu.busypoll import poll_until
 from yutu.errors import ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
@@ -261,7 +262,9 @@ class StreamRpcClient:
     Connects on the first call (and again after the connection dropped), retrying while the server
     refuses for up to ``connect_timeout_s`` (None: the call's whole timeout); a call that could not
     connect raises :class:`NotConnectedError`. ``on_connection(up)`` (optional) is told when a
-    connection is made and when it drops (not when the client closes it)."""
+    connection is made and when it drops (not when the client closes it). ``spin_s``: after
+    sending, wait for the reply awake for up to this long before sleeping (``yutu.busypoll``; 0:
+    sleep at once)."""
 
     def __init__(
         self,
@@ -270,10 +273,14 @@ class StreamRpcClient:
         timeout_s: float = 10.0,
         connect_timeout_s: float | None = None,
         on_connection: OnConnection | None = None,
+        spin_s: float = 0.0,
     ) -> None:
+        if spin_s < 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
         self.channel = channel
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.spin_s = spin_s
         self.connect_timeout_s = connect_timeout_s
         self._on_connection = on_connection
         self._host, self._port = parse_endpoint(endpoint)
@@ -309,6 +316,7 @@ class StreamRpcClient:
                     f"{self.channel.name} connection to {self.endpoint} lost; retry", ErrorKind.UNAVAILABLE
                 )
             transport.write(_frame(call_id, _REQ, payload))
+            await poll_until(future.done, self.spin_s)
             return await future
         except TimeoutError:
             raise self._no_answer(msg) from None

@@ -35,6 +35,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from yutu.busypoll import SPIN_US
 from yutu.errors import ErrorKind, YutuError
 from yutu.protocol import store as p
 from yutu.redis_conn import connect
@@ -76,6 +77,10 @@ class StoreClientConfig:
     # cost one master RPC instead of two; the client holds at most this much (yutu.store.reservations).
     # 0: every put is put_start / write / put_end
     reserve_bytes: int = 32 << 20
+    # after a request to the master or a small TCP transfer (one the event loop runs), wait for the
+    # answer awake for up to this long before sleeping (yutu.busypoll); 0: sleep at once. The TCP
+    # part applies to the client's own transfer engine; a shared one has its own setting.
+    spin_us: int = SPIN_US
 
 
 class StoreClient:
@@ -125,6 +130,7 @@ class StoreClient:
                 c.tcp_connections,
                 c.transfer_timeout_s,
                 transports=c.transports,
+                tcp_spin_us=c.spin_us,
             )
             self.engine = engine
             self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))
@@ -136,7 +142,11 @@ class StoreClient:
             self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))
             await engine.publish()
         self.master = MasterClient(
-            c.master, None if c.master else Registry(self._redis, c.prefix), c.rpc_timeout_s, c.master_stream
+            c.master,
+            None if c.master else Registry(self._redis, c.prefix),
+            c.rpc_timeout_s,
+            c.master_stream,
+            spin_s=c.spin_us / 1e6,
         )
         await self.master.connect()
         self._datapath = DataPath(

@@ -51,14 +51,15 @@ FIND_AGAIN_S = 0.25  # a stream endpoint from the registry that refuses: read th
 
 
 def _rpc_client(
-    endpoint: str, timeout_s: float, found: bool, on_connection: Callable[[bool], None]
+    endpoint: str, timeout_s: float, found: bool, on_connection: Callable[[bool], None], spin_s: float
 ) -> RpcClient | StreamRpcClient:
-    """``stream+tcp://...``: the stream RPC; ``tcp://...``: ZeroMQ. ``found`` (in the registry):
-    connection attempts give up after FIND_AGAIN_S, for the caller to look the master up again."""
+    """``stream+tcp://...``: the stream RPC (waiting for replies awake for ``spin_s``, see
+    ``yutu.busypoll``); ``tcp://...``: ZeroMQ. ``found`` (in the registry): connection attempts give
+    up after FIND_AGAIN_S, for the caller to look the master up again."""
     if endpoint.startswith("stream+"):
         connect_timeout = FIND_AGAIN_S if found else None
         return StreamRpcClient(
-            p.CHANNEL, endpoint.removeprefix("stream+"), timeout_s, connect_timeout, on_connection
+            p.CHANNEL, endpoint.removeprefix("stream+"), timeout_s, connect_timeout, on_connection, spin_s
         )
     return RpcClient(p.CHANNEL, endpoint, timeout_s)
 
@@ -67,16 +68,23 @@ class MasterClient:
     """RPC client of the store channel that follows the master across restarts."""
 
     def __init__(
-        self, endpoint: str | None, registry: Registry | None, timeout_s: float = 10.0, stream: bool = True
+        self,
+        endpoint: str | None,
+        registry: Registry | None,
+        timeout_s: float = 10.0,
+        stream: bool = True,
+        spin_s: float = 0.0,
     ) -> None:
         """``endpoint``: the master's ZeroMQ endpoint, or ``stream+tcp://host:port`` for its stream
-        one; None: found in ``registry`` (``stream``: prefer the stream endpoint)."""
+        one; None: found in ``registry`` (``stream``: prefer the stream endpoint). ``spin_s``: how
+        long a stream call waits for its reply awake before sleeping (``yutu.busypoll``)."""
         if endpoint is None and registry is None:
             raise ValueError("give the master's endpoint or a registry to find it in")
         self._fixed = endpoint
         self.registry = registry
         self.timeout_s = timeout_s
         self.stream = stream
+        self.spin_s = spin_s
         self._rpc: RpcClient | StreamRpcClient | None = None
         self._address: str | None = None  # the endpoint _rpc talks to, as find_master names it
         self._lost = 0  # stream connections lost, and moves to another endpoint (see session)
@@ -105,7 +113,7 @@ class MasterClient:
             return
         old, self._rpc, self._address = (
             self._rpc,
-            _rpc_client(endpoint, self.timeout_s, self._fixed is None, self._connection_changed),
+            _rpc_client(endpoint, self.timeout_s, self._fixed is None, self._connection_changed, self.spin_s),
             endpoint,
         )
         if old is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from yutu.busypoll import SPIN_US
 from yutu.config import advertised
 from yutu.supervise import cancel_and_wait
 from yutu.transfer.directory import SegmentDirectory
@@ -77,6 +78,7 @@ class TransferEngine:
         tcp_slice_bytes: int = 2 << 20,
         shm_dir: str | None = None,
         tcp_inline_bytes: int = INLINE_BYTES,
+        tcp_spin_us: int = SPIN_US,
     ) -> None:
         """``host``/``port``: where the TCP data server listens (port 0: any free port).
         ``tcp_connections``: pooled connections per peer. ``default_timeout_s``: batch deadline when
@@ -86,7 +88,8 @@ class TransferEngine:
         cut into slices of this size, spread over the pooled connections. ``shm_dir``: where region
         files are created (default ``/dev/shm``). ``tcp_inline_bytes``: TCP batches up to this size
         run on the event loop instead of worker threads when a pooled connection is idle (0: never;
-        see ``yutu.transfer.tcp_inline``)."""
+        see ``yutu.transfer.tcp_inline``); ``tcp_spin_us``: how long such a batch waits for a reply
+        awake before sleeping (``yutu.busypoll``; 0: sleep at once)."""
         if not isinstance(segment_name, str) or not segment_name or len(segment_name.encode()) > 255:
             raise ValueError(f"segment_name must be a non-empty str of <= 255 bytes, got {segment_name!r}")
         if default_timeout_s <= 0:
@@ -101,7 +104,10 @@ class TransferEngine:
         self._incarnation = secrets.randbits(63)
         self._regions: dict[str, Region] = {}
         self._tcp = TcpClient(
-            tcp_connections, tcp_slice_bytes, inline_bytes=min(tcp_inline_bytes, tcp_slice_bytes)
+            tcp_connections,
+            tcp_slice_bytes,
+            inline_bytes=min(tcp_inline_bytes, tcp_slice_bytes),
+            spin_s=tcp_spin_us / 1e6,
         )
         self._shm = ShmTransport()
         self._server: DataServer | None = None

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from yutu.busypoll import SPIN_US
 from yutu.transfer.errors import PeerUnreachableError, TransferTimeoutError
 from yutu.transfer.request import TransferStatus
 from yutu.transfer.tcp_inline import PIPELINE_WINDOW, run_inline
@@ -215,17 +216,25 @@ class TcpClient:
         slice_bytes: int = 2 << 20,
         lanes: int | None = None,
         inline_bytes: int = INLINE_BYTES,
+        spin_s: float = SPIN_US / 1e6,
     ) -> None:
         """``connections`` bounds the pool per peer; ``lanes`` (default: min(connections, CPUs)) is how
         many of them one batch drives in parallel: more streams than cores only add contention.
         ``inline_bytes``: batches up to this many bytes run on the event loop when a pooled
-        connection is idle (0: never; at most ``slice_bytes``)."""
-        if connections < 1 or not 4096 <= slice_bytes <= DRAIN_LIMIT or not 0 <= inline_bytes <= slice_bytes:
+        connection is idle (0: never; at most ``slice_bytes``). ``spin_s``: how long such a batch
+        polls, awake, for a reply that is not there yet before the loop sleeps (``yutu.busypoll``)."""
+        if (
+            connections < 1
+            or not 4096 <= slice_bytes <= DRAIN_LIMIT
+            or not 0 <= inline_bytes <= slice_bytes
+            or spin_s < 0
+        ):
             raise ValueError(
-                f"need connections >= 1, 4096 <= slice_bytes <= {DRAIN_LIMIT} and 0 <= inline_bytes <= "
-                f"slice_bytes, got {connections}, {slice_bytes}, {inline_bytes}"
+                f"need connections >= 1, 4096 <= slice_bytes <= {DRAIN_LIMIT}, 0 <= inline_bytes <= "
+                f"slice_bytes and spin_s >= 0, got {connections}, {slice_bytes}, {inline_bytes}, {spin_s}"
             )
         self.inline_bytes = inline_bytes
+        self.spin_s = spin_s
         self.inline_batches = 0  # batches that ran on the event loop (for tests and stats)
         self.connections = connections
         self.lanes = max(1, min(connections, lanes or os.cpu_count() or 1))
@@ -250,7 +259,7 @@ class TcpClient:
             sock = pool.try_acquire()
             if sock is not None:
                 self.inline_batches += 1
-                await run_inline(pool, sock, items, deadline, on_done, self._ids)
+                await run_inline(pool, sock, items, deadline, on_done, self._ids, self.spin_s)
                 return
         slices: list[_Slice] = []
         parts = [0] * len(items)

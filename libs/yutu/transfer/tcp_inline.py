@@ -7,7 +7,9 @@ the thread takes the GIL back from the loop, and every outcome comes back throug
 exchange as ``TcpClient._run_window`` -- same wire format, same windows, same per-slice outcomes --
 on that connection, switched to non-blocking, from the loop itself: ``sendmsg``/``recv_into`` are
 tried first and the loop waits for readiness only when the socket would block, so a reply that is
-already there costs one syscall.
+already there costs one syscall. A reply not there yet is polled for, awake, for up to ``spin_s``
+before the loop sleeps on the socket (``yutu.busypoll``: on a VM, being woken costs more than a
+small transfer's bytes).
 
 The thread path (``TcpClient._run_lane``) stays the reference: it serves everything larger, every
 batch that needs a new connection (``connect`` blocks), and is tested to move the same bytes with
@@ -62,14 +64,21 @@ async def _wait(loop: asyncio.AbstractEventLoop, sock: socket.socket, writable: 
             loop.remove_reader(fd)
 
 
-async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from non-blocking ``sock``; ``ConnectionError`` on EOF."""
+async def recv_into(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, spin_s: float = 0.0
+) -> None:
+    """Fill ``view`` from non-blocking ``sock``; ``ConnectionError`` on EOF. While nothing is there,
+    poll for up to ``spin_s`` (yielding to the loop between tries), then sleep until readable."""
     pos, total = 0, len(view)
+    awake_until = time.perf_counter() + spin_s
     while pos < total:
         try:
             n = sock.recv_into(view[pos:])
         except (BlockingIOError, InterruptedError):
-            await _wait(loop, sock, False)
+            if spin_s and time.perf_counter() < awake_until:
+                await asyncio.sleep(0)
+            else:
+                await _wait(loop, sock, False)
             continue
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {pos} of {total} bytes")
@@ -109,6 +118,7 @@ async def run_window(
     window: list[tuple[WireOp, memoryview, bytes, int]],
     ids: list[int],
     done: list[tuple[bool, str, int]],
+    spin_s: float = 0.0,
 ) -> None:
     """One window of ``(op, local, region, offset)`` slices; appends ``(ok, error, nbytes)`` per slice
     to ``done`` as its reply arrives. Raises on a broken connection (the caller fails the rest)."""
@@ -124,7 +134,7 @@ async def run_window(
     reply = bytearray(REPLY.size)
     reply_view = memoryview(reply)
     for rid, (_, local, _, _) in zip(ids, window, strict=True):
-        await recv_into(loop, sock, reply_view)
+        await recv_into(loop, sock, reply_view, spin_s)
         status, msg_len, got_id, length = decode_reply_header(reply)
         if got_id != rid:
             raise ProtocolError(f"reply for request {got_id}, expected {rid}")
@@ -137,7 +147,7 @@ async def run_window(
         if length != len(local):
             raise ProtocolError(f"reply announces {length} bytes, expected {len(local)}")
         if op == WireOp.READ:
-            await recv_into(loop, sock, local)
+            await recv_into(loop, sock, local, spin_s)
         done.append((True, "", length))
 
 
@@ -148,9 +158,11 @@ async def run_inline(
     deadline: float,
     on_done: Callable[[int, Outcome], None],
     ids: Iterator[int],
+    spin_s: float = 0.0,
 ) -> None:
     """``items`` (each at most one slice) on ``sock``, from the event loop; the same outcomes as
-    ``TcpClient._run_lane`` would report; ``sock`` goes back to ``pool``."""
+    ``TcpClient._run_lane`` would report; ``sock`` goes back to ``pool``. ``spin_s``: see
+    :func:`recv_into`."""
     loop = asyncio.get_running_loop()
     count, healthy = 0, False
     try:
@@ -160,7 +172,7 @@ async def run_inline(
                 window = [(it.op, it.local, it.region, it.offset) for it in items[start:end]]
                 done: list[tuple[bool, str, int]] = []
                 try:
-                    await run_window(loop, sock, window, [next(ids) for _ in window], done)
+                    await run_window(loop, sock, window, [next(ids) for _ in window], done, spin_s)
                 finally:
                     for ok, error, _ in done:
                         on_done(count, COMPLETED if ok else Outcome(TransferStatus.FAILED, error))
