@@ -105,7 +105,7 @@ class WorkerService(Service):
         self._registry = Registry(self._redis, s.registry_prefix)
         self._transfer = TransferEngine(
             s.instance_id, SegmentDirectory(self._redis, s.registry_prefix), s.host, s.transfer_port,
-            advertise_host=s.advertise_host,
+            advertise_host=s.advertise_host, tcp_spin_us=s.busy_poll_us,
         )  # fmt: skip
         self._region = KVRegion(self._transfer)
         config = EngineConfig(
@@ -228,7 +228,10 @@ class WorkerService(Service):
             return
         s = self.settings
         store = StoreClient(
-            StoreClientConfig(s.redis_url, s.registry_prefix, client_id=s.instance_id), self._transfer
+            StoreClientConfig(
+                s.redis_url, s.registry_prefix, client_id=s.instance_id, spin_us=s.busy_poll_us
+            ),
+            self._transfer,
         )
         try:
             await store.start()
@@ -430,6 +433,7 @@ class WorkerService(Service):
                 "block_size": self.settings.block_size,
                 "torch_threads": engine.torch_threads,
                 "prefill_threads": engine.prefill_threads,
+                "busy_poll_us": self.settings.busy_poll_us,
                 "engine_core": self.settings.engine_core,
                 "engine_pid": self._loop_engine.pid,
                 "dtype": engine.dtype,

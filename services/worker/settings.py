@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass
 from functools import partial
 
+from yutu.busypoll import SPIN_US
 from yutu.config import DTYPES, ServiceSettings, add_common_options, add_model_options, option
 
 ROLES = ("mixed", "prefill", "decode")
@@ -53,6 +54,7 @@ class WorkerSettings(ServiceSettings):
     kv_lease_s: float  # prefill: how long a request's KV stays held for its decode
     write_behind_blocks: int  # most blocks being written to the store at once (0: no write-behind)
     transfer_port: int  # the transfer engine's TCP data server (peers read the KV cache there)
+    busy_poll_us: int  # wait this long awake for a store master's reply or a small TCP transfer's
 
     @property
     def kind(self) -> str:
@@ -72,6 +74,8 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"--kv-lease must be positive, got {args.kv_lease}")
         if args.write_behind_blocks < 0:
             raise ValueError(f"--write-behind-blocks must be 0 or more, got {args.write_behind_blocks}")
+        if args.busy_poll_us < 0:
+            raise ValueError(f"--busy-poll-us must be 0 or more, got {args.busy_poll_us}")
         return cls(
             **ServiceSettings.common(args, SCOPES[role]),
             role=role,
@@ -94,6 +98,7 @@ class WorkerSettings(ServiceSettings):
             kv_lease_s=args.kv_lease,
             write_behind_blocks=args.write_behind_blocks,
             transfer_port=args.transfer_port,
+            busy_poll_us=args.busy_poll_us,
         )
 
 
@@ -183,5 +188,14 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         type=int,
         default=0,
         help="port peers read this instance's KV cache on (0: any)",
+    )
+    own(
+        net,
+        "--busy-poll-us",
+        type=int,
+        default=SPIN_US,
+        help="after a request to the store master, or a KV transfer over TCP of up to 2 MiB, wait for"
+        " the answer awake (polling) for up to this many microseconds before sleeping: on a VM being"
+        " woken costs ~50 us a round trip; polling costs that CPU (0: sleep at once)",
     )
     add_common_options(parser)

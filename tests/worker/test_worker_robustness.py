@@ -370,4 +370,5 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         kv_lease_s=30.0,
         write_behind_blocks=0,
         transfer_port=0,
+        busy_poll_us=0,
     )
