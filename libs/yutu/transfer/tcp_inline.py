@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from yutu.busypoll import awake_until, poll_once
 from yutu.transfer.errors import TransferTimeoutError
 from yutu.transfer.request import TransferStatus
 from yutu.transfer.tcp_wire import (
@@ -70,14 +71,12 @@ async def recv_into(
     """Fill ``view`` from non-blocking ``sock``; ``ConnectionError`` on EOF. While nothing is there,
     poll for up to ``spin_s`` (yielding to the loop between tries), then sleep until readable."""
     pos, total = 0, len(view)
-    awake_until = time.perf_counter() + spin_s
+    until = awake_until(spin_s)
     while pos < total:
         try:
             n = sock.recv_into(view[pos:])
         except (BlockingIOError, InterruptedError):
-            if spin_s and time.perf_counter() < awake_until:
-                await asyncio.sleep(0)
-            else:
+            if not (spin_s and await poll_once(until)):
                 await _wait(loop, sock, False)
             continue
         if n == 0:
