@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -26,9 +27,10 @@ import uvicorn
 import uvloop
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
 from yutu.config import advertised
+from yutu.gcpauses import PAUSE_BUCKETS, freeze_startup_heap, process_pauses
 from yutu.logs import setup_logging
 from yutu.supervise import Supervisor
 
@@ -121,6 +123,7 @@ def admin_app(service: Service) -> FastAPI:
         return {
             "version": VERSION,
             "uptime_s": round(time.time() - service.process_started_at, 3),
+            "gc_frozen_objects": gc.get_freeze_count(),  # start-up objects no collection walks (yutu.gcpauses)
             **service.info(),
             "config": config,
             "problems": service.problems(),
@@ -254,8 +257,25 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.stopping.set)
     service.http_url = http.url
+    pauses = process_pauses()
+    histogram = Histogram(
+        "yutu_gc_pause_seconds",
+        "How long this process stopped for each garbage collection (the start-up heap is frozen out of them)",
+        ["generation"],
+        registry=service.metrics,
+        buckets=PAUSE_BUCKETS,
+    )
+
+    def listener(generation: int, seconds: float) -> None:
+        histogram.labels(str(generation)).observe(seconds)
+
     try:
         await service.startup()
+        frozen = freeze_startup_heap()
+        log.info(
+            "%s: %d start-up objects frozen out of garbage collection (yutu.gcpauses)", service.kind, frozen
+        )
+        pauses.listeners.append(listener)  # pauses from now on: start-up's, and the freeze's own, are not
         await http.start()
         log.info("%s ready (http on %s:%d)", service.kind, http.host, http.port)
         await service.stopping.wait()
@@ -269,5 +289,12 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
         await service.loops.stop_periodic()  # no heartbeat or poll ticks on what shutdown closes
         await service.shutdown()
         await service.loops.close()
+        # The process may go on (tests run services in it): its heap is collectable again, and
+        # untimed once no service of it is left.
+        if listener in pauses.listeners:
+            pauses.listeners.remove(listener)
+        if not pauses.listeners:
+            pauses.uninstall()
+        gc.unfreeze()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -64,9 +64,12 @@ class EngineInfo:
     root_key: bytes
     torch_threads: int  # the model step's threads
     prefill_threads: int  # the most threads of a wide step (a long prompt's chunk; yutu.engine.cpus)
+    # Objects its process froze out of garbage collection once the model was loaded (yutu.gcpauses);
+    # None for an engine on a thread of the worker, whose process freezes as every service does.
+    gc_frozen_objects: int | None = None
 
     @classmethod
-    def of(cls, engine: LLMEngine, torch_threads: int) -> EngineInfo:
+    def of(cls, engine: LLMEngine, torch_threads: int, gc_frozen_objects: int | None = None) -> EngineInfo:
         return cls(
             vocab_size=engine.model_config.vocab_size,
             demo=bool(engine.model_config.yutu_demo),
@@ -76,6 +79,7 @@ class EngineInfo:
             root_key=engine.root_key,
             torch_threads=torch_threads,
             prefill_threads=engine.config.prefill_threads or torch_threads,
+            gc_frozen_objects=gc_frozen_objects,
         )
 
 

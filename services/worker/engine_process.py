@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 from yutu.engine.engine import EngineConfig, EngineStats, KVLoad, RequestOutput
 from yutu.errors import ErrorKind, YutuError
+from yutu.gcpauses import Listener, freeze_startup_heap, process_pauses
 from yutu.kv.block_manager import CacheEvent
 from yutu.supervise import cancel_and_wait
 from yutu.transfer.region import pid_alive
@@ -154,10 +155,14 @@ class EngineProcess(EngineFront):
         pin_stored: bool = False,
         torch_threads: int = 0,
         log_settings: tuple[str, str] = ("info", "text"),
+        on_gc_pause: Listener | None = None,
     ) -> None:
-        """``log_settings``: (level, format) the child logs with (see ``yutu.logs``)."""
+        """``log_settings``: (level, format) the child logs with (see ``yutu.logs``).
+        ``on_gc_pause(generation, seconds)``: each garbage collection of the child, as it reports
+        them (with its next step's message)."""
         super().__init__(on_outputs, on_error, on_loads=on_loads, on_cache=on_cache)
         self._region = region
+        self._on_gc_pause = on_gc_pause
         sweep_stale_socket_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         path = os.path.join(self._dir, "engine.sock")
@@ -359,8 +364,8 @@ class EngineProcess(EngineFront):
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         tag = message[0]
         if tag == "out":
-            _, outputs, stats, steps, prefills, queue = message
-            self._measured(steps, prefills, queue)
+            _, outputs, stats, steps, prefills, queue, pauses = message
+            self._measured(steps, prefills, queue, pauses)
             self._event_outputs(outputs, stats)
         elif tag == "error":
             _, request_id, kind, text = message
@@ -372,9 +377,9 @@ class EngineProcess(EngineFront):
             assert self._on_cache is not None
             self._on_cache(message[1], message[2])
         elif tag == "load":
-            _, stats, steps, prefills, queue = message
+            _, stats, steps, prefills, queue, pauses = message
             self.stats = stats
-            self._measured(steps, prefills, queue)
+            self._measured(steps, prefills, queue, pauses)
         elif tag == "check":
             self._event_check(message[1], message[2])
         elif tag == "broken":
@@ -388,11 +393,15 @@ class EngineProcess(EngineFront):
         steps: list[list[float]],
         prefills: list[list[float]],
         queue: tuple[list[list[Any]], list[list[int]]] | None,
+        gc_pauses: list[tuple[int, float]],
     ) -> None:
         self.load.steps.extend(steps)
         self.load.prefills.extend(prefills)
         if queue is not None:
             self.load.queued, self.load.decoding = queue
+        if self._on_gc_pause is not None:
+            for generation, seconds in gc_pauses:
+                self._on_gc_pause(generation, seconds)
 
 
 SOCKET_DIR_PREFIX = "yutu-engine-"  # + the worker's pid + "-" + random: the engine socket's folder
@@ -503,24 +512,37 @@ def _send_event(stream: socket.socket, message: tuple[Any, ...]) -> None:
 
 
 class _SocketEvents:
-    """The core's events, sent to the worker. Measurements ride with the next step's message."""
+    """The core's events, sent to the worker. Measurements, and the garbage collector's pauses,
+    ride with the next step's message (never sent from the collector's callback, which may run in
+    the middle of a send)."""
 
     def __init__(self, stream: socket.socket, load: LoadState) -> None:
         self._stream = stream
         self._load = load
         self._queue_sent: tuple[list[list[Any]], list[list[int]]] | None = None
+        self._gc_pauses: list[tuple[int, float]] = []
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        """A ``yutu.gcpauses`` listener."""
+        self._gc_pauses.append((generation, seconds))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         _send_event(self._stream, message)
 
     def _changes(
         self,
-    ) -> tuple[list[list[float]], list[list[float]], tuple[list[list[Any]], list[list[int]]] | None]:
+    ) -> tuple[
+        list[list[float]],
+        list[list[float]],
+        tuple[list[list[Any]], list[list[int]]] | None,
+        list[tuple[int, float]],
+    ]:
         load = self._load
         queue = (load.queued, load.decoding)
         fresh = None if self._queue_sent is not None and queue[0] is self._queue_sent[0] else queue
         self._queue_sent = queue
-        return LoadState.drain(load.steps), LoadState.drain(load.prefills), fresh
+        pauses, self._gc_pauses = self._gc_pauses, []
+        return LoadState.drain(load.steps), LoadState.drain(load.prefills), fresh, pauses
 
     def outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self._send(("out", outputs, stats, *self._changes()))
@@ -615,9 +637,14 @@ def child_main(args: ChildArgs) -> None:
         _send_event(events, ("failed", failure))
         events.close()
         return
+    # Out of every later collection's walk (yutu.gcpauses): torch, the model and the engine's
+    # start-up objects; a long pause left is logged as a warning in the worker's log.
+    frozen = freeze_startup_heap()
+    log.info("engine process: %d start-up objects frozen out of garbage collection", frozen)
     load = LoadState()
     sink = _SocketEvents(events, load)
-    _send_event(events, ("ready", EngineInfo.of(engine, torch.get_num_threads()), engine.stats()))
+    process_pauses().listeners.append(sink.gc_paused)
+    _send_event(events, ("ready", EngineInfo.of(engine, torch.get_num_threads(), frozen), engine.stats()))
     core = EngineCore(
         engine, commands, sink, args.max_failed_steps,
         record_cache=args.record_cache, pin_stored=args.pin_stored, load=load,

@@ -37,10 +37,12 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 from fastapi import APIRouter, HTTPException
+from prometheus_client import Histogram
 from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import resolve_model, served_model_name
 from yutu.errors import ErrorKind, YutuError
+from yutu.gcpauses import PAUSE_BUCKETS
 from yutu.kv.block_manager import CacheEvent
 from yutu.logs import current_settings
 from yutu.protocol import prefill as p
@@ -164,10 +166,19 @@ class WorkerService(Service):
         pin_stored = s.kv_store and s.write_behind_blocks > 0
         front: EngineFront
         if s.engine_core == "process":
+            engine_pauses = Histogram(
+                "yutu_engine_gc_pause_seconds",
+                "How long the engine process stopped for each garbage collection (its start-up heap is"
+                " frozen out of them: yutu.gcpauses)",
+                ["generation"],
+                registry=self.metrics,
+                buckets=PAUSE_BUCKETS,
+            )
             process = EngineProcess(
                 config, self._region, self._on_outputs, self._on_error, on_loads=self._on_loads,
                 on_cache=self._on_cache, pin_stored=pin_stored, torch_threads=s.torch_threads,
                 log_settings=current_settings(),
+                on_gc_pause=lambda generation, seconds: engine_pauses.labels(str(generation)).observe(seconds),
             )  # fmt: skip
             self._loop_engine = front = process
             await process.start()
@@ -436,6 +447,7 @@ class WorkerService(Service):
                 "busy_poll_us": self.settings.busy_poll_us,
                 "engine_core": self.settings.engine_core,
                 "engine_pid": self._loop_engine.pid,
+                "engine_gc_frozen_objects": engine.gc_frozen_objects,  # None: the engine is on a thread
                 "dtype": engine.dtype,
                 "in_flight": self.in_flight,
                 "broken": self.broken,

@@ -1,4 +1,5 @@
-"""The engine process's command reader: frames cut right however the bytes arrive, Stop at EOF."""
+"""The engine process's stream: commands' frames cut right however the bytes arrive, Stop at EOF;
+events carrying the garbage collector's pauses."""
 
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ import pytest
 from yutu.engine.engine import EngineConfig
 from yutu.worker.kv_region import KVRegion
 
-from services.worker.engine_core import Abort, FinishLoad, Stop
-from services.worker.engine_process import FRAME, EngineProcess, _StreamCommands, sweep_stale_socket_dirs
+from services.worker.engine_core import Abort, FinishLoad, LoadState, Stop
+from services.worker.engine_process import (
+    FRAME,
+    EngineProcess,
+    _SocketEvents,
+    _StreamCommands,
+    sweep_stale_socket_dirs,
+)
 
 
 def frame(message: object) -> bytes:
@@ -115,3 +122,39 @@ def test_socket_folders_of_gone_workers_are_swept_and_live_ones_kept(tmp_path: P
         (folder / "engine.sock").write_bytes(b"")
     assert sweep_stale_socket_dirs(str(tmp_path)) == [str(dead)]
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_the_engine_process_sends_its_pauses_with_its_next_message(tmp_path: Path) -> None:
+    """Never from the collector's callback (it may run in the middle of a send): they ride with the
+    next step's message, and the worker hands them to ``on_gc_pause``."""
+    worker, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sink = _SocketEvents(child, LoadState())
+        sink.gc_paused(0, 0.0001)
+        sink.gc_paused(2, 0.15)
+        sink.outputs([], stats=None)  # type: ignore[arg-type]
+        sink.outputs([], stats=None)  # type: ignore[arg-type]
+        messages = []
+        for _ in range(2):
+            (length,) = FRAME.unpack(worker.recv(FRAME.size, socket.MSG_WAITALL))
+            messages.append(pickle.loads(worker.recv(length, socket.MSG_WAITALL)))
+    finally:
+        worker.close()
+        child.close()
+    assert [m[0] for m in messages] == ["out", "out"]
+    assert messages[0][-1] == [(0, 0.0001), (2, 0.15)]
+    assert messages[1][-1] == []  # sent once
+
+    # The worker's side: each pause of an "out" or "load" message goes to on_gc_pause.
+    got: list[tuple[int, float]] = []
+    region = KVRegion(None)  # type: ignore[arg-type]  # never started: only its dispatch runs here
+    process = EngineProcess(
+        EngineConfig(model_dir=tmp_path), region, lambda outputs: None, lambda rid, exc: None,
+        on_gc_pause=lambda generation, seconds: got.append((generation, seconds)),
+    )  # fmt: skip
+    try:
+        process._dispatch(("load", None, [], [], None, [(1, 0.002)]))
+        process._dispatch(messages[0])  # a step that produced no tokens, and two pauses
+    finally:
+        asyncio.run(process.stop())
+    assert got == [(1, 0.002), (0, 0.0001), (2, 0.15)]

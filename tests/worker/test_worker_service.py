@@ -239,8 +239,16 @@ async def test_admin_endpoints_and_registry_meta(
         "yutu_worker_num_requests_waiting",
         "yutu_worker_num_preemptions_total",
         "yutu_worker_generation_tokens_total",
+        "# TYPE yutu_gc_pause_seconds histogram",  # this process's collections (yutu.gcpauses)
     ):
         assert name in metrics
+    # The engine process's collections come to the worker's metrics too; its start-up heap is frozen.
+    assert ("# TYPE yutu_engine_gc_pause_seconds histogram" in metrics) == (worker["core"] == "process")
+    assert info["gc_frozen_objects"] > 10_000  # torch, FastAPI, ...: out of every collection's walk
+    if worker["core"] == "process":
+        assert info["engine_gc_frozen_objects"] > 10_000
+    else:
+        assert info["engine_gc_frozen_objects"] is None  # the worker's own count covers its engine
     assert info["model"] == checkpoint.name and info["block_size"] == 4 and info["demo"] is False
     assert info["engine_core"] == worker["core"] and info["torch_threads"] == 1
     assert info["busy_poll_us"] == (0 if worker["core"] == "thread" else SPIN_US)
