@@ -14,7 +14,8 @@ Starts what it needs itself (redis-server on a free port, a store master, one st
   everything -- hiredis reads 1-4 MiB values 6-8x faster, but its packer writes them 4-6x slower
   -- so the ``redis`` baseline the targets are judged on is, per operation, the faster of the two;
 - a raw loopback TCP stream (``sendall``/``recv_into`` between two processes) and a plain memcpy
-  (``numpy.copyto``) of blocks of the same size.
+  (``numpy.copyto``) of blocks of the same size; for 1 MiB and up also as many streams side by side
+  as the store client's TCP transfers spread a batch over (``socket-lanes``: a batch's bound).
 
 Every measurement cycles over a working set of ``--working-set`` bytes (default 128 MiB, past the
 CPU caches) so no number is a cache artefact. Throughput is object bytes per second; latency is per
@@ -82,6 +83,7 @@ from store_baselines import (  # noqa: E402  (this script's folder is on sys.pat
     bench_memcpy,
     bench_redis,
     bench_socket,
+    bench_socket_streams,
     summary,
 )
 from yutu.launcher import ProcessGroup, free_port, python_module, start_redis  # noqa: E402
@@ -250,6 +252,12 @@ async def run_store(
     return results
 
 
+def tcp_lanes() -> int:
+    """Connections the store client's TCP transfers spread a batch over (``TcpClient``'s lanes:
+    its pooled connections per peer, at most one per CPU)."""
+    return max(1, min(StoreClientConfig.tcp_connections, os.cpu_count() or 1))
+
+
 def median_of(rounds: list[Any]) -> Any:
     """The rounds' results as one: every number the median over the rounds that have it, anything
     else (names, versions) the last round's."""
@@ -276,6 +284,10 @@ def report(res: dict[str, Any]) -> list[dict[str, Any]]:
             print(
                 f"{label:>6} {'-':<5} {'-':<6} {name:<27} {b['gbps']:7.2f} {b['p50_us']:9.1f} {b['p99_us']:9.1f}"
             )
+        if "socket-lanes" in base:  # only a rate: the streams run side by side
+            b = base["socket-lanes"]
+            name = f"socket, {b['streams']} streams"
+            print(f"{label:>6} {'-':<5} {'-':<6} {name:<27} {b['gbps']:7.2f}")
         for op in ("put", "get"):
             for mode in ("single", "batch"):
                 r = base["redis"][f"{op}/{mode}"]
@@ -421,6 +433,8 @@ def main() -> int:
             baselines[str(size)] = {
                 "memcpy": bench_memcpy(size, working_set, args.seconds),
                 "socket": bench_socket(size, working_set, args.seconds),
+                **({"socket-lanes": bench_socket_streams(size, working_set, args.seconds, tcp_lanes())}
+                   if size >= MiB else {}),
                 "redis-hiredis": hi,
                 "redis-py": py,
                 "redis": {op: {**max(hi[op], py[op], key=lambda b: b["gbps"]),

@@ -1,6 +1,7 @@
 """Baselines for loadtests/bench_store.py, each measured in the same run as the store.
 
-memcpy and a raw loopback TCP stream of blocks of the object size, Redis SET/GET of the same values
+memcpy and a raw loopback TCP stream of blocks of the object size (and as many streams side by side
+as the TCP client's lanes, the bound of a batch spread over them), Redis SET/GET of the same values
 (redis-py's sync client, single and 32 per pipeline), and the protocol's fixed costs ("design
 floors"): a bare TCP and a bare ZeroMQ round trip, and a Redis write of one metadata record. Every measurement
 cycles over a working set past the CPU caches.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +93,66 @@ def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float
         elapsed = time.perf_counter() - start
     sender.join(10)
     return summary(lat, total, elapsed)
+
+
+def _streams_sender(port: int, size: int, working_set: int, total: int, streams: int) -> None:
+    buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
+    part = working_set // streams // size * size  # each stream cycles over its own part
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+    def send(k: int) -> None:
+        base, blocks = k * part, part // size
+        for i in range(total // streams // size):
+            o = base + (i % blocks) * size
+            conns[k].sendall(buf[o : o + size])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
+
+
+def bench_socket_streams(size: int, working_set: int, seconds: float, streams: int) -> dict[str, float]:
+    """``streams`` loopback TCP streams side by side between two processes (a thread per stream on
+    each side, ``size`` bytes per send/receive, each over its own part of the working set): what the
+    loopback moves when a batch is spread over that many connections, as the TCP client's lanes do.
+    Only its rate is meaningful (``gbps``, all streams together)."""
+    total = int(4.0e9 * seconds) // (size * streams) * size * streams  # about `seconds` at 4 GB/s
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(streams)
+        sender = mp.get_context("spawn").Process(
+            target=_streams_sender, args=(listener.getsockname()[1], size, working_set, total, streams)
+        )
+        sender.start()
+        conns = [listener.accept()[0] for _ in range(streams)]
+    buf = memoryview(bytearray(working_set))
+    part = working_set // streams // size * size
+
+    def receive(k: int) -> None:
+        base, blocks = k * part, part // size
+        with conns[k] as conn:
+            for i in range(total // streams // size):
+                o = base + (i % blocks) * size
+                view, got = buf[o : o + size], 0
+                while got < size:
+                    n = conn.recv_into(view[got:])
+                    if not n:
+                        raise RuntimeError("sender closed early")
+                    got += n
+
+    threads = [threading.Thread(target=receive, args=(k,)) for k in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    sender.join(10)
+    return {"gbps": total / elapsed / 1e9, "streams": streams}
 
 
 def bench_redis(r: redis.Redis, size: int, working_set: int, seconds: float) -> dict[str, dict[str, float]]:
