@@ -3,11 +3,13 @@
 CPython's collector stops the process while it walks the objects of the generations it collects,
 and its oldest generation holds everything that survived start-up: imported modules, torch's
 and FastAPI's objects, the engine's bookkeeping. Measured on the 2-core machine of the serving
-benchmark (Python 3.11, ``loadtests/bench_gc.py``): an engine of the demo model tracks ~285,000
-objects once built and a full collection walks them in 165-180 ms; the gateway's, conductor's and
-store's processes take 25-75 ms. CPython runs one when enough objects outlived younger
-collections since the last -- under load, every few tens of seconds -- and during it a decode
-instance produces no token for any request it runs, a gateway streams nothing.
+benchmark (Python 3.11, ``loadtests/bench_gc.py``): an engine of the demo model tracks ~287,000
+objects once built and a full collection walks them in 147-164 ms; a front end's heap (~226,000
+objects) takes 110-139 ms. CPython runs one when enough objects outlived younger collections since
+the last: in a minute of load on ``yutu up --prefill 1 --decode 1``, the gateway and the store
+master stopped for one each (66-109 ms), in one of two such minutes a prefill worker too (302 ms).
+While it walks, a decode instance produces no token for any request it runs, a gateway streams
+nothing.
 
 :func:`freeze_startup_heap` collects once and moves every object alive into the permanent
 generation (``gc.freeze``), which no collection walks again, as vLLM's engine core and SGLang's
