@@ -19,10 +19,10 @@ reference cycle among them would never be (start-up objects live as long as the 
 Every service freezes once it has started (``yutu.service.serve``), an engine process once its
 model is loaded.
 
-:class:`GcPauses` times every collection of the process (``gc.callbacks``): counts and the
-longest pause per generation for ``/metrics`` (``yutu_gc_pause_seconds``) and a warning in the
-log for a pause over ``warn_s``, so a stall that clients saw can be told from one the collector
-caused.
+:class:`GcPauses` times every collection of the process (``gc.callbacks``) and hands each pause to
+its listeners -- a service's ``/metrics`` histogram (``yutu_gc_pause_seconds``), an engine
+process's next message to its worker -- and logs a pause over ``warn_s`` as a warning, so a stall
+that clients saw can be told from one the collector caused.
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ class GcPauses:
     def __init__(self, warn_s: float = WARN_S, clock: Callable[[], float] = time.perf_counter) -> None:
         self.warn_s = warn_s
         self._clock = clock
-        self.counts = [0, 0, 0]  # collections per generation
-        self.longest_s = [0.0, 0.0, 0.0]
         self.listeners: list[Listener] = []
         self._started: float | None = None
 
@@ -83,8 +81,6 @@ class GcPauses:
             return
         pause, self._started = self._clock() - self._started, None
         generation = int(info["generation"])
-        self.counts[generation] += 1
-        self.longest_s[generation] = max(self.longest_s[generation], pause)
         if pause >= self.warn_s:
             log.warning(
                 "garbage collection of generation %d paused this process for %.1f ms (%d objects freed)",
@@ -98,8 +94,9 @@ _process_pauses: GcPauses | None = None
 
 
 def process_pauses() -> GcPauses:
-    """This process's monitor, installed on first use (several services of one process, as in
-    tests, share it: the pauses are the process's)."""
+    """This process's monitor, installed by every call (``serve`` uninstalls it when its last
+    service stops); several services of one process, as in tests, share it: the pauses are the
+    process's."""
     global _process_pauses
     if _process_pauses is None:
         _process_pauses = GcPauses()

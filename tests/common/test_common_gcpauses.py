@@ -82,9 +82,7 @@ def test_each_collection_is_timed_by_generation_and_long_ones_are_logged(
     finally:
         pauses.uninstall()
     assert seen == [(1, pytest.approx(0.01)), (2, pytest.approx(0.2))]
-    assert pauses.counts == [0, 1, 1]
-    assert pauses.longest_s == [0.0, pytest.approx(0.01), pytest.approx(0.2)]
     (record,) = caplog.records
     assert "generation 2 paused this process for 200.0 ms" in record.getMessage()
     gc.collect()
-    assert pauses.counts == [0, 1, 1] and not pauses.installed  # uninstalled: nothing more timed
+    assert len(seen) == 2 and not pauses.installed  # uninstalled: nothing more timed
