@@ -88,6 +88,7 @@ from store_baselines import (  # noqa: E402  (this script's folder is on sys.pat
 )
 from yutu.launcher import ProcessGroup, free_port, python_module, start_redis  # noqa: E402
 from yutu.store.client import StoreClient, StoreClientConfig  # noqa: E402
+from yutu.transfer.tcp_client import default_lanes  # noqa: E402
 
 SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
 
@@ -250,12 +251,6 @@ async def run_store(
     async with httpx.AsyncClient() as http:
         results["master_stats"] = (await http.get(store.master_admin + "/stats", timeout=5)).json()
     return results
-
-
-def tcp_lanes() -> int:
-    """Connections the store client's TCP transfers spread a batch over (``TcpClient``'s lanes:
-    its pooled connections per peer, at most one per CPU)."""
-    return max(1, min(StoreClientConfig.tcp_connections, os.cpu_count() or 1))
 
 
 def median_of(rounds: list[Any]) -> Any:
@@ -433,7 +428,8 @@ def main() -> int:
             baselines[str(size)] = {
                 "memcpy": bench_memcpy(size, working_set, args.seconds),
                 "socket": bench_socket(size, working_set, args.seconds),
-                **({"socket-lanes": bench_socket_streams(size, working_set, args.seconds, tcp_lanes())}
+                **({"socket-lanes": bench_socket_streams(size, working_set, args.seconds,
+                                                          default_lanes(StoreClientConfig.tcp_connections))}
                    if size >= MiB else {}),
                 "redis-hiredis": hi,
                 "redis-py": py,

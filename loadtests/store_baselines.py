@@ -55,13 +55,24 @@ def bench_memcpy(size: int, working_set: int, seconds: float) -> dict[str, float
     return summary(lat, moved, sum(lat))
 
 
-def _stream_sender(port: int, size: int, working_set: int, total: int) -> None:
+def _streams_sender(port: int, size: int, working_set: int, total: int, streams: int) -> None:
     buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
-    blocks = working_set // size
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        for i in range(total // size):
-            o = (i % blocks) * size
-            s.sendall(buf[o : o + size])
+    part = working_set // streams // size * size  # each stream cycles over its own part
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+    def send(k: int) -> None:
+        base, blocks = k * part, part // size
+        for i in range(total // streams // size):
+            o = base + (i % blocks) * size
+            conns[k].sendall(buf[o : o + size])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
 
 
 def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float]:
@@ -71,7 +82,7 @@ def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         sender = mp.get_context("spawn").Process(
-            target=_stream_sender, args=(listener.getsockname()[1], size, working_set, total)
+            target=_streams_sender, args=(listener.getsockname()[1], size, working_set, total, 1)
         )
         sender.start()
         conn, _ = listener.accept()
@@ -93,26 +104,6 @@ def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float
         elapsed = time.perf_counter() - start
     sender.join(10)
     return summary(lat, total, elapsed)
-
-
-def _streams_sender(port: int, size: int, working_set: int, total: int, streams: int) -> None:
-    buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
-    part = working_set // streams // size * size  # each stream cycles over its own part
-    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-
-    def send(k: int) -> None:
-        base, blocks = k * part, part // size
-        for i in range(total // streams // size):
-            o = base + (i % blocks) * size
-            conns[k].sendall(buf[o : o + size])
-
-    threads = [threading.Thread(target=send, args=(k,)) for k in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for c in conns:
-        c.close()
 
 
 def bench_socket_streams(size: int, working_set: int, seconds: float, streams: int) -> dict[str, float]:

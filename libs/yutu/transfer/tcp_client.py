@@ -54,6 +54,12 @@ from yutu.transfer.transport import COMPLETED, Outcome, Progress
 INLINE_BYTES = 2 << 20  # batches up to this size run on the event loop (see tcp_inline)
 
 
+def default_lanes(connections: int) -> int:
+    """How many connections one batch to a peer drives in parallel by default: the pool's
+    ``connections``, at most one per CPU (more streams than cores only add contention)."""
+    return max(1, min(connections, os.cpu_count() or 1))
+
+
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
     """One incarnation of a peer's data server."""
@@ -237,7 +243,7 @@ class TcpClient:
         self.spin_s = spin_s
         self.inline_batches = 0  # batches that ran on the event loop (for tests and stats)
         self.connections = connections
-        self.lanes = max(1, min(connections, lanes or os.cpu_count() or 1))
+        self.lanes = max(1, min(connections, lanes)) if lanes else default_lanes(connections)
         self.slice_bytes = slice_bytes
         self._pools: dict[PeerAddress, PeerConnections] = {}
         self._lock = threading.Lock()
