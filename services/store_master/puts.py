@@ -15,7 +15,7 @@ restarts. Reclaiming puts (and reservations) not ended within the put timeout is
 from __future__ import annotations
 
 from yutu.errors import ErrorKind, YutuError
-from yutu.protocol.kv_events import BlockStored, key_to_hash
+from yutu.protocol.kv_events import key_to_hash
 from yutu.store.types import ReplicaState, validate_key
 
 from services.store_master.objects import ObjectEntry, PendingPut, Replica
@@ -168,9 +168,7 @@ class Puts:
         self.core.eviction.stored(entry)
         self.core.effects.dirty_objects.add(key)
         if not was_readable:
-            self.core.effects.events.append(
-                BlockStored([key_to_hash(key)], block_size=self.core.policy.block_size)
-            )
+            self.core.effects.stored(key_to_hash(key), self.core.policy.block_size)
         return released
 
     def put_revoke(self, key: str, put_id: str) -> None:

@@ -23,6 +23,7 @@ class SegmentTable:
         self.allocators: dict[str, RangeAllocator] = {}
         self._capacity = 0  # sum of the segments' sizes, kept by add/remove (read per put)
         self._largest = 0  # the largest segment's size, likewise
+        self._used = 0  # bytes allocated in all segments, kept by every allocation and free
 
     def __contains__(self, name: str) -> bool:
         return name in self.segments
@@ -40,7 +41,7 @@ class SegmentTable:
         self._sizes_changed()
 
     def remove(self, name: str) -> Segment:
-        del self.allocators[name]
+        self._used -= self.allocators.pop(name).used_bytes
         segment = self.segments.pop(name)
         self._sizes_changed()
         return segment
@@ -57,7 +58,7 @@ class SegmentTable:
 
     @property
     def used_bytes(self) -> int:
-        return sum(a.used_bytes for a in self.allocators.values())
+        return self._used
 
     @property
     def usage(self) -> float:
@@ -80,7 +81,7 @@ class SegmentTable:
                 ) and name not in exclude:
                     best, most = name, free
             if best is not None:
-                offset = self.allocators[best].allocate(size)
+                offset = self._allocate(self.allocators[best], size)
                 if offset is not None:
                     return [(best, offset)]
         ranked = sorted(
@@ -90,13 +91,19 @@ class SegmentTable:
         for name in ranked:
             if len(placed) == count:
                 break
-            offset = self.allocators[name].allocate(size)
+            offset = self._allocate(self.allocators[name], size)
             if offset is not None:
                 placed.append((name, offset))
         return placed
 
     def allocate_on(self, name: str, size: int) -> int | None:
-        return self.allocators[name].allocate(size)
+        return self._allocate(self.allocators[name], size)
+
+    def _allocate(self, allocator: RangeAllocator, size: int) -> int | None:
+        before = allocator.used_bytes
+        offset = allocator.allocate(size)
+        self._used += allocator.used_bytes - before
+        return offset
 
     def can_fit(self, size: int) -> bool:
         return any(a.can_allocate(size) for a in self.allocators.values())
@@ -105,10 +112,13 @@ class SegmentTable:
         """Free an allocation; a no-op when the segment is gone (its allocator went with it)."""
         allocator = self.allocators.get(name)
         if allocator is not None:
-            allocator.free(offset)
+            self._used -= allocator.free(offset)
 
     def reserve(self, name: str, offset: int, length: int) -> None:
-        self.allocators[name].reserve(offset, length)
+        allocator = self.allocators[name]
+        before = allocator.used_bytes
+        allocator.reserve(offset, length)
+        self._used += allocator.used_bytes - before
 
     # -- liveness --------------------------------------------------------------------------------
 
@@ -149,3 +159,4 @@ class SegmentTable:
     def check(self) -> None:
         for allocator in self.allocators.values():
             allocator.check()
+        assert self._used == sum(a.used_bytes for a in self.allocators.values()), "used bytes drifted"

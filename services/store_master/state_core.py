@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 from yutu.errors import ErrorKind, YutuError
 from yutu.evict import POLICIES
-from yutu.protocol.kv_events import AllBlocksCleared, BlockRemoved, KVEvent, key_to_hash
+from yutu.protocol.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    key_to_hash,
+)
 from yutu.store.types import Medium
 
 from services.store_master.disk_tier import DiskTier
@@ -70,6 +78,17 @@ class Effects:
         return bool(
             self.dirty_objects or self.dirty_segments or self.events or self.tasks or self.failed_tasks
         )
+
+    def stored(self, block_hash: BlockHash, block_size: int) -> None:
+        """A new readable object's ``BlockStored``: added to the last event when that one is a
+        ``BlockStored`` too, so a batch of puts makes one event, not one per object. Its hashes are
+        a set of objects, not a chain of blocks (no parent hash): the conductor's view adds them
+        one by one, as it does for a snapshot's single ``BlockStored`` of every key."""
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored) and last.block_size == block_size and last.medium == MEDIUM_CPU:
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockStored([block_hash], block_size=block_size))
 
 
 @dataclass

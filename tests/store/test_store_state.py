@@ -74,14 +74,29 @@ def test_put_places_replicas_on_distinct_segments_with_exact_offsets() -> None:
     assert put(st, "d", 10, replicas=5) == [("seg0", 192), ("seg1", 192)]  # best effort: 2 segments
     effects = st.take_effects()
     assert effects.dirty_objects == {"a", "b", "c", "d"}
-    # "a" is not hex (odd length): published as its UTF-8 bytes
+    # "a" is not hex (odd length): published as its UTF-8 bytes; puts ended one after another
+    # make one event
     assert [e.block_hashes for e in effects.events if isinstance(e, BlockStored)] == [
-        [b"a"],
-        [b"b"],
-        [b"c"],
-        [b"d"],
+        [b"a", b"b", b"c", b"d"]
     ]
     st.check()
+
+
+def test_stored_events_of_consecutive_puts_share_one_event_in_order() -> None:
+    st, _ = make(segments=1)
+    put(st, "a", 100)
+    put(st, "b", 100)
+    assert st.remove("a")
+    put(st, "c", 100)
+    put(st, "b", 100, upsert=True)  # b was readable already: stored again, no new event
+    events = st.take_effects().events
+    assert events == [
+        BlockStored([b"a", b"b"], block_size=POLICY.block_size),
+        BlockRemoved([b"a"]),
+        BlockStored([b"c"], block_size=POLICY.block_size),
+    ]
+    put(st, "d", 100)  # a new batch of effects starts a new event
+    assert st.take_effects().events == [BlockStored([b"d"], block_size=POLICY.block_size)]
 
 
 def test_put_of_existing_key_is_idempotent_and_upsert_replaces() -> None:
