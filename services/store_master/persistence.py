@@ -76,16 +76,21 @@ class MetadataStore:
         await self.redis.delete(self.objects_key, self.segments_key)
 
 
+# One packer for every record (packb makes one per call, half of a small record's cost); only the
+# event loop's thread writes records.
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
 def object_record(state: MasterState, key: str) -> bytes | None:
     """The Redis record of object ``key`` now (None: it is gone)."""
     entry = state.objects.get(key)
-    return None if entry is None else msgpack.packb(entry.to_wire(), use_bin_type=True)
+    return None if entry is None else _pack(entry.to_wire())
 
 
 def segment_record(state: MasterState, name: str) -> bytes | None:
     """The Redis record of segment ``name`` now (None: it is gone)."""
     segment = state.segments.get(name)
-    return None if segment is None else msgpack.packb(segment.to_wire(), use_bin_type=True)
+    return None if segment is None else _pack(segment.to_wire())
 
 
 def _text(raw: bytes | str) -> str:
