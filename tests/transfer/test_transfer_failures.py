@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from transfer_helpers import PeerProcess, digest, pattern
 from yutu.transfer import SegmentDirectory, TransferEngine, TransferOp, TransferRequest, TransferStatus
+from yutu.transfer.tcp_client import PeerAddress, TcpClient, TcpItem
 from yutu.transfer.tcp_wire import (
     REPLY,
     WireOp,
@@ -20,6 +21,7 @@ from yutu.transfer.tcp_wire import (
     encode_request,
     recv_exact,
 )
+from yutu.transfer.transport import COMPLETED, Outcome
 
 MiB = 1 << 20
 READ, WRITE = TransferOp.READ, TransferOp.WRITE
@@ -276,3 +278,37 @@ async def test_mappings_of_departed_regions_are_pruned(make_engine: Callable[...
     owner.unregister_region("data")  # unlinks the file; our mapping alone would keep its pages
     await owner.publish()
     assert reader._shm.prune() == 1
+
+
+async def test_a_lane_on_a_dead_pooled_connection_leaves_the_rest_to_the_others(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    """Lanes take slices from one queue: when one lane's pooled connection turns out dead, only
+    the slices it had in flight fail (as unreachable, so the engine would look the peer up again);
+    the other lane moves everything else."""
+    spawn_peer("lanes-peer", [f"data:{16 * MiB}:65"], "tcp")
+    engine = make_engine("lanes", transports=("tcp",))
+    await engine.start()
+    client = TcpClient(connections=2, slice_bytes=MiB, lanes=2, inline_bytes=0)
+    try:
+        found = await engine.directory.lookup("lanes-peer")
+        peer = PeerAddress(found.tcp_host, found.tcp_port, found.name, found.incarnation)
+        pool = client._pool(peer)
+        stale = pool.acquire(time.monotonic() + 10)  # a handshaken connection that dies idle
+        stale.shutdown(socket.SHUT_RDWR)
+        pool.release(stale, healthy=True)
+        local = bytearray(16 * MiB)
+        items = [TcpItem(WireOp.READ, memoryview(local)[i * MiB : (i + 1) * MiB], b"data", i * MiB)
+                 for i in range(16)]  # fmt: skip
+        outcomes: dict[int, Outcome] = {}
+        await client.execute(peer, items, time.monotonic() + 30, outcomes.__setitem__)
+    finally:
+        client.close()
+    assert sorted(outcomes) == list(range(16))
+    failed = [i for i, o in outcomes.items() if o is not COMPLETED]
+    assert 1 <= len(failed) <= 2, outcomes  # the dead lane's first requests in flight, no more
+    assert all(outcomes[i].unreachable and outcomes[i].peer_failed for i in failed)
+    source = pattern(65, 16 * MiB)
+    for i in set(range(16)) - set(failed):
+        assert np.array_equal(np.frombuffer(local, np.uint8)[i * MiB : (i + 1) * MiB],
+                              source[i * MiB : (i + 1) * MiB])  # fmt: skip

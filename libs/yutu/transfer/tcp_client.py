@@ -1,19 +1,22 @@
 """The TCP transport's client side: pooled connections per peer, sliced and pipelined transfers.
 
-A batch's requests to one peer are cut into slices of at most ``slice_bytes`` (2 MiB) and dealt
-round-robin onto ``lanes`` lanes (min(connections, CPUs): on two cores, two streams beat four); each
-lane runs in a worker thread on one pooled connection with blocking sockets. Within a lane, consecutive slices of the same op are pipelined in windows (all
-READ headers go out in one ``sendall``, then the replies and payloads are read in order), so a
-window costs one round trip, not one per slice. READ and WRITE slices are never mixed in a window:
-a peer busy sending READ payload while we push WRITE payload would deadlock both sides.
+A batch's requests to one peer are cut into slices of at most ``slice_bytes`` (2 MiB), which
+``lanes`` lanes (min(connections, CPUs): on two cores, two streams beat four) take from one queue
+as they go, so a lane whose thread gets less CPU takes fewer (dealt round-robin instead, one lane
+of a 32 x 1 MiB batch often ended 1-2 ms after the other). Each lane runs in a worker thread on one
+pooled connection with blocking sockets and keeps requests in flight (at least two, more up to
+``INFLIGHT_BYTES``): it sends the next request as each reply comes back, so the peer never waits for
+it. READ and WRITE slices are never in flight together on a connection: a peer busy sending READ
+payload while we push WRITE payload would deadlock both sides.
 
 Payload is never copied into ``bytes``: WRITE sends a memoryview slice of the local region, READ
 receives with ``recv_into`` a memoryview slice of the local region.
 
 Failure semantics per slice: a refused request (server error reply) fails only that slice; a
-timeout fails the rest of the lane TIMED_OUT; a connection error fails the rest of the lane FAILED.
-The connection is dropped in both cases, and after a connection error the peer's idle connections
-are dropped too (they most likely point at a dead process).
+timeout fails the lane's slices in flight TIMED_OUT, a connection error FAILED, and the lane
+stops; the other lanes go on with the rest (what is left when every lane has stopped fails as the
+last lane did). The connection is dropped in both cases, and after a connection error the peer's
+idle connections are dropped too (they most likely point at a dead process).
 
 Small batches (at most ``inline_bytes`` in all) skip the threads when the peer has an idle pooled
 connection: they run on the event loop itself (``yutu.transfer.tcp_inline``), with the same wire
@@ -52,6 +55,7 @@ from yutu.transfer.tcp_wire import (
 from yutu.transfer.transport import COMPLETED, Outcome, Progress
 
 INLINE_BYTES = 2 << 20  # batches up to this size run on the event loop (see tcp_inline)
+INFLIGHT_BYTES = 2 << 20  # a lane keeps more than two requests in flight only while under this
 
 
 def default_lanes(connections: int) -> int:
@@ -267,7 +271,7 @@ class TcpClient:
                 self.inline_batches += 1
                 await run_inline(pool, sock, items, deadline, on_done, self._ids, self.spin_s)
                 return
-        slices: list[_Slice] = []
+        slices: deque[_Slice] = deque()
         parts = [0] * len(items)
         step = self.slice_bytes
         for index, it in enumerate(items):
@@ -277,14 +281,14 @@ class TcpClient:
                 parts[index] += 1
         loop = asyncio.get_running_loop()
         progress = Progress(loop, parts, on_done)
-        n_lanes = min(self.lanes, len(slices))
-        lanes = [slices[i::n_lanes] for i in range(n_lanes)]
+        work = _Work(slices)
         futures = [
-            loop.run_in_executor(self._executor, self._run_lane, peer, lane, deadline, progress)
-            for lane in lanes
+            loop.run_in_executor(self._executor, self._run_lane, peer, work, deadline, progress)
+            for _ in range(min(self.lanes, len(slices)))
         ]
         for future in futures:
             await future
+        progress.post(work.fail_rest())  # what no lane could take: every lane failed
 
     def forget(self, peer: PeerAddress) -> None:
         """Close and drop the pool of ``peer`` (after it failed or changed incarnation)."""
@@ -308,63 +312,74 @@ class TcpClient:
                 pool = self._pools[peer] = PeerConnections(peer, self.connections)
             return pool
 
-    def _run_lane(self, peer: PeerAddress, lane: list[_Slice], deadline: float, progress: Progress) -> None:
-        """Worker thread: run ``lane`` on one connection, posting slice outcomes as they finish."""
+    def _run_lane(self, peer: PeerAddress, work: _Work, deadline: float, progress: Progress) -> None:
+        """Worker thread: take slices from ``work`` and run them on one connection until none is
+        left, posting their outcomes as they finish. A lane that fails fails the slices it has in
+        flight; the other lanes go on with the rest."""
         pool = self._pool(peer)
         try:
             sock = pool.acquire(deadline)
         except TransferTimeoutError as exc:
-            progress.post([(s.item, Outcome(TransferStatus.TIMED_OUT, str(exc))) for s in lane])
+            work.failed(Outcome(TransferStatus.TIMED_OUT, str(exc)))
             return
         except PeerUnreachableError as exc:
             self.forget(peer)
-            progress.post(
-                [(s.item, Outcome(TransferStatus.FAILED, str(exc), unreachable=True)) for s in lane]
-            )
+            work.failed(Outcome(TransferStatus.FAILED, str(exc), unreachable=True))
             return
-        report = _Report(lane, progress)
+        lane = _Lane(progress)
         healthy = False
         try:
-            start = 0
-            while start < len(lane):  # lane[start:end] is one window of a single op
-                end = start + 1
-                while end < len(lane) and end - start < PIPELINE_WINDOW and lane[end].op == lane[start].op:
-                    end += 1
-                self._run_window(sock, lane[start:end], deadline, report)
-                report.flush()
-                start = end
+            self._stream(sock, work, deadline, lane)
             healthy = True
         except (TransferTimeoutError, TimeoutError):
-            report.fail_rest(Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer"))
+            lane.fail_in_flight(
+                work, Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer")
+            )
         except (OSError, ProtocolError) as exc:
             pool.drop_idle()
             # No reply at all on this connection: most likely a pooled connection to a peer that has
             # closed or died since; the engine re-reads the directory before giving up.
-            silent = report.count == 0
+            silent = lane.replies == 0
             reason = f"segment {peer.segment!r} failed mid-transfer: {type(exc).__name__}: {exc}"
-            report.fail_rest(Outcome(TransferStatus.FAILED, reason, unreachable=silent, peer_failed=True))
+            outcome = Outcome(TransferStatus.FAILED, reason, unreachable=silent, peer_failed=True)
+            lane.fail_in_flight(work, outcome)
         finally:
+            lane.flush()
             pool.release(sock, healthy)
 
-    def _run_window(
-        self, sock: socket.socket, window: list[_Slice], deadline: float, report: _Report
-    ) -> None:
-        op = window[0].op
-        ids = [next(self._ids) for _ in window]
-        if op == WireOp.READ:
-            headers = b"".join(
-                encode_request(op, rid, s.region, s.offset, len(s.local))
-                for rid, s in zip(ids, window, strict=True)
-            )
-            sock.settimeout(_remaining(deadline))
-            sock.sendall(headers)
-        else:
-            for rid, s in zip(ids, window, strict=True):
-                sock.settimeout(_remaining(deadline))
-                send_all(sock, encode_request(op, rid, s.region, s.offset, len(s.local)), s.local)
+    def _stream(self, sock: socket.socket, work: _Work, deadline: float, lane: _Lane) -> None:
+        """Keep requests in flight on ``sock`` -- at least two, more while under ``INFLIGHT_BYTES``,
+        at most ``PIPELINE_WINDOW`` -- taking the next slice from ``work`` as each reply comes back,
+        until ``work`` is empty: one round trip per batch, not per slice, and the lanes share the
+        slices by how fast each goes. Only slices of the op in flight join it: a peer busy sending
+        READ payload while we push WRITE payload would deadlock both sides."""
+        in_flight = lane.in_flight
+        in_flight_bytes = 0
         reply = bytearray(REPLY.size)
         reply_view = memoryview(reply)
-        for rid, s in zip(ids, window, strict=True):
+        while True:
+            headers: list[bytes] = []  # READ requests go out together
+            while len(in_flight) < 2 or (
+                len(in_flight) < PIPELINE_WINDOW and in_flight_bytes < INFLIGHT_BYTES
+            ):
+                s = work.take(in_flight[0][1].op if in_flight else None)
+                if s is None:
+                    break
+                rid = next(self._ids)
+                header = encode_request(s.op, rid, s.region, s.offset, len(s.local))
+                if s.op == WireOp.READ:
+                    headers.append(header)
+                else:
+                    sock.settimeout(_remaining(deadline))
+                    send_all(sock, header, s.local)
+                in_flight.append((rid, s))
+                in_flight_bytes += len(s.local)
+            if headers:
+                sock.settimeout(_remaining(deadline))
+                sock.sendall(b"".join(headers))
+            if not in_flight:
+                return
+            rid, s = in_flight[0]
             _recv_into_by(sock, reply_view, deadline)
             status, msg_len, got_id, length = decode_reply_header(reply)
             if got_id != rid:
@@ -372,40 +387,74 @@ class TcpClient:
             if status != WireStatus.OK:
                 msg = recv_exact(sock, msg_len).decode("utf-8", "replace")
                 kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-                report.add(Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0)
-                continue
-            if length != len(s.local):
-                raise ProtocolError(f"reply announces {length} bytes, expected {len(s.local)}")
-            if op == WireOp.READ:
-                _recv_into_by(sock, s.local, deadline)
-            report.add(COMPLETED, length)
+                outcome, moved = Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0
+            else:
+                if length != len(s.local):
+                    raise ProtocolError(f"reply announces {length} bytes, expected {len(s.local)}")
+                if s.op == WireOp.READ:
+                    _recv_into_by(sock, s.local, deadline)
+                outcome, moved = COMPLETED, length
+            in_flight.popleft()
+            in_flight_bytes -= len(s.local)
+            lane.done(s.item, outcome, moved)
 
 
-class _Report:
-    """A lane's outcomes, in slice order, posted to ``Progress`` every ``POST_BYTES`` or window."""
+class _Work:
+    """The slices of one batch to one peer, taken by its lanes as they go, so a lane that gets
+    less CPU takes fewer of them. Thread-safe."""
+
+    def __init__(self, slices: deque[_Slice]) -> None:
+        self._slices = slices
+        self._lock = threading.Lock()
+        self._failure = Outcome(TransferStatus.FAILED, "no connection to the peer ran it")
+
+    def take(self, op: WireOp | None) -> _Slice | None:
+        """The next slice, if there is one and it is of ``op`` (None: any op)."""
+        with self._lock:
+            if self._slices and (op is None or self._slices[0].op == op):
+                return self._slices.popleft()
+            return None
+
+    def failed(self, outcome: Outcome) -> None:
+        """A lane failed with ``outcome``: the slices no lane takes any more end with it."""
+        self._failure = outcome
+
+    def fail_rest(self) -> list[tuple[int, Outcome]]:
+        """Once every lane has stopped: the slices left, each with the last lane failure."""
+        with self._lock:
+            rest = [(s.item, self._failure) for s in self._slices]
+            self._slices.clear()
+        return rest
+
+
+class _Lane:
+    """One lane's requests in flight and finished outcomes, posted to ``Progress`` every
+    ``POST_BYTES`` and when the lane stops."""
 
     POST_BYTES = 1 << 20
 
-    def __init__(self, lane: list[_Slice], progress: Progress) -> None:
-        self._lane = lane
+    def __init__(self, progress: Progress) -> None:
         self._progress = progress
         self._pending: list[tuple[int, Outcome]] = []
         self._bytes = 0
-        self.count = 0  # slices with a final outcome
+        self.in_flight: deque[tuple[int, _Slice]] = deque()  # (request id, slice), oldest first
+        self.replies = 0
 
-    def add(self, outcome: Outcome, nbytes: int) -> None:
-        self._pending.append((self._lane[self.count].item, outcome))
-        self.count += 1
+    def done(self, item: int, outcome: Outcome, nbytes: int) -> None:
+        self._pending.append((item, outcome))
+        self.replies += 1
         self._bytes += nbytes
         if self._bytes >= self.POST_BYTES:
             self.flush()
+
+    def fail_in_flight(self, work: _Work, outcome: Outcome) -> None:
+        """The lane's connection failed: its slices in flight end with ``outcome``, and so do the
+        slices left once every lane has stopped."""
+        self._pending += [(s.item, outcome) for _, s in self.in_flight]
+        self.in_flight.clear()
+        work.failed(outcome)
 
     def flush(self) -> None:
         self._progress.post(self._pending)
         self._pending = []
         self._bytes = 0
-
-    def fail_rest(self, outcome: Outcome) -> None:
-        while self.count < len(self._lane):
-            self.add(outcome, 0)
-        self.flush()
