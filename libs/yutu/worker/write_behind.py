@@ -8,7 +8,14 @@ block it was offered exactly once -- written, already stored, skipped or failed.
 token path: offering returns at once, and a failed put is counted and logged, never raised.
 
     engine thread: step -> new full blocks -> pin -> offer(blocks)      (via the event loop)
-    event loop:    queue -> put_from_batch(keys, kv region, offsets) -> unpin(block ids)
+    event loop:    queue -> (DELAY_S) -> put_from_batch(keys, kv region, offsets) -> unpin(block ids)
+
+Offered blocks wait ``DELAY_S`` (20 ms) before they are written. A prefill instance offers a
+prompt's blocks as its first token goes out, which is when the decode instance pulls them and runs
+their first step: on a small host the put (the master's commit, the copies) ran on the same CPUs
+and stretched that hand-off. Measured on 2 cores, 1P+1D, 25 sequential 1024-token prompts per run,
+three alternating pairs: the gap between a request's first and second token 7.2-7.9 ms (p50) with
+the delay against 8.2-12.2 ms without. The wait also lets blocks offered meanwhile share one put.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from yutu.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
+DELAY_S = 0.02  # how long offered blocks wait before they are written (see the module docstring)
 KNOWN_KEYS = 65_536  # keys remembered as stored, so a hot prefix is not offered again and again
 
 
@@ -47,9 +55,11 @@ class WriteBehind:
         supervisor: Supervisor,
         max_in_flight: int = 512,
         batch_blocks: int = 64,
+        delay_s: float = DELAY_S,
     ) -> None:
-        if max_in_flight < 1 or batch_blocks < 1:
-            raise ValueError("write-behind needs max_in_flight >= 1 and batch_blocks >= 1")
+        if max_in_flight < 1 or batch_blocks < 1 or delay_s < 0:
+            raise ValueError("write-behind needs max_in_flight >= 1, batch_blocks >= 1 and delay_s >= 0")
+        self.delay_s = delay_s
         self.store = store
         self.region = region
         self.block_bytes = block_bytes
@@ -103,6 +113,8 @@ class WriteBehind:
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             self._wake.clear()
             while self._queue:
                 batch, self._queue = self._queue[: self.batch_blocks], self._queue[self.batch_blocks :]
