@@ -40,6 +40,7 @@ class WorkerSettings(ServiceSettings):
     block_size: int  # tokens per KV block (paging, hashing and store objects)
     num_kv_blocks: int | None  # None: as many as kv_cache_memory_mib holds
     kv_cache_memory_mib: int
+    prefault: bool  # fault the KV cache's pages in at start (Region.populate)
     max_num_seqs: int  # running sequences per step
     max_num_batched_tokens: int  # token budget of one step (chunked prefill)
     max_model_len: int | None  # None: the model's max_position_embeddings
@@ -84,6 +85,7 @@ class WorkerSettings(ServiceSettings):
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_mib=args.kv_cache_memory_mib,
+            prefault=args.prefault,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -115,6 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         help="KV cache blocks (overrides --kv-cache-memory-mib)",
     )
     own(engine, "--kv-cache-memory-mib", type=int, default=512, help="memory for the KV cache, in MiB")
+    own(engine, "--prefault", type=bool, default=True,
+        help="fault the whole KV cache in at start (commits its memory, as vLLM's zeroed cache does), so no "
+             "prefill or KV pull pays a page fault on a block's first use, and a /dev/shm too small for it "
+             "shows at start")  # fmt: skip
     own(engine, "--max-num-seqs", type=int, default=64, help="most sequences batched in one step")
     own(
         engine,

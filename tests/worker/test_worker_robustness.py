@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import redis.asyncio
 import torch
 from yutu.engine.engine import FinishReason, RequestOutput
 from yutu.engine.errors import EngineBrokenError, RequestFailedError
@@ -33,6 +34,8 @@ from yutu.engine.testing import make_tiny_checkpoint
 from yutu.errors import ErrorKind
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import admin_app
+from yutu.transfer import SegmentDirectory, TransferEngine
+from yutu.worker.kv_region import KVRegion
 
 from services.worker.engine_core import EngineInfo
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
@@ -355,6 +358,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         block_size=16,
         num_kv_blocks=8,
         kv_cache_memory_mib=16,
+        prefault=True,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         max_model_len=64,
@@ -372,3 +376,34 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         transfer_port=0,
         busy_poll_us=0,
     )
+
+
+def _resident_bytes(path: str) -> int:
+    """Bytes of ``path``'s mappings in this process that are in memory (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+async def test_prefault_puts_the_whole_kv_cache_in_memory_before_serving(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """--prefault (the default) faults the KV cache's pages in at start, as the store node does its
+    segment: no block's first write pays page faults on the prefill or the KV pull."""
+    service = WorkerService(worker_settings(redis_url, registry_prefix))
+    client = redis.asyncio.Redis.from_url(redis_url)
+    engine = TransferEngine("prefault-test", SegmentDirectory(client, prefix=registry_prefix))
+    try:
+        service._region = KVRegion(engine)
+        region = service._region.register((64, 4, 2, 16, 2, 32), torch.float32)  # 64 blocks of 32 KiB
+        assert _resident_bytes(region.path) == 0  # a fresh region: nothing faulted in yet
+        await service._prefault()
+        assert _resident_bytes(region.path) == region.size == 64 * 32 * 1024
+    finally:
+        await engine.close()
+        await client.aclose()
