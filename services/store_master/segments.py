@@ -100,9 +100,9 @@ class SegmentTable:
         return self._allocate(self.allocators[name], size)
 
     def _allocate(self, allocator: RangeAllocator, size: int) -> int | None:
-        before = allocator.used_bytes
         offset = allocator.allocate(size)
-        self._used += allocator.used_bytes - before
+        if offset is not None:
+            self._used += allocator.allocated_size(offset) or 0
         return offset
 
     def can_fit(self, size: int) -> bool:
@@ -116,9 +116,8 @@ class SegmentTable:
 
     def reserve(self, name: str, offset: int, length: int) -> None:
         allocator = self.allocators[name]
-        before = allocator.used_bytes
         allocator.reserve(offset, length)
-        self._used += allocator.used_bytes - before
+        self._used += allocator.allocated_size(offset) or 0
 
     # -- liveness --------------------------------------------------------------------------------
 

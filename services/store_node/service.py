@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -82,14 +81,7 @@ class StoreNodeService(Service):
         await asyncio.to_thread(reclaim_stale_regions)  # files of nodes killed outright
         self.region = self.engine.register_region(REGION_NAME, s.segment_size)
         if s.prefault:
-            started = time.monotonic()
-            if await asyncio.to_thread(self.region.populate):
-                log.info(
-                    "faulted in %d bytes of segment in %.2f s", s.segment_size, time.monotonic() - started
-                )
-            else:
-                log.warning("could not fault the segment in (kernel before 5.14, or %s full): pages fault in "
-                            "on first use", self.region.path.rsplit("/", 1)[0])  # fmt: skip
+            await asyncio.to_thread(self.region.fault_in, "segment")
         await self.engine.start()
         if self.disk is not None:
             stale = await asyncio.to_thread(self.disk.clear)

@@ -210,13 +210,7 @@ class WorkerService(Service):
         block's first write is otherwise a page fault per 4 KiB page (~5 us in a VM here) on the
         prefill or the KV pull that writes it."""
         assert self._region is not None and self._region.region is not None
-        region = self._region.region
-        started = time.monotonic()
-        if await asyncio.to_thread(region.populate):
-            log.info("faulted in the %d-byte KV cache in %.2f s", region.size, time.monotonic() - started)
-        else:
-            log.warning("could not fault the KV cache in (kernel before 5.14, or %s full): pages fault in "
-                        "on first use", region.path.rsplit("/", 1)[0])  # fmt: skip
+        await asyncio.to_thread(self._region.region.fault_in, "KV cache")
 
     async def _start_channel(self) -> dict[str, str]:
         s = self.settings

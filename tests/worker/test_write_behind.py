@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from yutu.supervise import Supervisor
 from yutu.worker.write_behind import WriteBehind
@@ -24,12 +26,23 @@ class RecordingStore:
         return [True] * len(keys)
 
 
-async def test_offered_blocks_wait_the_delay_and_share_one_put() -> None:
+@asynccontextmanager
+async def write_behind(delay_s: float) -> AsyncIterator[tuple[WriteBehind, RecordingStore, list[int]]]:
+    """A write-behind of 100-byte blocks over a recording store; yields it, the store and the
+    block ids it unpinned, in order."""
     store = RecordingStore()
     unpinned: list[int] = []
     supervisor = Supervisor("test")
-    wb = WriteBehind(store, "kv", 100, unpinned.extend, supervisor, delay_s=0.05)  # type: ignore[arg-type]
+    wb = WriteBehind(store, "kv", 100, unpinned.extend, supervisor, delay_s=delay_s)  # type: ignore[arg-type]
     try:
+        yield wb, store, unpinned
+    finally:
+        wb.close()
+        await supervisor.close()
+
+
+async def test_offered_blocks_wait_the_delay_and_share_one_put() -> None:
+    async with write_behind(0.05) as (wb, store, unpinned):
         offered_at = time.monotonic()
         wb.offer([("a", 1), ("b", 2)])
         await asyncio.sleep(0.01)
@@ -43,20 +56,10 @@ async def test_offered_blocks_wait_the_delay_and_share_one_put() -> None:
         assert wb.stats.written == 3
         wb.offer([("a", 4)])  # written already: unpinned at once, never sent again
         assert unpinned[-1] == 4 and len(store.puts) == 1 and wb.stats.known == 1
-    finally:
-        wb.close()
-        await supervisor.close()
 
 
 async def test_no_delay_writes_at_once() -> None:
-    store = RecordingStore()
-    unpinned: list[int] = []
-    supervisor = Supervisor("test")
-    wb = WriteBehind(store, "kv", 100, unpinned.extend, supervisor, delay_s=0)  # type: ignore[arg-type]
-    try:
+    async with write_behind(0) as (wb, store, unpinned):
         wb.offer([("a", 1)])
         assert await wb.flush(5.0)
         assert [keys for _, keys, _ in store.puts] == [["a"]] and unpinned == [1]
-    finally:
-        wb.close()
-        await supervisor.close()

@@ -148,6 +148,17 @@ class Region:
             return False
         return True
 
+    def fault_in(self, what: str) -> bool:
+        """:meth:`populate`, logged as ``what`` (e.g. "KV cache"): how long it took, or why the
+        pages fault in on first use instead. Blocks: call it off the loop."""
+        started = time.monotonic()
+        if self.populate():
+            log.info("faulted in the %d-byte %s in %.2f s", self.size, what, time.monotonic() - started)
+            return True
+        log.warning("could not fault the %s in (kernel before 5.14, or %s full): pages fault in on first use",
+                    what, os.path.dirname(self.path))  # fmt: skip
+        return False
+
     @property
     def closed(self) -> bool:
         return self._mmap is None
