@@ -7,7 +7,10 @@ Measures, in one run on one engine:
   * on CPU, bfloat16 against float32 (prefill, decode at batch 1 and 16), interleaved: the
     measurement behind ``--dtype auto``
   * decode tokens/s at batch 16 with 1024-token contexts, the dense decode cache on (the default
-    on CPU) against off (every decode gathers its blocks: the reference path), interleaved
+    on CPU) against off (every decode gathers its blocks: the reference path), both attending with
+    torch's SDPA, and the dense cache with the native kernel (yutu.engine.native), interleaved
+  * decode tokens/s at batch 1 and 16 with the native decode attention kernel (the engines' path on
+    CPU) against torch's SDPA (the reference), interleaved
   * decode tokens/s at batch 1 and 16 with fused projections (q/k/v, gate/up; the engines' path)
     against the separate ones (the reference), interleaved
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
@@ -109,9 +112,14 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
                 kv_cache_memory_bytes=512 * 2**20,
                 max_num_batched_tokens=2048,
                 dense_decode_bytes=budget,
+                attention_kernel=kernel,
             )
         )  # fmt: skip
-        for name, budget in (("paged", 0), ("dense", None))
+        for name, budget, kernel in (
+            ("paged", 0, "torch"),
+            ("dense", None, "torch"),
+            ("native", None, "auto"),
+        )
     }
     params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
     best = {name: 0.0 for name in engines}
@@ -125,7 +133,35 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
     for engine in engines.values():
         engine.block_manager.check_integrity()
     return {"decode_tok_s_b16_ctx1024_paged": best["paged"], "decode_tok_s_b16_ctx1024_dense": best["dense"],
-            "dense_over_paged": best["dense"] / best["paged"]}  # fmt: skip
+            "decode_tok_s_b16_ctx1024_dense_native": best["native"],
+            "dense_over_paged": best["dense"] / best["paged"],
+            "dense_native_over_paged": best["native"] / best["paged"]}  # fmt: skip
+
+
+def kernel_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
+    """The native decode attention kernel (``attention_kernel`` auto: what engines on CPU run)
+    against torch's SDPA (the reference): decode at batch 1 (a 1024-token context) and batch 16
+    (512), ``rounds`` interleaved runs on two engines in this process, the medians."""
+    torch.set_num_threads(threads)
+    engines = {k: LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20, attention_kernel=k))
+               for k in ("auto", "torch")}  # fmt: skip
+    runs: dict[str, list[float]] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    for r in range(rounds):
+        for name, engine in engines.items():
+            vocab = engine.model_config.vocab_size
+            run_to_first_token(engine, {f"{name}{r}": prompts(1, 1024, vocab, seed=600 + r)[0]}, params)
+            tokens, elapsed = finish(engine)
+            runs.setdefault(f"{name}_kernel_decode_tok_s_b1", []).append(tokens / elapsed)
+            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=700 + r))}
+            run_to_first_token(engine, reqs, params)
+            tokens, elapsed = finish(engine)
+            runs.setdefault(f"{name}_kernel_decode_tok_s_b16", []).append(tokens / elapsed)
+    best = {key: statistics.median(values) for key, values in runs.items()}
+    best["attention_kernel"] = 1.0 if engines["auto"].attention_kernel == "native" else 0.0
+    for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
+        best[f"native_over_torch_{what}"] = best[f"auto_kernel_{what}"] / best[f"torch_kernel_{what}"]
+    return best
 
 
 def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
@@ -203,7 +239,7 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = bench(model_dir, args.threads, args.dtype) | dense_ab(model_dir, args.threads)
-    results |= fused_ab(model_dir, args.threads)
+    results |= fused_ab(model_dir, args.threads) | kernel_ab(model_dir, args.threads)
     if device == "cpu":
         results |= dtype_ab(model_dir, args.threads)
     print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}, dtype {args.dtype}")
@@ -227,6 +263,12 @@ def main() -> None:
             "tok/s",
         ),
         ("  ratio dense / paged", results["dense_over_paged"], "x"),
+        (
+            "  same, dense with the native kernel",
+            results["decode_tok_s_b16_ctx1024_dense_native"],
+            "tok/s",
+        ),
+        ("  ratio dense native / paged", results["dense_native_over_paged"], "x"),
     ]
     rows += [
         ("fused / separate projections: decode batch 1", results["fused_over_separate_decode_tok_s_b1"], "x"),
@@ -236,6 +278,13 @@ def main() -> None:
             "x",
         ),
     ]
+    if results["attention_kernel"]:
+        rows += [
+            ("native / torch attention: decode batch 1", results["native_over_torch_decode_tok_s_b1"], "x"),
+            ("native / torch attention: decode batch 16", results["native_over_torch_decode_tok_s_b16"], "x"),
+        ]
+    else:
+        print("(the native attention kernel could not be built here: see the warning above)")
     if "bf16_over_f32_prefill_speed" in results:
         rows += [
             ("bfloat16 / float32 speed: prefill 512 tokens", results["bf16_over_f32_prefill_speed"], "x"),

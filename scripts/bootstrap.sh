@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what Yutu needs from the system on a fresh Debian/Ubuntu machine: python3 with venv, and
-# redis-server. Does nothing for what is already there. Usage: scripts/bootstrap.sh [--need-redis-binary]
+# Installs what Yutu needs from the system on a fresh Debian/Ubuntu machine: python3 with venv, a C++
+# compiler and Python's headers (the native CPU kernels, yutu.engine.native), and redis-server. Does nothing for what is already there. Usage: scripts/bootstrap.sh [--need-redis-binary]
 #   --need-redis-binary: the tests start their own redis-server, so the binary must exist even when
 #                        some Redis is already reachable.
 set -euo pipefail
@@ -27,6 +27,15 @@ if ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; th
 fi
 if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
   apt_install python3-venv || { echo "python3 cannot create virtualenvs. Install it with: sudo apt-get install python3-venv" >&2; exit 1; }
+fi
+
+has_python_headers() { python3 -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null; }
+if ! command -v g++ >/dev/null 2>&1 || ! has_python_headers; then
+  echo "bootstrap: installing g++ and python3-dev (the native CPU kernels)" >&2
+  apt_install g++ python3-dev || {
+    echo "bootstrap: no C++ compiler or Python headers, and they could not be installed: engines decode" >&2
+    echo "  on torch's attention (slower). Install them with: sudo apt-get install g++ python3-dev" >&2
+  }
 fi
 
 redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; }

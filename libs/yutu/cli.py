@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from yutu.config import DEFAULT_REDIS_URL, DTYPES, add_policy_options, option
+from yutu.config import ATTENTION_KERNELS, DEFAULT_REDIS_URL, DTYPES, add_policy_options, option
 from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
@@ -137,6 +137,14 @@ def up_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=DTYPES,
         help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
+    )
+    option(
+        topology,
+        "--attention-kernel",
+        default="auto",
+        choices=ATTENTION_KERNELS,
+        help="decode attention on CPU for every instance: native (a C++ kernel built once per machine), torch"
+        " (torch's SDPA) or auto (native where it builds, else torch, with a warning)",
     )
     option(
         topology,
@@ -377,7 +385,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
               "--torch-threads", str(torch_threads),
               "--prefill-threads", str(args.prefill_threads or prefill_threads(torch_threads)),
-              "--dtype", args.dtype, "--engine-core", args.engine_core]  # fmt: skip
+              "--dtype", args.dtype, "--engine-core", args.engine_core,
+              "--attention-kernel", args.attention_kernel]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
     if args.workers is not None:

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from functools import partial
 
 from yutu.busypoll import SPIN_US
-from yutu.config import DTYPES, ServiceSettings, add_common_options, add_model_options, option
+from yutu.config import (
+    ATTENTION_KERNELS,
+    DTYPES,
+    ServiceSettings,
+    add_common_options,
+    add_model_options,
+    option,
+)
 
 ROLES = ("mixed", "prefill", "decode")
 SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
@@ -49,6 +56,7 @@ class WorkerSettings(ServiceSettings):
     prefill_threads: int  # threads of a step of >= 256 tokens (a prompt chunk); 0: torch_threads
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
+    attention_kernel: str  # "auto" | "native" | "torch": the dense decode attention (yutu.engine.native)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
     admin_port: int  # 0: any free port
     kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
@@ -94,6 +102,7 @@ class WorkerSettings(ServiceSettings):
             prefill_threads=args.prefill_threads,
             dtype=args.dtype,
             engine_core=args.engine_core,
+            attention_kernel=args.attention_kernel,
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
             kv_store=args.kv_store,
@@ -149,6 +158,15 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         choices=DTYPES,
         help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32"
         " (every instance sharing KV must use the same)",
+    )
+    own(
+        engine,
+        "--attention-kernel",
+        default="auto",
+        choices=ATTENTION_KERNELS,
+        help="decode attention on CPU: native (a C++ kernel built once per machine, `make` builds it; 2-3x"
+        " torch's on a batch of decodes), torch (torch's SDPA, the reference) or auto (native where it"
+        " builds, else torch, with a warning)",
     )
     own(
         engine,

@@ -2,9 +2,9 @@
 
 Each test runs the same requests through two engines that differ only in ``dense_decode_bytes``
 (0: every decode gathers its blocks, the reference; otherwise decodes attend over the dense
-cache) and checks the greedy tokens are equal and the logprobs agree to 1e-5 -- with the buffers
-growing past their first capacity, a budget so small that one step mixes both paths, preemption,
-shared prefixes, aborts, and a sliding-window model.
+cache, with the native kernel and with torch's SDPA) and checks the greedy tokens are equal and
+the logprobs agree to 1e-5 -- with the buffers growing past their first capacity, a budget so small
+that one step mixes both paths, preemption, shared prefixes, aborts, and a sliding-window model.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
 
 Result = dict[str, tuple[list[int], list[float]]]
+KERNELS = pytest.mark.parametrize("kernel", ["native", "torch"])
 
 
 def run(
@@ -55,43 +56,54 @@ def both(ckpt: Path, requests: dict[str, tuple[list[int], int]], abort: dict[str
          **config: Any) -> tuple[Result, Result, LLMEngine]:  # fmt: skip
     fast_engine = make_engine(ckpt, **config)
     assert fast_engine.runner.dense is not None  # on by default on CPU
+    assert fast_engine.attention_kernel == config.get("attention_kernel", fast_engine.attention_kernel)
     fast = run(fast_engine, requests, abort)
-    ref = run(make_engine(ckpt, **{**config, "dense_decode_bytes": 0}), requests, abort)
+    ref = run(
+        make_engine(ckpt, **{**config, "dense_decode_bytes": 0, "attention_kernel": "torch"}), requests, abort
+    )
     return fast, ref, fast_engine
 
 
-def test_concurrent_decodes_of_mixed_lengths_grow_the_buffers_and_match_paged_attention(ckpt: Path) -> None:
+@KERNELS
+def test_concurrent_decodes_of_mixed_lengths_grow_the_buffers_and_match_paged_attention(
+    ckpt: Path, kernel: str
+) -> None:
     requests = {f"r{i}": (prompt(n, seed=i), 40) for i, n in enumerate((5, 17, 64, 120, 250, 300, 9, 33))}
-    fast, ref, engine = both(ckpt, requests, num_kv_blocks=256, max_model_len=512, dense_decode_bytes=4 << 20)
+    fast, ref, engine = both(ckpt, requests, num_kv_blocks=256, max_model_len=512, dense_decode_bytes=4 << 20,
+                             attention_kernel=kernel)  # fmt: skip
     assert_same(fast, ref)
     dense = engine.runner.dense
     assert dense is not None and dense.capacity == 2 * MIN_CAPACITY and dense.slots >= 8  # grew past 256
 
 
-def test_a_budget_too_small_for_everyone_splits_a_step_between_both_paths(ckpt: Path) -> None:
+@KERNELS
+def test_a_budget_too_small_for_everyone_splits_a_step_between_both_paths(ckpt: Path, kernel: str) -> None:
     requests = {f"r{i}": (prompt(20 + 7 * i, seed=10 + i), 30) for i in range(6)}
     probe = make_engine(ckpt)
     assert probe.runner.dense is not None
     two_slots = 2 * MIN_CAPACITY * probe.runner.dense.token_bytes  # room for 2 of the 6 decodes
-    fast, ref, engine = both(ckpt, requests, dense_decode_bytes=two_slots)
+    fast, ref, engine = both(ckpt, requests, dense_decode_bytes=two_slots, attention_kernel=kernel)
     assert_same(fast, ref)
     assert engine.runner.dense is not None and engine.runner.dense.slots == 2
 
 
-def test_preemption_shared_prefixes_and_aborts_match_paged_attention(ckpt: Path) -> None:
+@KERNELS
+def test_preemption_shared_prefixes_and_aborts_match_paged_attention(ckpt: Path, kernel: str) -> None:
     shared = prompt(48, seed=99)
     requests = {f"s{i}": (shared + prompt(3 + i, seed=20 + i), 60) for i in range(4)}
     requests |= {f"u{i}": (prompt(30, seed=40 + i), 60) for i in range(3)}
     # 20 blocks of 16 tokens cannot hold 7 sequences growing to ~110 tokens: some are preempted.
-    fast, ref, engine = both(ckpt, requests, abort={"s1": 7, "u2": 25}, num_kv_blocks=20, max_model_len=128)
+    fast, ref, engine = both(ckpt, requests, abort={"s1": 7, "u2": 25}, num_kv_blocks=20, max_model_len=128,
+                             attention_kernel=kernel)  # fmt: skip
     assert_same(fast, ref)
     assert engine.stats().num_preemptions > 0
 
 
-def test_a_sliding_window_model_matches_paged_attention(tmp_path: Path) -> None:
+@KERNELS
+def test_a_sliding_window_model_matches_paged_attention(tmp_path: Path, kernel: str) -> None:
     mistral = make_tiny_checkpoint(tmp_path / "tiny-mistral", arch="mistral", seed=3, sliding_window=24)
     requests = {f"r{i}": (prompt(n, seed=60 + i), 40) for i, n in enumerate((10, 30, 70))}
-    fast, ref, _ = both(mistral, requests)
+    fast, ref, _ = both(mistral, requests, attention_kernel=kernel)
     assert_same(fast, ref)
 
 

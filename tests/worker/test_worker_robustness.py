@@ -262,7 +262,7 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
     )
     service.engine = engine  # type: ignore[assignment]
     service.engine_info = EngineInfo(
-        100, False, engine.max_model_len, "float32", engine.kv_salt, b"\0" * 16, 1, 1
+        100, False, engine.max_model_len, "float32", engine.kv_salt, "torch", b"\0" * 16, 1, 1
     )
     service.model_dir, service.served_model_name = tmp_path, MODEL_NAME
     failed: list[tuple[bytes, str, ErrorKind, str]] = []
@@ -367,6 +367,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         prefill_threads=0,
         dtype="float32",
         engine_core="thread",
+        attention_kernel="auto",
         zmq_port=0,
         admin_port=0,
         role="mixed",

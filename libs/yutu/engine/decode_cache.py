@@ -23,6 +23,7 @@ Shapes: nh query heads, kvh key/value heads, G = nh // kvh query heads per KV he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,7 @@ class DenseStep:
                        for slot, ctx, blocks in wholes]  # fmt: skip
         self.block_size = block_size
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._firsts: dict[int | None, torch.Tensor] = {}
 
     def fill(self, layer: int, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> None:
         """Copy this step's new positions of every dense decode from the paged cache of ``layer``."""
@@ -102,13 +104,23 @@ class DenseStep:
             mask = self._masks[window] = seen[:, None, None, :]
         return mask
 
+    def _first(self, window: int | None) -> torch.Tensor:
+        """(width,) int64: each slot's first key seen (0, or the window's start)."""
+        first = self._firsts.get(window)
+        if first is None:
+            first = torch.zeros_like(self.lens) if window is None else (self.lens - window).clamp_(min=0)
+            self._firsts[window] = first
+        return first
+
     def attend(
         self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None
     ) -> None:
         """Attention of the dense decodes' queries (rows of ``q``, (T, nh, hd)) into ``out``'s rows.
 
-        One SDPA call over every slot: the G query heads sharing a KV head are that head's G query
-        rows, so a slot is one (kvh, G, hd) x (kvh, span, hd) attention and no K/V is repeated.
+        One call over every slot: the G query heads sharing a KV head are that head's G query rows,
+        so a slot is one (kvh, G, hd) x (kvh, span, hd) attention and no K/V is repeated. The call
+        is the native kernel where the cache has it (``yutu.engine.native``), else torch's SDPA
+        with a mask (the reference; a test holds the two together).
         """
         c = self.cache
         n, kvh, hd = self.width, c.num_kv_heads, q.shape[2]
@@ -120,9 +132,14 @@ class DenseStep:
             qs[self.slots] = q[self.rows]
         k = c.k[layer][:n, :, : self.span]  # (width, kvh, span, hd), a view
         v = c.v[layer][:n, :, : self.span]
-        o = F.scaled_dot_product_attention(
-            qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale
-        )  # (width, kvh, G, hd)
+        if c.kernels is not None:
+            o = c.kernels.dense_decode_attention(
+                qs.view(n, kvh, groups, hd), k, v, self._first(window), self.lens, scale
+            )  # (width, kvh, G, hd)
+        else:
+            o = F.scaled_dot_product_attention(
+                qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale
+            )  # (width, kvh, G, hd)
         if self.aligned:
             out[:n] = o.view(n, -1, hd)
         else:
@@ -133,12 +150,13 @@ class DenseDecodeCache:
     """Slots of decoding sequences in per-layer contiguous buffers. See the module docstring."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, budget_bytes: int,
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device, kernels: ModuleType | None = None) -> None:  # fmt: skip
         if budget_bytes < 0:
             raise ValueError(f"the dense decode cache budget must be >= 0 bytes, got {budget_bytes}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_len, self.budget_bytes = max_len, budget_bytes
         self.dtype, self.device = dtype, device
+        self.kernels = kernels  # the native attention kernel (yutu.engine.native); None: torch's SDPA
         self.slots = 0
         self.capacity = 0
         self.k: list[torch.Tensor] = []  # per layer (slots, kvh, capacity, hd)

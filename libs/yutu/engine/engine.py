@@ -39,12 +39,14 @@ from typing import Any
 
 import torch
 
+from yutu.config import ATTENTION_KERNELS
 from yutu.engine.cpus import WideStepThreads
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model, native_bf16
 from yutu.engine.model import fuse_projections, pack_cpu_linears
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
+from yutu.engine.native import attention_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
 from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
@@ -114,6 +116,10 @@ class EngineConfig:
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
     dense_decode_bytes: int | None = None
+    # The dense decode cache's attention (yutu.engine.native): "native" (the C++ kernel, built once
+    # per machine; an error where it cannot be), "torch" (SDPA, the reference) or "auto" (native on
+    # CPU where it builds, else torch's, with a warning).
+    attention_kernel: str = "auto"
     # The most torch threads a wide step (a long prompt's chunk; see WIDE_STEP_TOKENS) takes on CPU:
     # those no other engine of the host computes on when it starts (yutu.engine.cpus), never fewer
     # than the process's threads, which every other step runs on. None: the process's threads always.
@@ -132,6 +138,10 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"dense_decode_bytes must be an integer >= 0 or None, got {self.dense_decode_bytes!r}"
+            )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention_kernel!r}"
             )
         for name in ("num_kv_blocks", "max_model_len", "prefill_threads"):
             value = getattr(self, name)
@@ -194,6 +204,9 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(self.model_config, self.num_kv_blocks)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        dense_bytes = self._dense_decode_bytes(config)
+        kernels = attention_kernels(config.attention_kernel, self.device) if dense_bytes else None
+        self.attention_kernel = "native" if kernels is not None else "torch"  # what decodes run on
         self.runner = ModelRunner(
             model,
             self.model_config,
@@ -202,8 +215,9 @@ class LLMEngine:
             self.device,
             self.dtype,
             config.kv_cache_factory,
-            dense_decode_bytes=self._dense_decode_bytes(config),
+            dense_decode_bytes=dense_bytes,
             max_model_len=self.max_model_len,
+            kernels=kernels,
         )
         self.sampler = Sampler()
         # Picks a wide step's threads (None: every step on the process's threads).

@@ -12,6 +12,7 @@ Not thread-safe: one engine thread owns it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -65,6 +66,7 @@ class ModelRunner:
         *,
         dense_decode_bytes: int = 0,
         max_model_len: int | None = None,
+        kernels: ModuleType | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -89,7 +91,7 @@ class ModelRunner:
         if dense_decode_bytes > 0:
             self.dense = DenseDecodeCache(
                 config.num_layers, config.num_kv_heads, config.head_dim,
-                max_model_len or num_blocks * block_size, dense_decode_bytes, dtype, device,
+                max_model_len or num_blocks * block_size, dense_decode_bytes, dtype, device, kernels,
             )  # fmt: skip
 
     def prepare(

@@ -1,0 +1,97 @@
+"""The native decode attention kernel (yutu.engine.native) against torch's SDPA, its reference.
+
+Random slots as the dense decode cache holds them (views into larger buffers, holes of one key,
+sliding windows), in each dtype and several head dims and query groups: the kernel computes in
+float32 and rounds once, so it is held to SDPA-in-float32 within the dtype's rounding. The engine
+picks the kernel as ``attention_kernel`` says and says which it took.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_support import make_engine
+from yutu.engine import native
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> object:
+    return native.load()  # built by `make test` before the tests; ~40 s here otherwise
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor, last: torch.Tensor,
+         scale: float) -> torch.Tensor:  # fmt: skip
+    """torch's SDPA with a mask of each slot's keys first .. last-1: (n, kvh, G, hd)."""
+    pos = torch.arange(k.shape[2])[None, :]  # (1, span)
+    seen = (pos >= first[:, None]) & (pos < last[:, None])  # (n, span)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None, :], scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "groups"), [(16, 1), (32, 2), (64, 4), (48, 2), (128, 8)])
+def test_the_kernel_matches_sdpa(kernels: object, dtype: torch.dtype, head_dim: int, groups: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim * 10 + groups)
+    n, kvh, capacity = 7, 2, 96
+    k_buf = torch.randn(n + 1, kvh, capacity, head_dim, generator=gen).to(dtype)  # the cache's buffers,
+    v_buf = torch.randn(n + 1, kvh, capacity, head_dim, generator=gen).to(dtype)  # larger than attended
+    span = 80
+    k, v = k_buf[:n, :, :span], v_buf[:n, :, :span]  # views, as DenseStep.attend passes them
+    rows = torch.randn(n + 3, kvh * groups + 5, head_dim, generator=gen).to(dtype)
+    q = rows[:n, : kvh * groups].view(n, kvh, groups, head_dim)  # a view of the step's q rows
+    last = torch.tensor([80, 1, 17, 64, 2, 80, 33])  # slot 1: a hole (one stale key)
+    first = torch.tensor([0, 0, 0, 40, 1, 71, 0])  # windows: slots 3, 4, 5 start later
+    scale = head_dim**-0.5
+    out = kernels.dense_decode_attention(q, k, v, first, last, scale)  # type: ignore[attr-defined]
+    assert out.shape == q.shape and out.dtype == dtype
+    want = sdpa(q.float(), k.float(), v.float(), first, last, scale)  # the reference, in float32
+    error = (out.float() - want).abs().max().item()
+    assert error <= TOLERANCE[dtype]
+    torch_error = (sdpa(q, k, v, first, last, scale).float() - want).abs().max().item()  # SDPA in `dtype`
+    assert error <= max(torch_error, TOLERANCE[dtype] / 10)  # no further from it than torch is
+
+
+def test_a_slot_with_no_keys_or_keys_past_the_buffer_is_refused(kernels: object) -> None:
+    q = torch.zeros(2, 1, 1, 16)
+    k = v = torch.zeros(2, 1, 8, 16)
+    for first, last in (([0, 3], [4, 3]), ([0, 0], [4, 9]), ([-1, 0], [4, 4])):
+        with pytest.raises(RuntimeError, match="non-empty range"):
+            kernels.dense_decode_attention(q, k, v, torch.tensor(first), torch.tensor(last), 1.0)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.dense_decode_attention(
+            q, k, v, torch.tensor([0, 0], dtype=torch.int32), torch.tensor([1, 1]), 1.0
+        )  # type: ignore[attr-defined]
+
+
+def test_loading_the_kernels_leaves_the_process_float_modes_alone(kernels: object) -> None:
+    # Built with -ffast-math: had its startup code been linked in, it would set flush-to-zero for
+    # the whole process and subnormal floats everywhere else would turn into zeros.
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+
+
+def test_the_engine_takes_the_kernel_it_is_told(ckpt: Path, kernels: object) -> None:
+    assert make_engine(ckpt, attention_kernel="native").attention_kernel == "native"
+    assert make_engine(ckpt, attention_kernel="torch").attention_kernel == "torch"
+    assert make_engine(ckpt).attention_kernel == "native"  # auto, where it builds
+    assert make_engine(ckpt, dense_decode_bytes=0).attention_kernel == "torch"  # no dense path, no kernel
+    with pytest.raises(ValueError, match="attention_kernel must be one of auto, native, torch"):
+        make_engine(ckpt, attention_kernel="fast")
+
+
+def test_auto_says_why_it_decodes_on_torch_when_the_kernels_cannot_be_built(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the state a failed build leaves (no compiler here to take away, so set it)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", "the native kernels could not be built in /x: no g++")
+    with caplog.at_level(logging.WARNING, logger="yutu.engine.native"):
+        assert make_engine(ckpt).attention_kernel == "torch"
+    assert "no g++" in caplog.text and "torch's SDPA" in caplog.text
+    with pytest.raises(RuntimeError, match="no g\\+\\+"):
+        make_engine(ckpt, attention_kernel="native")
