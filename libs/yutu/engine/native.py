@@ -59,14 +59,14 @@ def load() -> ModuleType:
             return _loaded
         if _failure is not None:
             raise RuntimeError(_failure)
-        from torch.utils import cpp_extension  # imports setuptools: only when wanted
-
         directory = build_directory()
         started = time.perf_counter()
         path = os.environ.get("PATH", "")
         # torch runs `ninja` from PATH; the project's (pip's ninja) is beside this interpreter
         os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), path])
         try:
+            from torch.utils import cpp_extension  # imports setuptools: only when wanted
+
             directory.mkdir(parents=True, exist_ok=True)
             _loaded = cpp_extension.load(
                 name="yutu_native",
@@ -76,7 +76,9 @@ def load() -> ModuleType:
                 verbose=False,
             )
         except Exception as e:  # a compiler error, no compiler, no headers, a read-only cache
-            _failure = f"the native kernels could not be built in {directory}: {type(e).__name__}: {e}"
+            lines = [line for line in str(e).splitlines() if line.strip()]  # a compiler's output is long
+            why = lines[-1] if lines else ""
+            _failure = f"the native kernels could not be built in {directory}: {type(e).__name__}: {why}"
             raise RuntimeError(_failure) from e
         finally:
             os.environ["PATH"] = path
