@@ -138,27 +138,33 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
             "dense_native_over_paged": best["native"] / best["paged"]}  # fmt: skip
 
 
-def kernel_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
-    """The native decode attention kernel (``attention_kernel`` auto: what engines on CPU run)
-    against torch's SDPA (the reference): decode at batch 1 (a 1024-token context) and batch 16
-    (512), ``rounds`` interleaved runs on two engines in this process, the medians."""
-    torch.set_num_threads(threads)
-    engines = {k: LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20, attention_kernel=k))
-               for k in ("auto", "torch")}  # fmt: skip
+def decode_ab(engines: dict[str, LLMEngine], rounds: int, seed: int) -> dict[str, float]:
+    """Decode tokens/s of each engine at batch 1 (a 1024-token context) and batch 16 (512),
+    ``rounds`` interleaved runs, the medians: ``{name}_decode_tok_s_b1`` and ``_b16``."""
     runs: dict[str, list[float]] = {}
     params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
     for r in range(rounds):
         for name, engine in engines.items():
             vocab = engine.model_config.vocab_size
-            run_to_first_token(engine, {f"{name}{r}": prompts(1, 1024, vocab, seed=600 + r)[0]}, params)
+            run_to_first_token(engine, {f"{name}{r}": prompts(1, 1024, vocab, seed=seed + r)[0]}, params)
             tokens, elapsed = finish(engine)
-            runs.setdefault(f"{name}_kernel_decode_tok_s_b1", []).append(tokens / elapsed)
-            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=700 + r))}
+            runs.setdefault(f"{name}_decode_tok_s_b1", []).append(tokens / elapsed)
+            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=seed + 100 + r))}
             run_to_first_token(engine, reqs, params)
             tokens, elapsed = finish(engine)
-            runs.setdefault(f"{name}_kernel_decode_tok_s_b16", []).append(tokens / elapsed)
-    best = {key: statistics.median(values) for key, values in runs.items()}
-    best["attention_kernel"] = 1.0 if engines["auto"].attention_kernel == "native" else 0.0
+            runs.setdefault(f"{name}_decode_tok_s_b16", []).append(tokens / elapsed)
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
+def kernel_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
+    """The native decode attention kernel (``attention_kernel`` auto: what engines on CPU run)
+    against torch's SDPA (the reference), interleaved (``decode_ab``)."""
+    torch.set_num_threads(threads)
+    engines = {f"{k}_kernel": LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20,
+                                                     attention_kernel=k))
+               for k in ("auto", "torch")}  # fmt: skip
+    best = decode_ab(engines, rounds, seed=600)
+    best["attention_kernel"] = 1.0 if engines["auto_kernel"].attention_kernel == "native" else 0.0
     for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
         best[f"native_over_torch_{what}"] = best[f"auto_kernel_{what}"] / best[f"torch_kernel_{what}"]
     return best
@@ -166,8 +172,7 @@ def kernel_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float
 
 def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
     """Fused projections (q/k/v and gate/up, ``fuse_projections``, what engines run) against the
-    separate ones (the reference): decode at batch 1 (a 1024-token context) and batch 16 (512),
-    ``rounds`` interleaved runs on two engines in this process, the medians."""
+    separate ones (the reference), interleaved (``decode_ab``)."""
     torch.set_num_threads(threads)
     engines = {}
     for name in ("fused", "separate"):
@@ -178,19 +183,7 @@ def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]
                 pack_cpu_linears(model)
             engine.runner.model = model
         engines[name] = engine
-    runs: dict[str, list[float]] = {}
-    for r in range(rounds):
-        for name, engine in engines.items():
-            vocab = engine.model_config.vocab_size
-            params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
-            run_to_first_token(engine, {f"{name}{r}": prompts(1, 1024, vocab, seed=400 + r)[0]}, params)
-            tokens, elapsed = finish(engine)
-            runs.setdefault(f"{name}_decode_tok_s_b1", []).append(tokens / elapsed)
-            reqs = {f"{name}{r}-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=500 + r))}
-            run_to_first_token(engine, reqs, params)
-            tokens, elapsed = finish(engine)
-            runs.setdefault(f"{name}_decode_tok_s_b16", []).append(tokens / elapsed)
-    best = {key: statistics.median(values) for key, values in runs.items()}
+    best = decode_ab(engines, rounds, seed=400)
     for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
         best[f"fused_over_separate_{what}"] = best[f"fused_{what}"] / best[f"separate_{what}"]
     return best
