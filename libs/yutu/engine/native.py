@@ -45,9 +45,15 @@ _failure: str | None = None  # why the build failed (once failed, not tried agai
 
 
 def build_directory() -> Path:
+    """Where this machine's build of these sources lives: named by the torch version, the CPU's flags
+    and the sources' contents (with the flags), so that every checkout with the same sources shares
+    one build and a changed source gets a new one."""
     root = Path(os.environ.get("YUTU_CACHE_DIR") or Path.home() / ".cache" / "yutu")
-    machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    return root / "kernels" / f"torch-{torch.__version__}-{machine}"
+    machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    code = hashlib.sha256(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        code.update(source.read_bytes())
+    return root / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
 
 
 def load() -> ModuleType:
@@ -68,9 +74,15 @@ def load() -> ModuleType:
             from torch.utils import cpp_extension  # imports setuptools: only when wanted
 
             directory.mkdir(parents=True, exist_ok=True)
+            # built from a copy in the build directory: torch's builder rebuilds when a source's path
+            # changes, and another checkout's path would otherwise make it rebuild each time
+            copies = [directory / source.name for source in SOURCES]
+            for source, copy in zip(SOURCES, copies, strict=True):
+                if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                    copy.write_bytes(source.read_bytes())
             _loaded = cpp_extension.load(
                 name="yutu_native",
-                sources=[str(s) for s in SOURCES],
+                sources=[str(c) for c in copies],
                 extra_cflags=CFLAGS,
                 build_directory=str(directory),
                 verbose=False,

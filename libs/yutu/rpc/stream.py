@@ -336,6 +336,9 @@ class StreamRpcClient:
         server refuses) before ``deadline``."""
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._dial(loop, deadline))
+            # a caller that gave up (its deadline, a cancel) leaves the attempt running: its failure
+            # is read here, or asyncio would log it as never retrieved
+            self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             return await asyncio.wait_for(asyncio.shield(self._connecting), max(0.0, deadline - loop.time()))
         except asyncio.CancelledError:
