@@ -38,12 +38,17 @@ Generated deterministically by yutu.engine.default_model (seed {_SEED}).
 """
 
 
+def cache_root() -> Path:
+    """What Yutu builds and keeps on a machine lives under: $YUTU_CACHE_DIR, else ~/.cache/yutu."""
+    return Path(os.environ.get("YUTU_CACHE_DIR") or Path.home() / ".cache" / "yutu")
+
+
 def default_model_dir(cache_dir: Path | None = None) -> Path:
     """Where the demo model lives: <root>/models/<name>-<version>.
 
-    root is ``cache_dir`` if given, else $YUTU_CACHE_DIR, else ~/.cache/yutu.
+    root is ``cache_dir`` if given, else :func:`cache_root`.
     """
-    root = cache_dir or Path(os.environ.get("YUTU_CACHE_DIR") or Path.home() / ".cache" / "yutu")
+    root = cache_dir or cache_root()
     return Path(root) / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
 
 

@@ -6,8 +6,9 @@ reference; a test holds the two together.
 
 Building needs a C++ compiler and torch's headers (``make`` builds it during set-up, so engines
 only load it); it is compiled for the CPU it runs on (``-march=native``), into
-``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a name of the torch version and
-the CPU's flags, so a cache shared between different machines never hands one the other's code.
+``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a name of the torch version,
+the CPU's flags and the sources' contents: a cache shared between different machines never hands
+one the other's code, and every checkout of the same sources shares one build.
 Engines pick with ``attention_kernel``: ``native`` (fail when it cannot be built), ``torch`` (SDPA),
 or ``auto`` (native on CPU where it builds, else SDPA, saying why in the log).
 
@@ -29,6 +30,7 @@ from types import ModuleType
 import torch
 
 from yutu.config import ATTENTION_KERNELS
+from yutu.engine.default_model import cache_root
 from yutu.engine.loader import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -48,12 +50,11 @@ def build_directory() -> Path:
     """Where this machine's build of these sources lives: named by the torch version, the CPU's flags
     and the sources' contents (with the flags), so that every checkout with the same sources shares
     one build and a changed source gets a new one."""
-    root = Path(os.environ.get("YUTU_CACHE_DIR") or Path.home() / ".cache" / "yutu")
     machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
     code = hashlib.sha256(" ".join(CFLAGS).encode())
     for source in SOURCES:
         code.update(source.read_bytes())
-    return root / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
 
 
 def load() -> ModuleType:
