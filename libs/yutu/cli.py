@@ -268,6 +268,9 @@ def up(argv: list[str]) -> int:
         log.info("preparing model %s", args.model or f"{DEFAULT_MODEL_NAME} (built-in demo)")
         model_dir = resolve_model(args.model)
         served = args.served_model_name or served_model_name(args.model, model_dir)
+        prepare_kernels(args.attention_kernel)
+        if stop_requested:
+            return 0
         for spec in stack_specs(args, model_dir, served):
             group.start(spec)
         deadline = time.monotonic() + args.ready_timeout
@@ -355,6 +358,22 @@ def wait_serving(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the services are ready but not yet connected: {', '.join(missing)}")
             time.sleep(0.1)
+
+
+def prepare_kernels(choice: str) -> None:
+    """Build the engines' native kernels here, once, where this machine has not yet (``make run``
+    has; ~40 s otherwise), rather than in every engine at its start, racing for the build."""
+    from yutu.engine.loader import default_device_and_dtype
+    from yutu.engine.native import attention_kernels, build_directory
+
+    if choice == "torch":
+        return
+    if not build_directory().exists():
+        log.info("building the native decode attention kernel (once per machine, ~40 s)")
+    try:
+        attention_kernels(choice, default_device_and_dtype()[0])  # auto: warns and goes on without it
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"error: --attention-kernel native: {exc}") from None
 
 
 def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[ChildSpec]:
