@@ -8,9 +8,10 @@ Measures, in one run on one engine:
     measurement behind ``--dtype auto``
   * decode tokens/s at batch 16 with 1024-token contexts, the dense decode cache on (the default
     on CPU) against off (every decode gathers its blocks: the reference path), both attending with
-    torch's SDPA, and the dense cache with the native kernel (yutu.engine.native), interleaved
-  * decode tokens/s at batch 1 and 16 with the native decode attention kernel (the engines' path on
-    CPU) against torch's SDPA (the reference), interleaved
+    torch's SDPA, and the dense cache with the native kernels (yutu.engine.native), interleaved
+  * decode tokens/s at batch 1 and 16, and a 1024-token prompt's TTFT, with the native kernels
+    (the engines' path on CPU: decode attention, each layer's norms, rotary and SwiGLU) against
+    torch's operations (the reference), interleaved
   * decode tokens/s at batch 1 and 16 with fused projections (q/k/v, gate/up; the engines' path)
     against the separate ones (the reference), interleaved
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
@@ -112,7 +113,7 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
                 kv_cache_memory_bytes=512 * 2**20,
                 max_num_batched_tokens=2048,
                 dense_decode_bytes=budget,
-                attention_kernel=kernel,
+                kernels=kernel,
             )
         )  # fmt: skip
         for name, budget, kernel in (
@@ -157,16 +158,29 @@ def decode_ab(engines: dict[str, LLMEngine], rounds: int, seed: int) -> dict[str
 
 
 def kernel_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
-    """The native decode attention kernel (``attention_kernel`` auto: what engines on CPU run)
-    against torch's SDPA (the reference), interleaved (``decode_ab``)."""
+    """The native kernels (``kernels`` auto: what engines on CPU run: decode attention, each
+    layer's norms, rotary and SwiGLU) against torch's operations (the reference), interleaved:
+    decode (``decode_ab``) and the TTFT of a 1024-token prompt (medians)."""
     torch.set_num_threads(threads)
     engines = {f"{k}_kernel": LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20,
-                                                     attention_kernel=k))
+                                                     kernels=k))
                for k in ("auto", "torch")}  # fmt: skip
     best = decode_ab(engines, rounds, seed=600)
-    best["attention_kernel"] = 1.0 if engines["auto_kernel"].attention_kernel == "native" else 0.0
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ttft: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds):
+        for name, engine in engines.items():
+            vocab = engine.model_config.vocab_size
+            ttft[name].append(
+                run_to_first_token(engine, {f"{name}{r}p": prompts(1, 1024, vocab, seed=700 + r)[0]}, one)
+            )
+            finish(engine)
+    best["kernels"] = 1.0 if engines["auto_kernel"].kernels == "native" else 0.0
     for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
         best[f"native_over_torch_{what}"] = best[f"auto_kernel_{what}"] / best[f"torch_kernel_{what}"]
+    best["native_over_torch_prefill1024_speed"] = statistics.median(ttft["torch_kernel"]) / statistics.median(
+        ttft["auto_kernel"]
+    )
     return best
 
 
@@ -257,7 +271,7 @@ def main() -> None:
         ),
         ("  ratio dense / paged", results["dense_over_paged"], "x"),
         (
-            "  same, dense with the native kernel",
+            "  same, dense with the native kernels",
             results["decode_tok_s_b16_ctx1024_dense_native"],
             "tok/s",
         ),
@@ -271,13 +285,18 @@ def main() -> None:
             "x",
         ),
     ]
-    if results["attention_kernel"]:
+    if results["kernels"]:
         rows += [
-            ("native / torch attention: decode batch 1", results["native_over_torch_decode_tok_s_b1"], "x"),
-            ("native / torch attention: decode batch 16", results["native_over_torch_decode_tok_s_b16"], "x"),
+            ("native / torch kernels: decode batch 1", results["native_over_torch_decode_tok_s_b1"], "x"),
+            ("native / torch kernels: decode batch 16", results["native_over_torch_decode_tok_s_b16"], "x"),
+            (
+                "native / torch kernels: prefill 1024 tokens",
+                results["native_over_torch_prefill1024_speed"],
+                "x",
+            ),
         ]
     else:
-        print("(the native attention kernel could not be built here: see the warning above)")
+        print("(the native kernels could not be built here: see the warning above)")
     if "bf16_over_f32_prefill_speed" in results:
         rows += [
             ("bfloat16 / float32 speed: prefill 512 tokens", results["bf16_over_f32_prefill_speed"], "x"),

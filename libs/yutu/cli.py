@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from yutu.config import ATTENTION_KERNELS, DEFAULT_REDIS_URL, DTYPES, add_policy_options, option
+from yutu.config import DEFAULT_REDIS_URL, DTYPES, KERNEL_CHOICES, add_policy_options, option
 from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
@@ -140,11 +140,12 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(
         topology,
-        "--attention-kernel",
+        "--kernels",
         default="auto",
-        choices=ATTENTION_KERNELS,
-        help="decode attention on CPU for every instance: native (a C++ kernel built once per machine), torch"
-        " (torch's SDPA) or auto (native where it builds, else torch, with a warning)",
+        choices=KERNEL_CHOICES,
+        help="the engines' CPU kernels for every instance (decode attention, norms, rotary, SwiGLU): native"
+        " (C++ built once per machine), torch (torch's operations) or auto (native where they build, else"
+        " torch, with a warning)",
     )
     option(
         topology,
@@ -268,7 +269,7 @@ def up(argv: list[str]) -> int:
         log.info("preparing model %s", args.model or f"{DEFAULT_MODEL_NAME} (built-in demo)")
         model_dir = resolve_model(args.model)
         served = args.served_model_name or served_model_name(args.model, model_dir)
-        prepare_kernels(args.attention_kernel)
+        prepare_kernels(args.kernels)
         if stop_requested:
             return 0
         for spec in stack_specs(args, model_dir, served):
@@ -362,18 +363,18 @@ def wait_serving(
 
 def prepare_kernels(choice: str) -> None:
     """Build the engines' native kernels here, once, where this machine has not yet (``make run``
-    has; ~40 s otherwise), rather than in every engine at its start, racing for the build."""
+    has; ~70 s otherwise), rather than in every engine at its start, racing for the build."""
     from yutu.engine.loader import default_device_and_dtype
-    from yutu.engine.native import attention_kernels, build_directory
+    from yutu.engine.native import build_directory, engine_kernels
 
     if choice == "torch":
         return
     if not build_directory().exists():
-        log.info("building the native decode attention kernel (once per machine, ~40 s)")
+        log.info("building the native kernels (once per machine, ~70 s)")
     try:
-        attention_kernels(choice, default_device_and_dtype()[0])  # auto: warns and goes on without it
+        engine_kernels(choice, default_device_and_dtype()[0])  # auto: warns and goes on without it
     except (RuntimeError, ValueError) as exc:
-        raise SystemExit(f"error: --attention-kernel native: {exc}") from None
+        raise SystemExit(f"error: --kernels native: {exc}") from None
 
 
 def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[ChildSpec]:
@@ -405,7 +406,7 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
               "--torch-threads", str(torch_threads),
               "--prefill-threads", str(args.prefill_threads or prefill_threads(torch_threads)),
               "--dtype", args.dtype, "--engine-core", args.engine_core,
-              "--attention-kernel", args.attention_kernel]  # fmt: skip
+              "--kernels", args.kernels]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
     if args.workers is not None:

@@ -30,7 +30,7 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype of the engines (yutu.engine.loader.auto_dtype)
-ATTENTION_KERNELS = ("auto", "native", "torch")  # --attention-kernel of the engines (yutu.engine.native)
+KERNEL_CHOICES = ("auto", "native", "torch")  # --kernels of the engines (yutu.engine.native)
 
 
 def env_name(flag: str, scope: str = "") -> str:

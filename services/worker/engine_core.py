@@ -61,7 +61,7 @@ class EngineInfo:
     max_model_len: int
     dtype: str  # "float32", "bfloat16", ...
     kv_salt: str  # what block keys are salted with (model and dtype)
-    attention_kernel: str  # what the dense decodes attend with: "native" or "torch" (yutu.engine.native)
+    kernels: str  # what the engine computes with on CPU: "native" or "torch" (yutu.engine.native)
     root_key: bytes
     torch_threads: int  # the model step's threads
     prefill_threads: int  # the most threads of a wide step (a long prompt's chunk; yutu.engine.cpus)
@@ -77,7 +77,7 @@ class EngineInfo:
             max_model_len=engine.max_model_len,
             dtype=str(engine.dtype).removeprefix("torch."),
             kv_salt=engine.kv_salt,
-            attention_kernel=engine.attention_kernel,
+            kernels=engine.kernels,
             root_key=engine.root_key,
             torch_threads=torch_threads,
             prefill_threads=engine.config.prefill_threads or torch_threads,

@@ -121,7 +121,7 @@ class WorkerService(Service):
             enable_prefix_caching=s.enable_prefix_caching,
             dtype=s.dtype,
             prefill_threads=s.prefill_threads or None,
-            attention_kernel=s.attention_kernel,
+            kernels=s.kernels,
         )
         log.info("loading model from %s (%s role, engine in a %s)", self.model_dir, s.role, s.engine_core)
         await self._start_engine(config)
@@ -459,7 +459,7 @@ class WorkerService(Service):
                 "engine_pid": self._loop_engine.pid,
                 "engine_gc_frozen_objects": engine.gc_frozen_objects,  # None: the engine is on a thread
                 "dtype": engine.dtype,
-                "attention_kernel": engine.attention_kernel,
+                "kernels": engine.kernels,
                 "in_flight": self.in_flight,
                 "broken": self.broken,
                 "engine": asdict(stats),

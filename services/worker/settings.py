@@ -17,8 +17,8 @@ from functools import partial
 
 from yutu.busypoll import SPIN_US
 from yutu.config import (
-    ATTENTION_KERNELS,
     DTYPES,
+    KERNEL_CHOICES,
     ServiceSettings,
     add_common_options,
     add_model_options,
@@ -56,7 +56,7 @@ class WorkerSettings(ServiceSettings):
     prefill_threads: int  # threads of a step of >= 256 tokens (a prompt chunk); 0: torch_threads
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
-    attention_kernel: str  # "auto" | "native" | "torch": the dense decode attention (yutu.engine.native)
+    kernels: str  # "auto" | "native" | "torch": the engine's CPU kernels (yutu.engine.native)
     zmq_port: int  # the generate (mixed, decode) or prefill channel; 0: any free port
     admin_port: int  # 0: any free port
     kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
@@ -102,7 +102,7 @@ class WorkerSettings(ServiceSettings):
             prefill_threads=args.prefill_threads,
             dtype=args.dtype,
             engine_core=args.engine_core,
-            attention_kernel=args.attention_kernel,
+            kernels=args.kernels,
             zmq_port=args.zmq_port,
             admin_port=args.admin_port,
             kv_store=args.kv_store,
@@ -161,12 +161,13 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
     )
     own(
         engine,
-        "--attention-kernel",
+        "--kernels",
         default="auto",
-        choices=ATTENTION_KERNELS,
-        help="decode attention on CPU: native (a C++ kernel built once per machine, `make` builds it; 2-3x"
-        " torch's on a batch of decodes), torch (torch's SDPA, the reference) or auto (native where it"
-        " builds, else torch, with a warning)",
+        choices=KERNEL_CHOICES,
+        help="CPU kernels: native (C++ built once per machine, `make` builds it: decode attention 2-3x"
+        " torch's SDPA on a batch of decodes, and each layer's norms, rotary and SwiGLU as one call each),"
+        " torch (torch's operations, the reference) or auto (native where they build, else torch, with a"
+        " warning)",
     )
     own(
         engine,

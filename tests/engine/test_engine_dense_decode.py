@@ -56,10 +56,10 @@ def both(ckpt: Path, requests: dict[str, tuple[list[int], int]], abort: dict[str
          **config: Any) -> tuple[Result, Result, LLMEngine]:  # fmt: skip
     fast_engine = make_engine(ckpt, **config)
     assert fast_engine.runner.dense is not None  # on by default on CPU
-    assert fast_engine.attention_kernel == config.get("attention_kernel", fast_engine.attention_kernel)
+    assert fast_engine.kernels == config.get("kernels", fast_engine.kernels)
     fast = run(fast_engine, requests, abort)
     ref = run(
-        make_engine(ckpt, **{**config, "dense_decode_bytes": 0, "attention_kernel": "torch"}), requests, abort
+        make_engine(ckpt, **{**config, "dense_decode_bytes": 0, "kernels": "torch"}), requests, abort
     )
     return fast, ref, fast_engine
 
@@ -70,7 +70,7 @@ def test_concurrent_decodes_of_mixed_lengths_grow_the_buffers_and_match_paged_at
 ) -> None:
     requests = {f"r{i}": (prompt(n, seed=i), 40) for i, n in enumerate((5, 17, 64, 120, 250, 300, 9, 33))}
     fast, ref, engine = both(ckpt, requests, num_kv_blocks=256, max_model_len=512, dense_decode_bytes=4 << 20,
-                             attention_kernel=kernel)  # fmt: skip
+                             kernels=kernel)  # fmt: skip
     assert_same(fast, ref)
     dense = engine.runner.dense
     assert dense is not None and dense.capacity == 2 * MIN_CAPACITY and dense.slots >= 8  # grew past 256
@@ -82,7 +82,7 @@ def test_a_budget_too_small_for_everyone_splits_a_step_between_both_paths(ckpt: 
     probe = make_engine(ckpt)
     assert probe.runner.dense is not None
     two_slots = 2 * MIN_CAPACITY * probe.runner.dense.token_bytes  # room for 2 of the 6 decodes
-    fast, ref, engine = both(ckpt, requests, dense_decode_bytes=two_slots, attention_kernel=kernel)
+    fast, ref, engine = both(ckpt, requests, dense_decode_bytes=two_slots, kernels=kernel)
     assert_same(fast, ref)
     assert engine.runner.dense is not None and engine.runner.dense.slots == 2
 
@@ -94,7 +94,7 @@ def test_preemption_shared_prefixes_and_aborts_match_paged_attention(ckpt: Path,
     requests |= {f"u{i}": (prompt(30, seed=40 + i), 60) for i in range(3)}
     # 20 blocks of 16 tokens cannot hold 7 sequences growing to ~110 tokens: some are preempted.
     fast, ref, engine = both(ckpt, requests, abort={"s1": 7, "u2": 25}, num_kv_blocks=20, max_model_len=128,
-                             attention_kernel=kernel)  # fmt: skip
+                             kernels=kernel)  # fmt: skip
     assert_same(fast, ref)
     assert engine.stats().num_preemptions > 0
 
@@ -103,7 +103,7 @@ def test_preemption_shared_prefixes_and_aborts_match_paged_attention(ckpt: Path,
 def test_a_sliding_window_model_matches_paged_attention(tmp_path: Path, kernel: str) -> None:
     mistral = make_tiny_checkpoint(tmp_path / "tiny-mistral", arch="mistral", seed=3, sliding_window=24)
     requests = {f"r{i}": (prompt(n, seed=60 + i), 40) for i, n in enumerate((10, 30, 70))}
-    fast, ref, _ = both(mistral, requests, attention_kernel=kernel)
+    fast, ref, _ = both(mistral, requests, kernels=kernel)
     assert_same(fast, ref)
 
 

@@ -1,9 +1,10 @@
-"""The native decode attention kernel (yutu.engine.native) against torch's SDPA, its reference.
+"""The native decode attention kernel (yutu.engine.native) against torch's SDPA, its reference
+(the layer kernels: test_engine_layer_ops.py).
 
 Random slots as the dense decode cache holds them (views into larger buffers, holes of one key,
 sliding windows), in each dtype and several head dims and query groups: the kernel computes in
 float32 and rounds once, so it is held to SDPA-in-float32 within the dtype's rounding. The engine
-picks the kernel as ``attention_kernel`` says and says which it took.
+picks the kernel as ``kernels`` says and says which it took.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def test_loading_the_kernels_leaves_the_process_float_modes_alone(kernels: objec
 
 
 def test_the_engine_takes_the_kernel_it_is_told(ckpt: Path, kernels: object) -> None:
-    assert make_engine(ckpt, attention_kernel="native").attention_kernel == "native"
-    assert make_engine(ckpt, attention_kernel="torch").attention_kernel == "torch"
-    assert make_engine(ckpt).attention_kernel == "native"  # auto, where it builds
-    assert make_engine(ckpt, dense_decode_bytes=0).attention_kernel == "torch"  # no dense path, no kernel
-    with pytest.raises(ValueError, match="attention_kernel must be one of auto, native, torch"):
-        make_engine(ckpt, attention_kernel="fast")
+    assert make_engine(ckpt, kernels="native").kernels == "native"
+    assert make_engine(ckpt, kernels="torch").kernels == "torch"
+    assert make_engine(ckpt).kernels == "native"  # auto, where it builds
+    without_dense = make_engine(ckpt, dense_decode_bytes=0)  # no dense path: the layer kernels still
+    assert without_dense.kernels == "native" and without_dense.runner.model.ops is not None
+    assert make_engine(ckpt, kernels="torch").runner.model.ops is None
+    with pytest.raises(ValueError, match="kernels must be one of auto, native, torch"):
+        make_engine(ckpt, kernels="fast")
 
 
 def test_auto_says_why_it_decodes_on_torch_when_the_kernels_cannot_be_built(
@@ -91,7 +94,7 @@ def test_auto_says_why_it_decodes_on_torch_when_the_kernels_cannot_be_built(
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_failure", "the native kernels could not be built in /x: no g++")
     with caplog.at_level(logging.WARNING, logger="yutu.engine.native"):
-        assert make_engine(ckpt).attention_kernel == "torch"
-    assert "no g++" in caplog.text and "torch's SDPA" in caplog.text
+        assert make_engine(ckpt).kernels == "torch"
+    assert "no g++" in caplog.text and "torch's operations" in caplog.text
     with pytest.raises(RuntimeError, match="no g\\+\\+"):
-        make_engine(ckpt, attention_kernel="native")
+        make_engine(ckpt, kernels="native")

@@ -367,7 +367,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         prefill_threads=0,
         dtype="float32",
         engine_core="thread",
-        attention_kernel="auto",
+        kernels="auto",
         zmq_port=0,
         admin_port=0,
         role="mixed",

@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from yutu.config import ATTENTION_KERNELS
+from yutu.config import KERNEL_CHOICES
 from yutu.engine.cpus import WideStepThreads
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model, native_bf16
 from yutu.engine.model import fuse_projections, pack_cpu_linears
 from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
-from yutu.engine.native import attention_kernels
+from yutu.engine.native import engine_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
 from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
@@ -116,10 +116,11 @@ class EngineConfig:
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
     dense_decode_bytes: int | None = None
-    # The dense decode cache's attention (yutu.engine.native): "native" (the C++ kernel, built once
-    # per machine; an error where it cannot be), "torch" (SDPA, the reference) or "auto" (native on
-    # CPU where it builds, else torch's, with a warning).
-    attention_kernel: str = "auto"
+    # The CPU kernels (yutu.engine.native: the dense decode cache's attention; each layer's norms,
+    # rotary and SwiGLU): "native" (C++, built once per machine; an error where it cannot be),
+    # "torch" (torch's operations, the reference) or "auto" (native on CPU where they build, else
+    # torch's, with a warning).
+    kernels: str = "auto"
     # The most torch threads a wide step (a long prompt's chunk; see WIDE_STEP_TOKENS) takes on CPU:
     # those no other engine of the host computes on when it starts (yutu.engine.cpus), never fewer
     # than the process's threads, which every other step runs on. None: the process's threads always.
@@ -139,9 +140,9 @@ class EngineConfig:
             raise ValueError(
                 f"dense_decode_bytes must be an integer >= 0 or None, got {self.dense_decode_bytes!r}"
             )
-        if self.attention_kernel not in ATTENTION_KERNELS:
+        if self.kernels not in KERNEL_CHOICES:
             raise ValueError(
-                f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {self.attention_kernel!r}"
+                f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}"
             )
         for name in ("num_kv_blocks", "max_model_len", "prefill_threads"):
             value = getattr(self, name)
@@ -205,8 +206,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         dense_bytes = self._dense_decode_bytes(config)
-        kernels = attention_kernels(config.attention_kernel, self.device) if dense_bytes else None
-        self.attention_kernel = "native" if kernels is not None else "torch"  # what decodes run on
+        native = engine_kernels(config.kernels, self.device)
+        self.kernels = "native" if native is not None else "torch"  # what the steps run on
+        model.ops = native  # each layer's elementwise steps (None: torch's operations)
         self.runner = ModelRunner(
             model,
             self.model_config,
@@ -217,7 +219,7 @@ class LLMEngine:
             config.kv_cache_factory,
             dense_decode_bytes=dense_bytes,
             max_model_len=self.max_model_len,
-            kernels=kernels,
+            kernels=native,
         )
         self.sampler = Sampler()
         # Picks a wide step's threads (None: every step on the process's threads).

@@ -12,6 +12,8 @@ heads, hd head dim, I intermediate size, V vocab size.
 from __future__ import annotations
 
 import math
+from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -210,7 +212,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         plan: AttentionPlan,
         layer: int = 0,
+        ops: ModuleType | None = None,
     ) -> torch.Tensor:
+        """``ops``: the native kernels (see LlamaForCausalLM.ops), or None for torch's operations."""
         n_tok, nh, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:  # the reference: Hugging Face's three projections
             q = self.q_proj(x).view(n_tok, nh, hd)  # (T, nh, hd)
@@ -219,7 +223,11 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
         else:
             qkv = self.qkv_proj(x).view(n_tok, nh + 2 * kvh, hd)  # heads: [ q (nh) | k (kvh) | v (kvh) ]
-            qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
+            if ops is None:
+                qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
+            else:
+                qk = qkv[:, : nh + kvh]
+                ops.rotary_(qk, cos, sin)  # in place: qkv is this call's own
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]  # views
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan)
         if meta.dense is not None:
@@ -241,10 +249,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=config.mlp_bias)
         self.gate_up_proj: Linear | None = None  # gate and up in one product, once fuse_projections ran
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
         if self.gate_up_proj is None:  # the reference
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
         gate_up = self.gate_up_proj(x)  # (T, 2I): [ gate | up ]
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))  # (T, I) -> (T, H)
         i = gate_up.shape[1] // 2
         return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])  # (T, I) -> (T, H)
 
@@ -285,7 +295,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder plus LM head; the KV cache is an argument, never state."""
+    """The whole decoder plus LM head; the KV cache is an argument, never state.
+
+    ``ops``, when set (by the engine, to ``yutu.engine.native``'s kernels on CPU), runs each layer's
+    elementwise steps as one native call each: the residual add with the next RMSNorm, q and k's
+    rotation in place, silu(gate) * up. They round as the torch code does (the reference, which
+    runs when ``ops`` is None; a test holds the two together). At one decode token they replace
+    ~25 small tensor operations per layer; at a long prompt, several passes over its activations.
+    """
+
+    ops: ModuleType | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -315,13 +334,38 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)  # (T, hd), (T, hd)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
         group_tokens = self._decode_group_tokens(kv_cache)
-        for i, layer in enumerate(self.model.layers):
+        for i in range(len(self.model.layers)):
             window = self.config.layer_sliding_window(i)
             if window not in plans:
                 plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
+        if self.ops is not None:
+            return self._forward_ops(self.ops, h, cos, sin, kv_cache, meta, plans)
+        for i, layer in enumerate(self.model.layers):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
-            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window], i)  # (T, H)
+            plan = plans[self.config.layer_sliding_window(i)]
+            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plan, i)  # (T, H)
         return self.model.norm(h)  # (T, H)
+
+    def _forward_ops(self, ops: ModuleType, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     plans: dict[int | None, AttentionPlan]) -> torch.Tensor:  # fmt: skip
+        """The layers of :meth:`forward` on the native kernels: the residual stream kept apart from
+        each block's normalized input, each residual add done with the next norm in one call."""
+        layers = cast("list[DecoderLayer]", list(self.model.layers))
+        norms = [layer.input_layernorm for layer in layers[1:]] + [cast(RMSNorm, self.model.norm)]
+        residual = h  # (T, H), added to in place (the embedding's output, this call's own)
+        x = ops.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # (T, H)
+        for i, (layer, next_norm) in enumerate(zip(layers, norms, strict=True)):
+            layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
+            plan = plans[self.config.layer_sliding_window(i)]
+            x = layer.self_attn(
+                x, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plan, i, ops
+            )  # (T, H)
+            norm = layer.post_attention_layernorm
+            ops.add_rms_norm_(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
+            x = layer.mlp(x, ops)  # (T, H)
+            ops.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
+        return x  # (T, H): the final norm of the residual stream
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, V) float32 logits."""

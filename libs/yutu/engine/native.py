@@ -9,7 +9,7 @@ only load it); it is compiled for the CPU it runs on (``-march=native``), into
 ``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a name of the torch version,
 the CPU's flags and the sources' contents: a cache shared between different machines never hands
 one the other's code, and every checkout of the same sources shares one build.
-Engines pick with ``attention_kernel``: ``native`` (fail when it cannot be built), ``torch`` (SDPA),
+Engines pick with ``kernels``: ``native`` (fail when it cannot be built), ``torch`` (SDPA),
 or ``auto`` (native on CPU where it builds, else SDPA, saying why in the log).
 
 ``python -m yutu.engine.native`` builds (or loads) it and prints where it is.
@@ -29,13 +29,15 @@ from types import ModuleType
 
 import torch
 
-from yutu.config import ATTENTION_KERNELS
+from yutu.config import KERNEL_CHOICES
 from yutu.engine.default_model import cache_root
 from yutu.engine.loader import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "bindings.cpp"]  # compiled
+HEADERS = [CSRC / "kernels.h"]  # included by them: hashed and copied with them
 # -ffast-math: the dot products and exponentials vectorize only with it (2.5x the kernel's speed at
 # one decode, measured against -fno-math-errno alone). It stays in the kernel's object: the link
 # step does not get it, so no startup code sets flush-to-zero for the process (a test checks).
@@ -52,7 +54,7 @@ def build_directory() -> Path:
     one build and a changed source gets a new one."""
     machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
     code = hashlib.sha256(" ".join(CFLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         code.update(source.read_bytes())
     return cache_root() / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
 
@@ -77,13 +79,13 @@ def load() -> ModuleType:
             directory.mkdir(parents=True, exist_ok=True)
             # built from a copy in the build directory: torch's builder rebuilds when a source's path
             # changes, and another checkout's path would otherwise make it rebuild each time
-            copies = [directory / source.name for source in SOURCES]
-            for source, copy in zip(SOURCES, copies, strict=True):
+            for source in SOURCES + HEADERS:
+                copy = directory / source.name
                 if not copy.exists() or copy.read_bytes() != source.read_bytes():
                     copy.write_bytes(source.read_bytes())
             _loaded = cpp_extension.load(
                 name="yutu_native",
-                sources=[str(c) for c in copies],
+                sources=[str(directory / source.name) for source in SOURCES],
                 extra_cflags=CFLAGS,
                 build_directory=str(directory),
                 verbose=False,
@@ -101,22 +103,22 @@ def load() -> ModuleType:
         return _loaded
 
 
-def attention_kernels(choice: str, device: torch.device) -> ModuleType | None:
-    """The kernels an engine with ``attention_kernel=choice`` on ``device`` uses; None: torch's."""
-    if choice not in ATTENTION_KERNELS:
-        raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {choice!r}")
+def engine_kernels(choice: str, device: torch.device) -> ModuleType | None:
+    """The kernels an engine with ``kernels=choice`` on ``device`` uses; None: torch's."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     if choice == "torch":
         return None
     if device.type != "cpu":
         if choice == "native":
-            raise ValueError(f"the native attention kernel runs on CPU only, the engine is on {device}")
+            raise ValueError(f"the native kernels run on CPU only, the engine is on {device}")
         return None
     if choice == "native":
         return load()
     try:
         return load()
     except RuntimeError as e:
-        log.warning("%s; decode attention runs on torch's SDPA, slower (attention_kernel auto)", e)
+        log.warning("%s; the engine runs on torch's operations, slower (kernels auto)", e)
         return None
 
 

@@ -11,7 +11,7 @@
 //
 // Shapes: q (n, kvh, G, hd); k, v (n, kvh, span, hd), unit stride in hd (views of the slot buffers);
 // first, last (n,) int64. Returns (n, kvh, G, hd) in q's dtype.
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -88,6 +88,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
+}  // namespace
+
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& first, const at::Tensor& last, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -119,12 +121,4 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
     }
   });
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_decode_attention", &dense_decode_attention, "decode attention over dense slots (see the file)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("first"), py::arg("last"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,19 @@
+// The Python module of the native kernels (yutu.engine.native loads it). Every call releases the GIL.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using py::arg;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("dense_decode_attention", &dense_decode_attention,
+        "decode attention over dense slots: (n, kvh, G, hd) queries against (n, kvh, span, hd) keys and "
+        "values, keys first[i]..last[i]-1 of slot i",
+        arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of (T, H) rows into a new tensor", arg("x"), arg("weight"), arg("eps"),
+        nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x, then x = RMSNorm(residual)", arg("x"),
+        arg("residual"), arg("weight"), arg("eps"), nogil);
+  m.def("rotary_", &rotary_, "in place: rotate (T, heads, hd) by (T, hd) cos/sin tables, half-split layout",
+        arg("x"), arg("cos"), arg("sin"), nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of (T, 2I) [ gate | up ] rows into a new (T, I) tensor",
+        arg("gate_up"), nogil);
+}

@@ -1,0 +1,14 @@
+// The native CPU kernels of yutu.engine.native: what each source file defines, bound in bindings.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+// decode_attention.cpp: the dense decode cache's attention.
+at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& first, const at::Tensor& last, double scale);
+
+// layer_ops.cpp: a decoder layer's elementwise steps, with the model's torch code's roundings.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate_up);

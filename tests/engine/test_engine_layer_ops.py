@@ -1,0 +1,158 @@
+"""The native layer kernels (yutu.engine.native: rms_norm, add_rms_norm_, rotary_, silu_mul) against
+the model's torch code, their reference, and the model run on them against the model without (in each dtype, fused projections or not).
+
+The kernels round to the activations' dtype wherever the torch code does, so in bfloat16 and
+float16 they agree with it exactly but for the order of RMSNorm's sum of squares (one unit in the
+last place, rarely); in float32, to float32's rounding. The engine runs on them when ``kernels``
+resolves to native: greedy tokens and logprobs then equal the torch path's (float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_support import make_engine, prompt
+from yutu.engine import native
+from yutu.engine.loader import load_model
+from yutu.engine.model import RMSNorm, apply_rotary, fuse_projections
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.testing import PagedRunner, make_tiny_checkpoint
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    return native.load()  # built by `make test` before the tests
+
+
+def assert_rounds_alike(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal within one unit in the last place of the dtype (float32: within a few, as the kernels
+    sum and multiply in another order)."""
+    assert out.dtype == want.dtype and out.shape == want.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.float(), want.float(), rtol=torch.finfo(out.dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_norms_round_as_the_torch_code(ops: object, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    wide = torch.randn(rows, 100, generator=gen).to(dtype)
+    x = wide[:, :96]  # a view with a row stride past its width
+    assert_rounds_alike(ops.rms_norm(x, norm.weight, norm.eps), norm.reference(x))  # type: ignore[attr-defined]
+
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    summed = residual + x  # what the reference adds, rounded to dtype by torch
+    delta = x.clone()
+    ops.add_rms_norm_(delta, residual, norm.weight, norm.eps)  # type: ignore[attr-defined]
+    assert torch.equal(residual, summed)  # the residual add rounds exactly as torch's
+    assert_rounds_alike(delta, norm.reference(summed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "head_dim"), [(1, 32), (9, 64), (200, 48), (3, 128)])
+def test_rotary_rounds_as_the_torch_code_and_keeps_to_its_heads(
+    ops: object, dtype: torch.dtype, rows: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(rows, 10, head_dim, generator=gen).to(dtype)  # [ q (6) | k (2) | v (2) ]
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 100
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    want = apply_rotary(qkv[:, :8], cos, sin)
+    rotated = qkv.clone()
+    ops.rotary_(rotated[:, :8], cos, sin)  # type: ignore[attr-defined]
+    assert_rounds_alike(rotated[:, :8], want)
+    if dtype != torch.float32:
+        assert torch.equal(rotated[:, :8], want)
+    assert torch.equal(rotated[:, 8:], qkv[:, 8:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul_rounds_as_the_torch_code(ops: object, dtype: torch.dtype, rows: int) -> None:
+    gate_up = (torch.randn(rows, 2 * 200, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    want = F.silu(gate_up[:, :200]) * gate_up[:, 200:]
+    assert_rounds_alike(ops.silu_mul(gate_up), want)  # type: ignore[attr-defined]
+
+
+def test_misshapen_inputs_are_refused(ops: object) -> None:
+    x = torch.zeros(4, 16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(x, torch.ones(8), 1e-5)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        ops.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-5)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ops.rms_norm(x.t(), torch.ones(4), 1e-5)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="even"):
+        ops.rotary_(torch.zeros(2, 1, 5), torch.zeros(2, 5), torch.zeros(2, 5))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rotary_(torch.zeros(2, 1, 4), torch.zeros(3, 4), torch.zeros(3, 4))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="even"):
+        ops.silu_mul(torch.zeros(2, 5))  # type: ignore[attr-defined]
+
+
+def greedy(
+    engine: object, prompts: dict[str, list[int]], max_tokens: int = 12
+) -> dict[str, tuple[list[int], list[float]]]:
+    """Every prompt at once, greedy with logprobs: request -> (tokens, logprobs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)  # type: ignore[attr-defined]
+    out: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in prompts}
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        for o in engine.step():  # type: ignore[attr-defined]
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs or ())
+    return out
+
+
+def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: object) -> None:
+    prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate([1, 5, 40, 90])}
+    # a small step budget splits the long prompts into chunks beside the others' decodes
+    on_ops = make_engine(ckpt, kernels="native", max_num_batched_tokens=32)
+    on_torch = make_engine(ckpt, kernels="torch", max_num_batched_tokens=32)
+    assert on_ops.runner.model.ops is not None and on_torch.runner.model.ops is None
+    fast, ref = greedy(on_ops, prompts), greedy(on_torch, prompts)
+    for rid in prompts:
+        assert fast[rid][0] == ref[rid][0]
+        assert fast[rid][1] == pytest.approx(ref[rid][1], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "overrides", "fused", "atol"),
+    [
+        (torch.float32, {}, True, 1e-5),
+        (torch.float32, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, True, 1e-5),
+        (torch.float32, {}, False, 1e-5),  # Hugging Face's separate projections: rotary on torch's code
+        (torch.bfloat16, {}, True, 2e-2),
+        (torch.float16, {"num_key_value_heads": 1}, True, 2e-2),
+    ],
+)
+def test_the_model_on_the_native_ops_computes_what_it_does_without(
+    tmp_path: Path, ops: object, dtype: torch.dtype, overrides: dict[str, Any], fused: bool, atol: float
+) -> None:
+    """A prefill, a decode and a batch of both, with and without ``model.ops``: the same logits."""
+    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=6, **overrides)
+    ids = prompt(30, seed=24)
+    out = {}
+    for with_ops in (False, True):
+        model, _ = load_model(model_dir, torch.device("cpu"), dtype)
+        if fused:
+            fuse_projections(model)
+        model.ops = ops if with_ops else None  # type: ignore[assignment]
+        runner = PagedRunner(model, 16, 4)
+        (prefill,) = runner.step([(0, ids)])
+        (decode,) = runner.step([(0, [7])])
+        both = runner.step([(1, ids[:9]), (0, [11])])
+        out[with_ops] = torch.cat([prefill, decode, *both])
+    assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
