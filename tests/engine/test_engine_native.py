@@ -98,3 +98,11 @@ def test_auto_says_why_it_decodes_on_torch_when_the_kernels_cannot_be_built(
     assert "no g++" in caplog.text and "torch's operations" in caplog.text
     with pytest.raises(RuntimeError, match="no g\\+\\+"):
         make_engine(ckpt, kernels="native")
+
+
+def test_the_kernels_run_on_torchs_openmp_runtime(kernels: object) -> None:
+    # Compiled with -fopenmp so that their loops split over torch's threads, but linked to no
+    # runtime of their own: a second one would bring a second pool of threads into the process.
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes

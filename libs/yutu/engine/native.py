@@ -41,7 +41,10 @@ HEADERS = [CSRC / "kernels.h"]  # included by them: hashed and copied with them
 # -ffast-math: the dot products and exponentials vectorize only with it (2.5x the kernel's speed at
 # one decode, measured against -fno-math-errno alone). It stays in the kernel's object: the link
 # step does not get it, so no startup code sets flush-to-zero for the process (a test checks).
-CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+# -fopenmp: at::parallel_for splits a kernel over torch's threads only when compiled with it (else
+# it runs on the calling thread); the OpenMP runtime is torch's own, which libtorch_cpu loads: the
+# link step does not name one, so no second runtime (and thread pool) comes into the process.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
