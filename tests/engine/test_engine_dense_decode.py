@@ -58,9 +58,7 @@ def both(ckpt: Path, requests: dict[str, tuple[list[int], int]], abort: dict[str
     assert fast_engine.runner.dense is not None  # on by default on CPU
     assert fast_engine.kernels == config.get("kernels", fast_engine.kernels)
     fast = run(fast_engine, requests, abort)
-    ref = run(
-        make_engine(ckpt, **{**config, "dense_decode_bytes": 0, "kernels": "torch"}), requests, abort
-    )
+    ref = run(make_engine(ckpt, **{**config, "dense_decode_bytes": 0, "kernels": "torch"}), requests, abort)
     return fast, ref, fast_engine
 
 

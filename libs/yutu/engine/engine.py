@@ -141,9 +141,7 @@ class EngineConfig:
                 f"dense_decode_bytes must be an integer >= 0 or None, got {self.dense_decode_bytes!r}"
             )
         if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(
-                f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}"
-            )
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         for name in ("num_kv_blocks", "max_model_len", "prefill_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
