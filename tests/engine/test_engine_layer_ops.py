@@ -1,5 +1,7 @@
 """The native layer kernels (yutu.engine.native: rms_norm, add_rms_norm_, rotary_, silu_mul) against
-the model's torch code, their reference, and the model run on them against the model without (in each dtype, fused projections or not).
+the model's torch code, their reference; the KV copies (write_kv_, fill_slots_) against torch's
+indexed assignment; and the model run on them against the model without (in each dtype, fused
+projections or not).
 
 The kernels round to the activations' dtype wherever the torch code does, so in bfloat16 and
 float16 they agree with it exactly but for the order of RMSNorm's sum of squares (one unit in the
@@ -156,3 +158,36 @@ def test_the_model_on_the_native_ops_computes_what_it_does_without(
         both = runner.step([(1, ids[:9]), (0, [11])])
         out[with_ops] = torch.cat([prefill, decode, *both])
     assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_copies_move_what_torchs_indexed_assignment_moves(ops: object, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    layers, blocks, block_size, kvh, hd = 2, 6, 4, 2, 8
+    cache = torch.randn(blocks, layers, 2, block_size, kvh, hd, generator=gen).to(dtype)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]  # one layer's views, as the model passes them
+    qkv = torch.randn(5, 3 * kvh, hd, generator=gen).to(dtype)  # k and v: strided views of a product
+    k, v = qkv[:, kvh : 2 * kvh], qkv[:, 2 * kvh :]
+    where_blocks, where_offsets = torch.tensor([5, 0, 0, 3, 2]), torch.tensor([3, 0, 1, 2, 0])
+    want = cache.clone()
+    want[:, 1, 0][where_blocks, where_offsets] = k
+    want[:, 1, 1][where_blocks, where_offsets] = v
+    ops.write_kv_(k_cache, v_cache, k, v, where_blocks, where_offsets)  # type: ignore[attr-defined]
+    assert torch.equal(cache, want)  # that layer's slots written, nothing else touched
+
+    k_buf = torch.randn(3, kvh, 10, hd, generator=gen).to(dtype)  # dense slots (slots, kvh, capacity, hd)
+    v_buf = torch.randn(3, kvh, 10, hd, generator=gen).to(dtype)
+    slots, positions = torch.tensor([2, 0, 2]), torch.tensor([9, 4, 0])
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    want_k[slots, :, positions] = k_cache[where_blocks[:3], where_offsets[:3]]
+    want_v[slots, :, positions] = v_cache[where_blocks[:3], where_offsets[:3]]
+    ops.fill_slots_(k_buf, v_buf, k_cache, v_cache, slots, positions, where_blocks[:3], where_offsets[:3])  # type: ignore[attr-defined]
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.write_kv_(k_cache, v_cache, k, v, torch.tensor([6, 0, 0, 0, 0]), where_offsets)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.fill_slots_(k_buf, v_buf, k_cache, v_cache, slots, torch.tensor([10, 0, 0]), where_blocks[:3],
+                        where_offsets[:3])  # type: ignore[attr-defined]  # fmt: skip
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.write_kv_(k_cache, v_cache, k, v, where_blocks.int(), where_offsets)  # type: ignore[attr-defined]

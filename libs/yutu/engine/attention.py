@@ -13,6 +13,7 @@ object (see DESIGN.md, "Store object"). Token ``t`` of a sequence lives in block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -183,12 +184,17 @@ def write_kv_cache(
     v_cache_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
     plan: AttentionPlan | None = None,
+    ops: ModuleType | None = None,
 ) -> None:
     """Store this batch's keys and values at their slots.
 
     k, v: (T, num_kv_heads, head_dim); k_cache_layer, v_cache_layer: (num_blocks, block_size,
     num_kv_heads, head_dim) views of one layer of the KV cache (e.g. ``kv_cache[:, layer, 0]``).
+    ``ops``: the native kernels (one call for both; torch's indexed assignment is the reference).
     """
+    if ops is not None and plan is not None:
+        ops.write_kv_(k_cache_layer, v_cache_layer, k, v, plan.write_blocks, plan.write_offsets)
+        return
     if plan is not None:
         blocks, offsets = plan.write_blocks, plan.write_offsets  # (T,), (T,)
     else:

@@ -71,9 +71,9 @@ class DenseStep:
         # of decodes only, in slot order): attend reads q and writes out without a gather or scatter.
         self.aligned = len(decodes) == self.width and all(d.slot == d.row for d in decodes)
         # Positions to copy from the paged cache: (slot, position) <- (block, offset).
-        fill = torch.tensor(fills, dtype=torch.int64).view(-1, 4).to(device)
-        self.fill_slots, self.fill_pos = fill[:, 0], fill[:, 1]  # (F,), (F,)
-        self.fill_blocks, self.fill_offsets = fill[:, 2], fill[:, 3]  # (F,), (F,)
+        fill = torch.tensor(fills, dtype=torch.int64).view(-1, 4).t().contiguous().to(device)  # (4, F)
+        self.fill_slots, self.fill_pos = fill[0], fill[1]  # (F,), (F,), each contiguous
+        self.fill_blocks, self.fill_offsets = fill[2], fill[3]  # (F,), (F,)
         # Slots filled from scratch (a sequence new to the cache): (slot, context_len, its blocks).
         self.wholes = [(slot, ctx, torch.tensor(blocks, dtype=torch.int64, device=device))
                        for slot, ctx, blocks in wholes]  # fmt: skip
@@ -85,8 +85,12 @@ class DenseStep:
         """Copy this step's new positions of every dense decode from the paged cache of ``layer``."""
         k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]  # (slots, kvh, cap, hd)
         b, o = self.fill_blocks, self.fill_offsets
-        k_buf[self.fill_slots, :, self.fill_pos] = k_cache_layer[b, o]  # (F, kvh, hd)
-        v_buf[self.fill_slots, :, self.fill_pos] = v_cache_layer[b, o]
+        if self.cache.kernels is not None:  # one call for both (the indexed copies below: the reference)
+            self.cache.kernels.fill_slots_(k_buf, v_buf, k_cache_layer, v_cache_layer, self.fill_slots,
+                                           self.fill_pos, b, o)  # fmt: skip
+        else:
+            k_buf[self.fill_slots, :, self.fill_pos] = k_cache_layer[b, o]  # (F, kvh, hd)
+            v_buf[self.fill_slots, :, self.fill_pos] = v_cache_layer[b, o]
         kvh, hd = k_buf.shape[1], k_buf.shape[3]
         for slot, ctx, blocks in self.wholes:  # one gather of its blocks, then one strided copy
             k_buf[slot, :, :ctx] = k_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
@@ -156,7 +160,7 @@ class DenseDecodeCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_len, self.budget_bytes = max_len, budget_bytes
         self.dtype, self.device = dtype, device
-        self.kernels = kernels  # the native attention kernel (yutu.engine.native); None: torch's SDPA
+        self.kernels = kernels  # the native kernels (yutu.engine.native); None: attend with torch's SDPA
         self.slots = 0
         self.capacity = 0
         self.k: list[torch.Tensor] = []  # per layer (slots, kvh, capacity, hd)

@@ -229,7 +229,7 @@ class Attention(nn.Module):
                 qk = qkv[:, : nh + kvh]
                 ops.rotary_(qk, cos, sin)  # in place: qkv is this call's own
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]  # views
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan)
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan, ops)
         if meta.dense is not None:
             meta.dense.fill(layer, k_cache, v_cache)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd), dense rows unset

@@ -1,19 +1,24 @@
 """Native CPU kernels: C++ built once per machine by torch's extension builder, loaded by engines.
 
-One kernel today, ``dense_decode_attention`` (``csrc/decode_attention.cpp``): the dense decode
-cache's attention (:mod:`yutu.engine.decode_cache`). torch's SDPA computes the same and stays the
-reference; a test holds the two together.
+- ``dense_decode_attention`` (``csrc/decode_attention.cpp``): the dense decode cache's attention
+  (:mod:`yutu.engine.decode_cache`); torch's SDPA computes the same and stays the reference.
+- ``write_kv_``, ``fill_slots_`` (``csrc/kv_copy.cpp``): a step's keys and values into the paged
+  cache, and its new positions into the dense decode cache's slots; torch's indexed assignment
+  is the reference.
+- ``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul`` (``csrc/layer_ops.cpp``): a decoder
+  layer's elementwise steps, one call each, rounding as the model's torch code does (the
+  reference; :class:`yutu.engine.model.LlamaForCausalLM` runs on them when ``ops`` is set).
 
-Building needs a C++ compiler and torch's headers (``make`` builds it during set-up, so engines
-only load it); it is compiled for the CPU it runs on (``-march=native``), into
-``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a name of the torch version,
-the CPU's flags and the sources' contents: a cache shared between different machines never hands
-one the other's code, and every checkout of the same sources shares one build.
-Engines pick with ``kernels``: ``native`` (fail when it cannot be built), ``torch`` (SDPA),
-or ``auto`` (native on CPU where it builds, else SDPA, saying why in the log).
+Tests hold each to its reference. Building needs a C++ compiler and torch's headers (``make``
+builds them during set-up, so engines only load them); they are compiled for the CPU they run on
+(``-march=native``), into ``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a
+name of the torch version, the CPU's flags and the sources' contents: a cache shared between
+different machines never hands one the other's code, and every checkout of the same sources
+shares one build. Engines pick with ``kernels``: ``native`` (fail when they cannot be built),
+``torch`` (torch's operations), or ``auto`` (native on CPU where they build, else torch's,
+saying why in the log).
 
-``python -m yutu.engine.native`` builds (or loads) it and prints where it is.
-"""
+``python -m yutu.engine.native`` builds (or loads) them and prints where they are."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from yutu.engine.loader import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "bindings.cpp"]  # compiled
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "kv_copy.cpp", "layer_ops.cpp", "bindings.cpp")]
 HEADERS = [CSRC / "kernels.h"]  # included by them: hashed and copied with them
 # -ffast-math: the dot products and exponentials vectorize only with it (2.5x the kernel's speed at
 # one decode, measured against -fno-math-errno alone). It stays in the kernel's object: the link

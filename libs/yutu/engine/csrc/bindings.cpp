@@ -8,6 +8,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over dense slots: (n, kvh, G, hd) queries against (n, kvh, span, hd) keys and "
         "values, keys first[i]..last[i]-1 of slot i",
         arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), nogil);
+  m.def("write_kv_", &write_kv_, "in place: k_cache[blocks[t], offsets[t]] = k[t], and v alike", arg("k_cache"),
+        arg("v_cache"), arg("k"), arg("v"), arg("blocks"), arg("offsets"), nogil);
+  m.def("fill_slots_", &fill_slots_,
+        "in place: k_buf[slots[i], :, positions[i]] = k_cache[blocks[i], offsets[i]], and v alike", arg("k_buf"),
+        arg("v_buf"), arg("k_cache"), arg("v_cache"), arg("slots"), arg("positions"), arg("blocks"),
+        arg("offsets"), nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of (T, H) rows into a new tensor", arg("x"), arg("weight"), arg("eps"),
         nogil);
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x, then x = RMSNorm(residual)", arg("x"),

@@ -7,6 +7,13 @@
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& first, const at::Tensor& last, double scale);
 
+// kv_copy.cpp: a step's keys and values into the paged cache; paged positions into dense slots.
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& blocks, const at::Tensor& offsets);
+void fill_slots_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& blocks,
+                 const at::Tensor& offsets);
+
 // layer_ops.cpp: a decoder layer's elementwise steps, with the model's torch code's roundings.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
