@@ -13,8 +13,9 @@ rarely produce whole UTF-8 characters and text deltas would lag behind the token
 Each scenario runs through the gateway (OpenAI streaming API) of each stack in ``--stacks``:
 ``mixed`` (``yutu up --store-nodes 0 --workers 1``) and ``disagg`` (``yutu up --prefill 1
 --decode 1``, the default topology), and on the engine alone (an ``LLMEngine`` stepped in a loop
-in its own process, with the torch threads the stack's engine gets -- its ``torch_threads`` and
-``prefill_threads`` from the worker's /info), in the same run. Printed:
+in its own process, with the torch threads and step budgets the stack's engine gets -- its
+``torch_threads``, ``prefill_threads`` and its config's ``max_num_batched_tokens`` and
+``max_prefill_step_tokens`` from the worker's /info), in the same run. Printed:
 TTFT, TPOT and ITL p50/p99 and throughput for each, and the ratio end-to-end / engine-only.
 
 TPOT of a request: (last token time - first token time) / (tokens - 1). ITL: every gap between
@@ -124,19 +125,21 @@ def scenario_prompts(shapes: Shapes, vocab: int) -> dict[str, Any]:
 # -- the engine alone ------------------------------------------------------------------------------
 
 
-def engine_only(model_dir: Path, threads: Threads, shapes: Shapes) -> dict[str, Any]:
+def engine_only(model_dir: Path, setup: EngineSetup, shapes: Shapes) -> dict[str, Any]:
     """The three scenarios on one LLMEngine, stepped in a loop; token times as a client would see them."""
     import torch
     from yutu.engine.engine import EngineConfig, LLMEngine
     from yutu.engine.sampling import SamplingParams
 
-    torch.set_num_threads(threads.torch)
+    torch.set_num_threads(setup.torch)
     engine = LLMEngine(
         EngineConfig(
             model_dir=model_dir,
             kv_cache_memory_bytes=256 * 2**20,
             max_model_len=4096,
-            prefill_threads=threads.prefill,
+            prefill_threads=setup.prefill,
+            max_num_batched_tokens=setup.step_tokens,
+            max_prefill_step_tokens=setup.prefill_step_tokens,
         )
     )
     prompts = scenario_prompts(shapes, engine.model_config.vocab_size)
@@ -168,10 +171,10 @@ def engine_only(model_dir: Path, threads: Threads, shapes: Shapes) -> dict[str, 
     return results
 
 
-def engine_only_subprocess(model_dir: Path, threads: Threads, shapes: Shapes) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads.torch)}
-    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--threads", str(threads.torch),
-            "--prefill-threads", str(threads.prefill), "--shapes", json.dumps(asdict(shapes))]  # fmt: skip
+def engine_only_subprocess(model_dir: Path, setup: EngineSetup, shapes: Shapes) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup.torch)}
+    argv = [sys.executable, __file__, "--engine-only", str(model_dir), "--setup", json.dumps(asdict(setup)),
+            "--shapes", json.dumps(asdict(shapes))]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -237,22 +240,28 @@ async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> di
 
 
 @dataclass(frozen=True)
-class Threads:
-    """An engine's torch threads: for most steps, and for a wide step (a long prompt's chunk)."""
+class EngineSetup:
+    """An engine's torch threads (for most steps, and for a wide step: a long prompt's chunk) and
+    step budgets (tokens of a step, and of a step in which nothing decodes)."""
 
     torch: int
     prefill: int
+    step_tokens: int
+    prefill_step_tokens: int
 
     def __str__(self) -> str:
-        return f"{self.torch} torch thread(s), {self.prefill} for a long prompt's chunks"
+        return (f"{self.torch} torch thread(s), {self.prefill} for a long prompt's chunks; steps of"
+                f" {self.step_tokens} tokens, {self.prefill_step_tokens} where nothing decodes")  # fmt: skip
 
 
-def engine_threads_of(stack: Stack) -> Threads:
-    """The torch threads the stack's (decode or mixed) engine runs with, from its /info."""
+def engine_setup_of(stack: Stack) -> EngineSetup:
+    """How the stack's (decode or mixed) engine runs, from its /info."""
     kind = "worker" if stack.spec.workers is not None else "decode"
     record = next(iter(stack.records(kind).values()))
     info = stack.admin_json(kind, record["instance_id"], "/info")
-    return Threads(int(info["torch_threads"]), int(info["prefill_threads"]))
+    config = info["config"]
+    return EngineSetup(int(info["torch_threads"]), int(info["prefill_threads"]),
+                       int(config["max_num_batched_tokens"]), int(config["max_prefill_step_tokens"]))  # fmt: skip
 
 
 # -- the vLLM peer ---------------------------------------------------------------------------------
@@ -343,7 +352,7 @@ def report(results: dict[str, Any]) -> str:
     lines = []
     for name, res in results["stacks"].items():
         eng = res["engine_only"]
-        lines += [f"\n{name}: {res['command']} (engine: {Threads(**res['threads'])})",
+        lines += [f"\n{name}: {res['command']} (engine: {EngineSetup(**res['engine_setup'])})",
                   f"  {'scenario':<11}{'figure':<13}{'stack':>10}{'engine':>10}{'stack/engine':>14}"]  # fmt: skip
         for scen, fig in ROWS:
             a, b = res["stack"][scen][fig], eng[scen][fig]
@@ -374,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", default="off",
                    help="vLLM peer's python: 'auto' (loadtests/setup_vllm.sh's, if made), 'off' (default) or a path")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--prefill-threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--setup", default=None, help=argparse.SUPPRESS)  # EngineSetup's JSON, with --engine-only
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
     if args.sequential < 1:
@@ -388,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes = Shapes(sequential=args.sequential)
     if args.engine_only is not None:
-        print(json.dumps(engine_only(args.engine_only, Threads(args.threads, args.prefill_threads), shapes)))
+        if args.setup is None:
+            raise SystemExit("bench_serving: error: --engine-only needs --setup")
+        print(json.dumps(engine_only(args.engine_only, EngineSetup(**json.loads(args.setup)), shapes)))
         return 0
     names = [n for n in args.stacks.split(",") if n]
     if not names or set(names) - set(STACKS):
@@ -412,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             spec = STACKS[name]
             print(f"... {clock + ' ' if vllm else ''}{name}: {spec.command}", flush=True)
             with Stack(spec, work / name, shm) as stack:
-                threads = engine_threads_of(stack)
+                setup = engine_setup_of(stack)
                 model_dir = Path(stack.http.get("/v1/models").json()["data"][0]["root"])
                 vocab = stack.vocab_size
-                before = engine_only_subprocess(model_dir, threads, shapes)  # the stack idles meanwhile
+                before = engine_only_subprocess(model_dir, setup, shapes)  # the stack idles meanwhile
                 measured = asyncio.run(through_stack(stack, shapes))
-            engine = best_of(before, engine_only_subprocess(model_dir, threads, shapes))
-            results["stacks"][name] = {"command": spec.command, "threads": asdict(threads), "stack": measured,
+            engine = best_of(before, engine_only_subprocess(model_dir, setup, shapes))
+            results["stacks"][name] = {"command": spec.command, "engine_setup": asdict(setup), "stack": measured,
                                        "engine_only": engine}  # fmt: skip
             if vllm is not None:
                 results["timeline"].append({"run": name, "start": clock, "s": time.monotonic() - began})

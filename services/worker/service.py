@@ -117,6 +117,7 @@ class WorkerService(Service):
             kv_cache_memory_bytes=s.kv_cache_memory_mib * 2**20,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
+            max_prefill_step_tokens=s.max_prefill_step_tokens,
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
             dtype=s.dtype,
@@ -423,6 +424,7 @@ class WorkerService(Service):
             "kv_salt": info.kv_salt,  # what block keys are salted with (model and dtype)
             "max_num_seqs": self.settings.max_num_seqs,
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,  # its prefill chunk
+            "max_prefill_step_tokens": self.settings.max_prefill_step_tokens,  # when nothing decodes
             "segment": self.settings.instance_id,
             "kv_store": self.store is not None,
             "demo": self.demo,

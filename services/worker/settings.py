@@ -34,7 +34,9 @@ ENGINE_CORES = ("process", "thread")
 # instance keeps it small; a prefill instance decodes nothing and computes a prompt of up to
 # PREFILL_STEP_TOKENS in one step: no prefix re-read per chunk, no mask over it (the demo model,
 # 1,024 tokens on 2 cores: 6-8% faster than two chunks of 512), and its blocks go to the store
-# once the prompt is done rather than while its second chunk computes.
+# once the prompt is done rather than while its second chunk computes. A mixed or decode instance
+# takes that larger budget too in a step where nothing decodes (--max-prefill-step-tokens): one
+# request's prompt arriving at an idle instance, a burst's first step.
 STEP_TOKENS = 512
 PREFILL_STEP_TOKENS = 2048
 
@@ -50,6 +52,7 @@ class WorkerSettings(ServiceSettings):
     prefault: bool  # fault the KV cache's pages in at start (Region.populate)
     max_num_seqs: int  # running sequences per step
     max_num_batched_tokens: int  # token budget of one step (chunked prefill)
+    max_prefill_step_tokens: int  # token budget of a step that decodes nothing (at least the above)
     max_model_len: int | None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
@@ -74,7 +77,8 @@ class WorkerSettings(ServiceSettings):
     def from_args(cls, args: argparse.Namespace, role: str = "mixed") -> WorkerSettings:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mib"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_step_tokens",
+                     "kv_cache_memory_mib"):  # fmt: skip
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         if args.prefill_threads < 0:
@@ -96,6 +100,7 @@ class WorkerSettings(ServiceSettings):
             prefault=args.prefault,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_step_tokens=args.max_prefill_step_tokens,
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
@@ -138,6 +143,15 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         default=PREFILL_STEP_TOKENS if role == "prefill" else STEP_TOKENS,
         help="token budget of one step (chunked prefill); a prefill instance has no decodes to keep"
         f" flowing, so its default is larger ({PREFILL_STEP_TOKENS} against {STEP_TOKENS})",
+    )
+    own(
+        engine,
+        "--max-prefill-step-tokens",
+        type=int,
+        default=PREFILL_STEP_TOKENS,
+        help="token budget of a step in which nothing decodes (a prompt reaching an idle instance): no"
+        " decode waits for it, so a prompt of up to this many tokens is one step (never below"
+        " --max-num-batched-tokens)",
     )
     own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")

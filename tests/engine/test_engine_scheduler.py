@@ -99,6 +99,20 @@ def test_decodes_first_then_running_prefill_then_waiting() -> None:
     assert layout(b) == [("a", 4, 1, True), ("b", 9, 1, True), ("c", 1, 1, True)]
 
 
+def test_a_step_that_decodes_nothing_takes_the_larger_prefill_budget() -> None:
+    bm = BlockManager(32, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=5, max_prefill_step_tokens=12)
+    sched.add(make_seq("a", 10))
+    sched.add(make_seq("b", 3, first=50))
+    b = sched.schedule()  # nothing decodes: a's whole prompt and b's first 2 tokens in one step
+    assert layout(b) == [("a", 0, 10, True), ("b", 0, 2, False)]
+    step(sched, b)
+    sched.add(make_seq("c", 9, first=100))
+    b = sched.schedule()  # a decodes now: the usual budget, so c's prompt is chunked behind it
+    assert layout(b) == [("a", 10, 1, True), ("b", 2, 1, True), ("c", 0, 3, False)]
+    assert Scheduler(bm, 8, 5, max_prefill_step_tokens=3).max_prefill_step_tokens == 5  # never below
+
+
 def test_max_num_seqs_limits_admission() -> None:
     bm = BlockManager(32, BS)
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
@@ -209,6 +223,8 @@ def test_bad_limits() -> None:
         Scheduler(BlockManager(4, BS), max_num_seqs=0, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(BlockManager(4, BS), max_num_seqs=1, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_prefill_step_tokens"):
+        Scheduler(BlockManager(4, BS), max_num_seqs=1, max_num_batched_tokens=4, max_prefill_step_tokens=0)
 
 
 def test_resume_after_preemption_hits_prefix_cache() -> None:

@@ -36,11 +36,13 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
     (name,) = res["stacks"]
     run = res["stacks"][name]
     assert name == "mixed" and "--workers 1" in run["command"] and "--store-nodes 0" in run["command"]
-    assert run["threads"]["torch"] >= 1
-    assert run["threads"]["prefill"] >= run["threads"]["torch"]  # yutu up's rule (README)
-    threads = run["threads"]
+    setup = run["engine_setup"]  # what the engine-only run mirrored, from the worker's /info
+    assert setup["torch"] >= 1
+    assert setup["prefill"] >= setup["torch"]  # yutu up's rule (README)
+    assert (setup["step_tokens"], setup["prefill_step_tokens"]) == (512, 2048)  # the worker's defaults
     assert (
-        f"(engine: {threads['torch']} torch thread(s), {threads['prefill']} for a long prompt's chunks)"
+        f"(engine: {setup['torch']} torch thread(s), {setup['prefill']} for a long prompt's chunks; steps of"
+        f" {setup['step_tokens']} tokens, {setup['prefill_step_tokens']} where nothing decodes)"
         in proc.stdout
     )
     for side in ("stack", "engine_only"):

@@ -361,6 +361,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         prefault=True,
         max_num_seqs=4,
         max_num_batched_tokens=64,
+        max_prefill_step_tokens=2048,
         max_model_len=64,
         enable_prefix_caching=True,
         torch_threads=1,

@@ -105,6 +105,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 * 2**20  # KV pool size when num_kv_blocks is None
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per forward pass (chunked-prefill budget)
+    # Tokens of a forward pass that decodes nothing (only prompts' chunks), when more than
+    # max_num_batched_tokens: no decode's pace to keep, so fewer, longer chunks. None: the same.
+    max_prefill_step_tokens: int | None = None
     max_model_len: int | None = None  # prompt + output tokens; None -> min(model max, KV pool)
     enable_prefix_caching: bool = True
     device: torch.device | str | None = None  # None -> CUDA if available, else CPU
@@ -142,7 +145,7 @@ class EngineConfig:
             )
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        for name in ("num_kv_blocks", "max_model_len", "prefill_threads"):
+        for name in ("num_kv_blocks", "max_model_len", "prefill_threads", "max_prefill_step_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None (derived), got {value!r}")
@@ -202,7 +205,12 @@ class LLMEngine:
         )
         self.max_model_len = self._resolve_max_model_len(self.model_config, self.num_kv_blocks)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_prefill_step_tokens,
+        )
         dense_bytes = self._dense_decode_bytes(config)
         native = engine_kernels(config.kernels, self.device)
         self.kernels = "native" if native is not None else "torch"  # what the steps run on

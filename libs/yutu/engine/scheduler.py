@@ -1,7 +1,10 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Each ``schedule()`` fills one forward pass under two limits: ``max_num_batched_tokens`` tokens and
-``max_num_seqs`` running sequences. Order of service:
+``max_num_seqs`` running sequences. A step that decodes nothing may take up to
+``max_prefill_step_tokens`` instead (when larger): chunking a prompt keeps running decodes
+flowing, and with none running it only costs time (a 1,024-token prompt of the demo model on two
+threads: 59 ms in one step against 68 in two of 512). Order of service:
 
 1. Running decodes (one token each), in admission order. A decode that needs a new block and finds
    none preempts the *last admitted* running sequence (possibly itself): its blocks are freed, its
@@ -104,14 +107,19 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running list; asks the block manager for room."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_step_tokens: int | None = None) -> None:  # fmt: skip
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_prefill_step_tokens is not None and max_prefill_step_tokens < 1:
+            raise ValueError(f"max_prefill_step_tokens must be >= 1 or None, got {max_prefill_step_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget of a step that decodes nothing (never below the usual one)
+        self.max_prefill_step_tokens = max(max_num_batched_tokens, max_prefill_step_tokens or 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order; the last one is the preemption victim
         self.loading: dict[str, Sequence] = {}  # admitted, waiting for imported KV; never preempted
@@ -149,6 +157,9 @@ class Scheduler:
             batch.chunks.append(self._chunk(seq, 1))
             budget -= 1
             idx += 1
+
+        if not batch.chunks and not batch.preempted_seq_ids:  # no decode to keep flowing this step
+            budget = self.max_prefill_step_tokens
 
         # 2. Prefills already running (blocks were taken at admission).
         for seq in self.running:
