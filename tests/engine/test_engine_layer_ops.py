@@ -22,7 +22,7 @@ from yutu.engine import native
 from yutu.engine.loader import load_model
 from yutu.engine.model import RMSNorm, apply_rotary, fuse_projections
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.testing import PagedRunner, make_tiny_checkpoint
+from yutu.engine.testing import make_tiny_checkpoint, prefill_decode_mixed_logits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -152,11 +152,7 @@ def test_the_model_on_the_native_ops_computes_what_it_does_without(
         if fused:
             fuse_projections(model)
         model.ops = ops if with_ops else None  # type: ignore[assignment]
-        runner = PagedRunner(model, 16, 4)
-        (prefill,) = runner.step([(0, ids)])
-        (decode,) = runner.step([(0, [7])])
-        both = runner.step([(1, ids[:9]), (0, [11])])
-        out[with_ops] = torch.cat([prefill, decode, *both])
+        out[with_ops] = prefill_decode_mixed_logits(model, ids)
     assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
 
 

@@ -15,7 +15,12 @@ import torch
 from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model
 from yutu.engine.model import Linear, LlamaForCausalLM, RMSNorm, fuse_projections, pack_cpu_linears
-from yutu.engine.testing import PagedRunner, greedy_generate, make_tiny_checkpoint
+from yutu.engine.testing import (
+    PagedRunner,
+    greedy_generate,
+    make_tiny_checkpoint,
+    prefill_decode_mixed_logits,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -198,11 +203,7 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
                 m.weight.is_meta and m.packed is not None for m in model.modules() if isinstance(m, Linear)
             )
             assert not model.model.embed_tokens.weight.is_meta
-        runner = PagedRunner(model, 16, 4)
-        (prefill,) = runner.step([(0, ids)])
-        (decode,) = runner.step([(0, [7])])
-        both = runner.step([(1, ids[:9]), (0, [11])])
-        out[packed] = torch.cat([prefill, decode, *both])
+        out[packed] = prefill_decode_mixed_logits(model, ids)
     assert torch.allclose(out[True], out[False], atol=1e-3, rtol=0), (out[True] - out[False]).abs().max()
 
 
@@ -234,11 +235,7 @@ def test_fused_projections_compute_what_the_separate_ones_do(
             )
             if dtype == torch.bfloat16:
                 assert pack_cpu_linears(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
-        runner = PagedRunner(model, 16, 4)
-        (prefill,) = runner.step([(0, ids)])
-        (decode,) = runner.step([(0, [7])])
-        both = runner.step([(1, ids[:9]), (0, [11])])
-        out[fused] = torch.cat([prefill, decode, *both])
+        out[fused] = prefill_decode_mixed_logits(model, ids)
     assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
 
 

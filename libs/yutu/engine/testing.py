@@ -154,6 +154,17 @@ class PagedRunner:
         self.free_blocks.extend(self.seqs.pop(seq_id).block_table)
 
 
+def prefill_decode_mixed_logits(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:
+    """The logits of a prefill of ``ids``, one decode after it, then a batch of both kinds (a second
+    sequence's prefill beside the first's next decode), concatenated: what tests compare between
+    two ways of computing the same model."""
+    runner = PagedRunner(model, 16, 4)
+    (prefill,) = runner.step([(0, ids)])
+    (decode,) = runner.step([(0, [7])])
+    both = runner.step([(1, ids[:9]), (0, [11])])
+    return torch.cat([prefill, decode, *both])
+
+
 def greedy_generate(
     model: LlamaForCausalLM,
     prompt_ids: Sequence[int],
