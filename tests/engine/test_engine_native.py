@@ -106,3 +106,13 @@ def test_the_kernels_run_on_torchs_openmp_runtime(kernels: object) -> None:
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) <= 1, runtimes
+
+
+def test_each_torch_installation_builds_in_its_own_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's builder rebuilds when its include paths change: two virtualenvs sharing one directory
+    # took turns rebuilding, so the torch installation built against is part of the name
+    here = native.build_directory()
+    assert here == native.build_directory()  # stable
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert native.build_directory() != here
+    assert native.build_directory().parent == here.parent

@@ -58,10 +58,13 @@ _failure: str | None = None  # why the build failed (once failed, not tried agai
 
 def build_directory() -> Path:
     """Where this machine's build of these sources lives: named by the torch version, the CPU's flags
-    and the sources' contents (with the flags), so that every checkout with the same sources shares
-    one build and a changed source gets a new one."""
+    and the sources' contents (with the flags and the torch installation built against), so that
+    every checkout with the same sources and virtualenv shares one build and a changed source gets
+    a new one. Another virtualenv gets its own: torch's builder rebuilds when the include paths it
+    compiles with change, so two virtualenvs sharing a directory took turns rebuilding (~50 s each,
+    inside an engine's start)."""
     machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-    code = hashlib.sha256(" ".join(CFLAGS).encode())
+    code = hashlib.sha256(" ".join([*CFLAGS, str(Path(torch.__file__).resolve().parent)]).encode())
     for source in SOURCES + HEADERS:
         code.update(source.read_bytes())
     return cache_root() / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
