@@ -370,7 +370,7 @@ def prepare_kernels(choice: str) -> None:
     if choice == "torch":
         return
     if not build_directory().exists():
-        log.info("building the native kernels (once per machine, ~70 s)")
+        log.info("building the native kernels (once per machine and virtualenv, ~70 s)")
     try:
         engine_kernels(choice, default_device_and_dtype()[0])  # auto: warns and goes on without it
     except (RuntimeError, ValueError) as exc:

@@ -12,9 +12,9 @@
 Tests hold each to its reference. Building needs a C++ compiler and torch's headers (``make``
 builds them during set-up, so engines only load them); they are compiled for the CPU they run on
 (``-march=native``), into ``$YUTU_CACHE_DIR/kernels`` (default ``~/.cache/yutu/kernels``) under a
-name of the torch version, the CPU's flags and the sources' contents: a cache shared between
-different machines never hands one the other's code, and every checkout of the same sources
-shares one build. Engines pick with ``kernels``: ``native`` (fail when they cannot be built),
+name of the torch version, the CPU's flags, the sources' contents and the torch installation: a
+cache shared between different machines never hands one the other's code, and every checkout of
+the same sources in one virtualenv shares one build (:func:`build_directory`). Engines pick with ``kernels``: ``native`` (fail when they cannot be built),
 ``torch`` (torch's operations), or ``auto`` (native on CPU where they build, else torch's,
 saying why in the log).
 
