@@ -33,15 +33,10 @@ import time
 
 import numpy as np
 import redis.asyncio as aioredis
+from yutu.launcher import free_port
 from yutu.transfer import SegmentDirectory, TransferEngine, TransferOp, TransferRequest
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------- child: peer + raw server

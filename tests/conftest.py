@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -12,12 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from yutu.launcher import free_port
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from yutu.launcher import ADMIN_PORT, ChildSpec, ProcessGroup, describe_exit
+from yutu.launcher import ADMIN_PORT, LOWEST_PICKED_PORT, ChildSpec, ProcessGroup, describe_exit, free_port
 from yutu.restarts import RestartHistory, RestartPolicy
 
 
@@ -167,3 +168,21 @@ def test_a_child_that_keeps_dying_while_starting_stops_the_start(tmp_path: Path)
     finally:
         group.stop()
     assert "bad option" in str(err.value)
+
+
+def test_free_ports_are_never_handed_out_twice_nor_from_the_kernels_ephemeral_range() -> None:
+    """A port from free_port stays free until a child binds it: a ZeroMQ endpoint bound to port 0
+    (or another free_port) cannot be given it meanwhile, as a CI run once saw (the gateway's port
+    taken by the store master's admin app)."""
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(LOWEST_PICKED_PORT <= p < low for p in ports)
+    held = [socket.create_server(("127.0.0.1", 0)) for _ in range(50)]  # the kernel's own picks
+    try:
+        assert not {s.getsockname()[1] for s in held} & set(ports)
+        for port in ports[:20]:  # and each one can be bound
+            socket.create_server(("127.0.0.1", port)).close()
+    finally:
+        for s in held:
+            s.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,10 +43,51 @@ ADMIN_PORT = "{admin_port}"  # in a ChildSpec's argv and ready_url: a fresh free
 LOG_TAIL_LINES = 20
 
 
+LOWEST_PICKED_PORT = 10_000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing is bound to now, for a child to bind later.
+
+    Picked below the kernel's ephemeral range where there is room: a port from ``bind(0)`` is free
+    only until it is closed, and before the child binds it, any socket bound to port 0 (another
+    child's ZeroMQ endpoint, another ``free_port``) or connecting out may be given it. Nothing in
+    the ephemeral range is handed out that way, so only an explicit bind can take a port from here.
+    Never the same port twice in one process.
+    """
+    ephemeral = _ephemeral_range()
+    if ephemeral is not None and ephemeral[0] - LOWEST_PICKED_PORT >= 1_000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(LOWEST_PICKED_PORT, ephemeral[0])
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    while True:  # no room below the range (or not Linux): the kernel's pick, never twice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass(frozen=True)

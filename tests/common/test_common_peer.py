@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import struct
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from yutu.launcher import free_port
 from yutu.protocol.codec import Channel
 from yutu.protocol.generate import CHANNEL as GENERATE
 from yutu.protocol.generate import AbortRequest
@@ -146,12 +146,6 @@ async def test_bad_frames_are_dropped_and_logged_never_stopping_the_socket(
     finally:
         raw.close(linger=0)
         server.peer.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:  # nothing listens on it once closed
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def test_connection_events_and_messages_queued_before_connecting(impl: Impl) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from yutu.launcher import free_port
 from yutu.store.client import StoreClient, StoreClientConfig
 from yutu.transfer import sweep_stale_region_files
 
@@ -31,14 +32,6 @@ FAST_MASTER = {
     "--registry-ttl": "3.0",
 }
 FAST_NODE = {"--heartbeat-interval": "0.3", "--registry-ttl": "3.0"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

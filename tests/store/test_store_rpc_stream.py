@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from yutu.errors import ErrorKind, YutuError
+from yutu.launcher import free_port
 from yutu.protocol import store as p
 from yutu.rpc import RpcClient, RpcServer
 from yutu.rpc.stream import HEADER, NotConnectedError, StreamRpcClient, StreamRpcServer
@@ -175,9 +176,7 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
 
 
 async def test_closing_the_client_while_a_call_connects_fails_the_call_typed_not_cancelled() -> None:
-    with socket.socket() as sock:  # a port nothing listens on: the call keeps retrying to connect
-        sock.bind(("127.0.0.1", 0))
-        endpoint = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens on it: the call keeps retrying to connect
     client = StreamRpcClient(p.CHANNEL, endpoint, timeout_s=20.0)
     connecting = asyncio.ensure_future(client.call(p.Exists("here")))
     await asyncio.sleep(0.1)
