@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from yutu.engine.sampler import Sampler, apply_top_k_top_p, scale_by_temperature
+from yutu.engine.sampler import Sampler, apply_top_k_top_p, draw_from, scale_by_temperature
 from yutu.engine.sampling import TOP_P_MIN, SamplingParams
 
 NEG = float("-inf")
@@ -99,6 +99,78 @@ def test_seeded_row_ignores_batch_composition() -> None:
     assert draws(5, 3) == alone
     assert draws(3, 0) == alone
     assert len(set(alone)) > 1  # it really samples
+
+
+def test_draw_from_picks_the_first_token_whose_cumulative_probability_exceeds_the_uniform() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+
+    def plain(row: list[float], u: float) -> int:
+        total, running = sum(row), 0.0
+        for token, p in enumerate(row):
+            running += p
+            if running > u * total:
+                return token
+        raise AssertionError("no token")
+
+    for u in [0.0, 0.1, 0.25, 0.2500001, 0.5, 0.74, 0.75, 0.99, 1.0 - 2**-24]:
+        got = draw_from(probs, torch.tensor([u, u])).tolist()
+        assert got == [plain(row, u) for row in probs.tolist()]
+        assert got[0] in (1, 3, 4) and got[1] == 5  # never a token of probability 0
+
+
+def test_draws_follow_the_distribution() -> None:
+    """20,000 draws of one row: each token's share within 4 standard deviations of its probability
+    (the distribution the reference torch.multinomial draws from), zero-probability tokens never."""
+    probs = torch.tensor([0.5, 0.2, 0.0, 0.15, 0.1, 0.05, 0.0])
+    n = 20_000
+    tokens = draw_from(probs.expand(n, -1), torch.rand(n, generator=gen(7)))
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    sd = (n * probs.double() * (1 - probs.double())).sqrt()
+    assert ((counts - n * probs.double()).abs() <= 4 * sd).all(), counts.tolist()
+    assert counts[2] == counts[6] == 0
+
+
+def test_rows_without_top_k_or_top_p_skip_the_sort_and_draw_what_masking_every_row_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only restricted rows go through apply_top_k_top_p (a vocabulary-wide sort per row); an
+    unrestricted row would come out of it unchanged, so every seeded draw equals the plain
+    version's (each row masked, softmaxed and drawn from its own generator), in batches of free
+    rows only, restricted rows only, and both."""
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 3
+    free = SamplingParams(temperature=0.8, seed=1)
+    rows = [free, SamplingParams(temperature=1.3, top_k=20, seed=2), SamplingParams(top_p=0.9, seed=3)]
+    batches = [[free, free], rows[1:], rows + rows[::-1]]
+
+    def plain(params: list[SamplingParams]) -> list[list[int]]:
+        gens = [gen(p.seed or 0) for p in params]
+        steps = []
+        for _ in range(8):
+            step = []
+            for r, p in enumerate(params):
+                scaled = scale_by_temperature(logits[r : r + 1], torch.tensor([p.temperature]))
+                top_k = torch.tensor([min(p.top_k or vocab, vocab)])
+                probs = apply_top_k_top_p(scaled, top_k, torch.tensor([p.top_p])).softmax(dim=-1)
+                step.append(int(draw_from(probs, torch.rand(1, generator=gens[r]))[0]))
+            steps.append(step)
+        return steps
+
+    expected = [plain(b) for b in batches]
+    masked_rows: list[int] = []
+    reference = apply_top_k_top_p
+
+    def counting(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        masked_rows.append(scaled.shape[0])
+        return reference(scaled, top_k, top_p)
+
+    monkeypatch.setattr("yutu.engine.sampler.apply_top_k_top_p", counting)
+    for params, want in zip(batches, expected, strict=True):
+        gens = [gen(p.seed or 0) for p in params]
+        got = [Sampler().sample(logits[: len(params)], params, gens).token_ids for _ in range(8)]
+        assert got == want
+    assert masked_rows == [2] * 8 + [4] * 8  # the free rows never reached the masks
 
 
 def test_same_seed_repeats_different_seed_differs() -> None:

@@ -339,7 +339,7 @@ class LLMEngine:
         for token in generated:
             seq.append_token(token)
         if generator is not None and not params.is_greedy:
-            Sampler.skip_draws(generator, self.model_config.vocab_size, len(generated))
+            Sampler.skip_draws(generator, len(generated))
         seq.kv_import_tokens = import_tokens
         seq.prefill_only = prefill_only
         self._seqs[request_id] = seq
