@@ -113,24 +113,30 @@ class Sampler:
         num_rows, vocab = logits.shape
         assert len(params) == num_rows == len(generators)
         logits = logits.float()
-        finite = logits.isfinite().all(dim=-1)  # (R,)
-        if not bool(finite.all()):
+        # A row is finite iff its least and greatest values are (NaN propagates through both):
+        # one pass over the row, where isfinite().all() is three.
+        low, high = torch.aminmax(logits, dim=-1)  # (R,) each
+        finite = low.isfinite() & high.isfinite()  # (R,)
+        all_finite = bool(finite.all())
+        if not all_finite:
             logits = torch.where(finite.unsqueeze(1), logits, 0.0)  # (R, V) bad rows: a harmless uniform row
-        chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # (R,)
 
         greedy = [r for r, p in enumerate(params) if p.is_greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            chosen[rows] = logits[rows].argmax(dim=-1)
-
-        random = [r for r, p in enumerate(params) if not p.is_greedy]
-        if random:
+        if len(greedy) == num_rows:  # the usual batch: no row to pick out
+            chosen = logits.argmax(dim=-1)  # (R,)
+        else:
+            chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # (R,)
+            if greedy:
+                rows = torch.tensor(greedy, device=logits.device)
+                chosen[rows] = logits[rows].argmax(dim=-1)
+            random = [r for r, p in enumerate(params) if not p.is_greedy]
             self._sample_random(logits, params, generators, random, chosen)
 
         token_ids: list[int | None] = list(chosen.tolist())
-        for r, ok in enumerate(finite.tolist()):
-            if not ok:
-                token_ids[r] = None
+        if not all_finite:
+            for r, ok in enumerate(finite.tolist()):
+                if not ok:
+                    token_ids[r] = None
         return SamplerOutput(token_ids, self._logprobs(logits, chosen, params, token_ids))
 
     @staticmethod
