@@ -136,7 +136,9 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {}, True, 1e-5),
         (torch.float32, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, True, 1e-5),
         (torch.float32, {}, False, 1e-5),  # Hugging Face's separate projections: rotary on torch's code
-        (torch.bfloat16, {}, True, 2e-2),
+        # bfloat16: the prefill attention kernel rounds once where SDPA rounds its tiles (logits of
+        # magnitude 2-4 here, where a bfloat16 step is 0.016-0.031)
+        (torch.bfloat16, {}, True, 4e-2),
         (torch.float16, {"num_key_value_heads": 1}, True, 2e-2),
     ],
 )

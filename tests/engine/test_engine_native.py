@@ -1,5 +1,5 @@
-"""The native decode attention kernel (yutu.engine.native) against torch's SDPA, its reference
-(the layer kernels: test_engine_layer_ops.py).
+"""The native attention kernels (yutu.engine.native), decode and prefill, against torch's SDPA,
+their reference (the layer kernels: test_engine_layer_ops.py).
 
 Random slots as the dense decode cache holds them (views into larger buffers, holes of one key,
 sliding windows), in each dtype and several head dims and query groups: the kernel computes in
@@ -67,6 +67,59 @@ def test_a_slot_with_no_keys_or_keys_past_the_buffer_is_refused(kernels: object)
         kernels.dense_decode_attention(
             q, k, v, torch.tensor([0, 0], dtype=torch.int32), torch.tensor([1, 1]), 1.0
         )  # type: ignore[attr-defined]
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's SDPA with the n query rows at the last n of the m key positions: (n, heads, hd)."""
+    n, m = q.shape[0], k.shape[0]
+    seen = torch.arange(m)[None, :] <= torch.arange(m - n, m)[:, None]  # (n, m)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=seen, scale=scale, enable_gqa=True)  # fmt: skip
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("n", "m", "heads", "kv_heads", "head_dim"),
+    [(1024, 1024, 8, 2, 32), (7, 7, 8, 2, 32), (100, 900, 8, 2, 32), (1, 300, 4, 4, 64), (33, 80, 6, 3, 48),
+     (50, 50, 8, 1, 128), (17, 40, 4, 2, 16)],
+)  # fmt: skip
+def test_the_prefill_kernel_matches_sdpa(
+    kernels: object, dtype: torch.dtype, n: int, m: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Whole prompts and chunks after a cached prefix (rows at the last n of m positions), tiles
+    that end mid-block, one query row, grouped and multi-query heads, head dims with and without
+    the vectorized path; q a view of the step's rows, as paged_attention passes it."""
+    gen = torch.Generator().manual_seed(n * 7 + m)
+    rows = torch.randn(n + 2, heads + 3, head_dim, generator=gen).to(dtype)
+    q = rows[1 : n + 1, :heads]
+    k = torch.randn(m, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(m, kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    out = kernels.prefill_attention(q, k, v, scale)  # type: ignore[attr-defined]
+    assert out.shape == q.shape and out.dtype == dtype
+    want = causal_sdpa(q.float(), k.float(), v.float(), scale)  # the reference, in float32
+    error = (out.float() - want).abs().max().item()
+    assert error <= TOLERANCE[dtype]
+    torch_error = (causal_sdpa(q, k, v, scale).float() - want).abs().max().item()  # SDPA in `dtype`
+    assert error <= max(torch_error, TOLERANCE[dtype] / 5)  # no further from it than torch is
+
+
+def test_the_prefill_kernel_refuses_misshapen_inputs(kernels: object) -> None:
+    q, k = torch.zeros(4, 8, 32), torch.zeros(6, 2, 32)
+    cases = [
+        ((torch.zeros(8, 8, 32), k, k), "more queries"),
+        ((torch.zeros(4, 6, 32), torch.zeros(6, 4, 32), torch.zeros(6, 4, 32)), "multiple of KV heads"),
+        ((q, k, torch.zeros(6, 2, 16)), "differ in shape"),
+        ((q, k, k.to(torch.bfloat16)), "differ in dtype"),
+        ((q, torch.zeros(6, 2, 64)[..., ::2], torch.zeros(6, 2, 64)[..., ::2]), "unit stride"),
+        ((q[0], k, k), "3-D"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kernels.prefill_attention(*args, 1.0)  # type: ignore[attr-defined]
+    empty = kernels.prefill_attention(torch.zeros(0, 8, 32), k, k, 1.0)  # type: ignore[attr-defined]
+    assert empty.shape == (0, 8, 32)
 
 
 def test_loading_the_kernels_leaves_the_process_float_modes_alone(kernels: object) -> None:

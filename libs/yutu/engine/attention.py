@@ -214,13 +214,15 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     sliding_window: int | None = None,
+    ops: ModuleType | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's chunk over its whole cached context.
 
     q: (T, num_heads, head_dim), already rotated; the chunk's own K/V must already be in the cache
     (write_kv_cache). Caches: (num_blocks, block_size, num_kv_heads, head_dim). Returns
     (T, num_heads, head_dim). ``plan`` (from build_attention_plan) saves rebuilding the index tensors
-    in every layer; when given, its sliding window is used.
+    in every layer; when given, its sliding window is used. ``ops``: the native kernels, which
+    attend the prefill chunks when there is no sliding window (torch's SDPA is the reference).
     """
     block_size = k_cache_layer.shape[1]
     if plan is None:
@@ -233,6 +235,9 @@ def paged_attention(
         n_keys = span.context_len - span.key_start
         k = k_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
         v = v_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
+        if ops is not None and plan.sliding_window is None:  # rows at the last positions of the keys
+            out[span.q_start : span.q_end] = ops.prefill_attention(q[span.q_start : span.q_end], k, v, scale)
+            continue
         qs = q[span.q_start : span.q_end].transpose(0, 1)[None]  # (1, nh, n, hd)
         o = F.scaled_dot_product_attention(
             qs,

@@ -232,7 +232,8 @@ class Attention(nn.Module):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan, ops)
         if meta.dense is not None:
             meta.dense.fill(layer, k_cache, v_cache)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan)  # (T, nh, hd), dense rows unset
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan, ops=ops)  # (T, nh, hd)
+        # (the dense decode cache's rows are left unset there: attended below)
         if meta.dense is not None:
             meta.dense.attend(layer, q, o, self.scale, plan.sliding_window)
         return self.o_proj(o.reshape(n_tok, nh * hd))  # (T, H)

@@ -2,6 +2,9 @@
 
 - ``dense_decode_attention`` (``csrc/decode_attention.cpp``): the dense decode cache's attention
   (:mod:`yutu.engine.decode_cache`); torch's SDPA computes the same and stays the reference.
+- ``prefill_attention`` (``csrc/prefill_attention.cpp``): causal attention of a prompt chunk over
+  its cached prefix and itself (:func:`yutu.engine.attention.paged_attention`'s prefill spans
+  without a sliding window); torch's SDPA is the reference.
 - ``write_kv_``, ``fill_slots_`` (``csrc/kv_copy.cpp``): a step's keys and values into the paged
   cache, and its new positions into the dense decode cache's slots; torch's indexed assignment
   is the reference.
@@ -41,7 +44,16 @@ from yutu.engine.loader import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "kv_copy.cpp", "layer_ops.cpp", "bindings.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "kv_copy.cpp",
+        "layer_ops.cpp",
+        "bindings.cpp",
+    )
+]
 HEADERS = [CSRC / "kernels.h"]  # included by them: hashed and copied with them
 # -ffast-math: the dot products and exponentials vectorize only with it (2.5x the kernel's speed at
 # one decode, measured against -fno-math-errno alone). It stays in the kernel's object: the link

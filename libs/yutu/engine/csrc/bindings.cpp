@@ -8,6 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over dense slots: (n, kvh, G, hd) queries against (n, kvh, span, hd) keys and "
         "values, keys first[i]..last[i]-1 of slot i",
         arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of (n, heads, hd) queries, at the last n of the m positions of (m, kvh, hd) keys "
+        "and values",
+        arg("q"), arg("k"), arg("v"), arg("scale"), nogil);
   m.def("write_kv_", &write_kv_, "in place: k_cache[blocks[t], offsets[t]] = k[t], and v alike", arg("k_cache"),
         arg("v_cache"), arg("k"), arg("v"), arg("blocks"), arg("offsets"), nogil);
   m.def("fill_slots_", &fill_slots_,

@@ -7,6 +7,9 @@
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& first, const at::Tensor& last, double scale);
 
+// prefill_attention.cpp: causal attention of a prompt chunk (the last n of m key positions).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+
 // kv_copy.cpp: a step's keys and values into the paged cache; paged positions into dense slots.
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& blocks, const at::Tensor& offsets);

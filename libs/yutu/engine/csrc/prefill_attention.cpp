@@ -1,0 +1,199 @@
+// Causal attention of one sequence's prompt chunk over its keys, on CPU (paged_attention's prefill
+// spans without a sliding window, yutu/engine/attention.py).
+//
+// The chunk's n query rows sit at the last n of the m key positions (a cached prefix, then the
+// chunk): row a attends keys 0 .. m-n+a. torch's SDPA is the reference (and what runs with kernel
+// "torch"); its CPU flash kernel is written for wide heads, and at the small head dims of small
+// models (32 here) spends most of its time outside the products. Here, per KV head and tile of
+// kTile query positions (their G query heads together: 4 rows share every key and value read):
+//   pass 1  scores[r, j] = scale * q[r] . k[j]   16 keys at a time, keys transposed to float32
+//   softmax over j <= the row's last key       exps in their own loop, which vectorizes
+//   pass 2  out[r] = sum_j p[r, j] v[j] / sum_j p[r, j]   in float32, rounded once to q's dtype
+// Keys and values are converted to float32 once per call (transposed keys, padded to 16).
+// A two-pass softmax, not an online one: a tile's scores (kTile * G rows of up to m floats) stay
+// in the thread's cache, and no running maximum is rescaled per block of keys.
+//
+// Shapes: q (n, kvh * G, hd); k, v (m, kvh, hd) with m >= n; unit stride in hd.
+// Returns (n, kvh * G, hd) in q's dtype.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeys = 16;  // keys per block of pass 1 (one AVX-512 register of float32)
+constexpr int64_t kTile = 16;  // query positions per work item
+constexpr int64_t kMaxHeadDim = 256;
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones); a float
+// times it is broadcast. Loads and stores through memcpy: no alignment assumed.
+typedef float f32x16 __attribute__((vector_size(64)));
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+template <typename T, int64_t HD>  // HD: the head dim known at compile time, 0: hd at run time
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale) {
+  const int64_t n = q.size(0), heads = q.size(1), m = k.size(0), kvh = k.size(1);
+  const int64_t groups = heads / kvh, hd = HD > 0 ? HD : q.size(2);
+  const int64_t m_pad = round_up(m, kKeys), offset = m - n;  // row a's last key: offset + a
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), k0 = k.stride(0), k1 = k.stride(1);
+  const int64_t v0 = v.stride(0), v1 = v.stride(1), o0 = out.stride(0), o1 = out.stride(1);
+
+  // Keys transposed in blocks of 16, kt[h][j / 16][d][j % 16] (a block's hd x 16 floats contiguous;
+  // padded with zero keys to m_pad), values vf[h][j][d], float32.
+  std::vector<float> kt(kvh * hd * m_pad, 0.f), vf(kvh * m * hd);
+  at::parallel_for(0, kvh * m, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / m, j = item % m;
+      const T* kr = kp + j * k0 + h * k1;
+      const T* vr = vp + j * v0 + h * v1;
+      float* ktj = kt.data() + h * hd * m_pad + (j / kKeys) * hd * kKeys + j % kKeys;
+      float* vfr = vf.data() + (h * m + j) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        ktj[d * kKeys] = static_cast<float>(kr[d]);
+        vfr[d] = static_cast<float>(vr[d]);
+      }
+    }
+  });
+
+  // Work items: (KV head, tile), tiles taken from both ends in turn, so that any contiguous run of
+  // items (what a thread gets) mixes the short early tiles with the long late ones.
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, kvh * tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_max = kTile * groups;
+    std::vector<float> qf(rows_max * hd), scores(rows_max * m_pad), acc(rows_max * hd);
+    std::vector<int64_t> keys(rows_max);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, turn = item % tiles;
+      const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles - 1 - turn / 2;
+      const int64_t a0 = tile * kTile, a1 = std::min(n, a0 + kTile);
+      const int64_t rows = (a1 - a0) * groups;
+      const int64_t span = offset + a1;  // keys any row of the tile sees
+      const int64_t span_pad = round_up(span, kKeys);
+      const float* kth = kt.data() + h * hd * m_pad;
+      const float* vfh = vf.data() + h * m * hd;
+      for (int64_t r = 0; r < rows; ++r) {  // row r: position a0 + r / G, query head h * G + r % G
+        const T* qr = qp + (a0 + r / groups) * q0 + (h * groups + r % groups) * q1;
+        for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = static_cast<float>(qr[d]) * scale;
+        keys[r] = offset + a0 + r / groups + 1;
+      }
+      // Pass 1: scores, four rows at a time against 16 keys (four accumulators in registers).
+      for (int64_t r = 0; r < rows; r += 4) {
+        const int64_t nr = std::min<int64_t>(4, rows - r);
+        const float* q0r = qf.data() + r * hd;
+        const float* q1r = qf.data() + (r + std::min<int64_t>(1, nr - 1)) * hd;
+        const float* q2r = qf.data() + (r + std::min<int64_t>(2, nr - 1)) * hd;
+        const float* q3r = qf.data() + (r + std::min<int64_t>(3, nr - 1)) * hd;
+        float* s_rows[4];
+        for (int64_t i = 0; i < 4; ++i) s_rows[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
+        for (int64_t j = 0; j < span_pad; j += kKeys) {
+          f32x16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+          const float* kb = kth + j * hd;  // the block's keys: hd rows of 16
+          for (int64_t d = 0; d < hd; ++d) {
+            const f32x16 kd = load16(kb + d * kKeys);
+            s0 += q0r[d] * kd;
+            s1 += q1r[d] * kd;
+            s2 += q2r[d] * kd;
+            s3 += q3r[d] * kd;
+          }
+          store16(s_rows[3] + j, s3);  // duplicates of the last row (nr < 4) write the same values
+          store16(s_rows[2] + j, s2);
+          store16(s_rows[1] + j, s1);
+          store16(s_rows[0] + j, s0);
+        }
+      }
+      // Softmax of each row over its keys; the keys past them (up to the tile's span) weigh 0.
+      std::vector<float> inv(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * m_pad;
+        const int64_t kr = keys[r];
+        const float top = *std::max_element(sr, sr + kr);
+        for (int64_t j = 0; j < kr; ++j) sr[j] = std::exp(sr[j] - top);
+        float sum = 0.f;
+        for (int64_t j = 0; j < kr; ++j) sum += sr[j];
+        std::fill(sr + kr, sr + span, 0.f);
+        inv[r] = 1.f / sum;
+      }
+      // Pass 2: weighted values, four rows at a time sharing each value row.
+      std::fill(acc.begin(), acc.begin() + rows * hd, 0.f);
+      for (int64_t r = 0; r < rows; r += 4) {
+        const int64_t nr = std::min<int64_t>(4, rows - r);
+        int64_t last = 0;
+        for (int64_t i = 0; i < nr; ++i) last = std::max(last, keys[r + i]);
+        float o[4][HD > 0 ? HD : kMaxHeadDim] = {};
+        const float* p[4];
+        for (int64_t i = 0; i < 4; ++i) p[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
+        if constexpr (HD > 0 && HD % 16 == 0) {  // the row sums in registers, 16 floats of hd each
+          constexpr int64_t kV = HD / 16;
+          f32x16 a[4][kV] = {};
+          for (int64_t j = 0; j < last; ++j) {
+            const float* vj = vfh + j * HD;
+            f32x16 vv[kV];
+            for (int64_t c = 0; c < kV; ++c) vv[c] = load16(vj + 16 * c);
+            for (int64_t i = 0; i < 4; ++i) {
+              const float w = p[i][j];
+              for (int64_t c = 0; c < kV; ++c) a[i][c] += w * vv[c];
+            }
+          }
+          for (int64_t i = 0; i < 4; ++i)
+            for (int64_t c = 0; c < kV; ++c) store16(o[i] + 16 * c, a[i][c]);
+        } else {
+          for (int64_t j = 0; j < last; ++j) {
+            const float* vj = vfh + j * hd;
+            for (int64_t i = 0; i < 4; ++i) {
+              const float w = p[i][j];
+              for (int64_t d = 0; d < hd; ++d) o[i][d] += w * vj[d];
+            }
+          }
+        }
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t row = r + i;
+          T* out_r = op + (a0 + row / groups) * o0 + (h * groups + row % groups) * o1;
+          for (int64_t d = 0; d < hd; ++d) out_r[d] = static_cast<T>(o[i][d] * inv[row]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D (n, heads, hd), (m, kvh, hd)");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape: ", k.sizes(), " ", v.sizes());
+  TORCH_CHECK(q.size(2) == k.size(2), "q ", q.sizes(), " and k ", k.sizes(), " differ in head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads (", q.size(1),
+              ") must be a multiple of KV heads (", k.size(1), ")");
+  TORCH_CHECK(q.size(0) <= k.size(0), "more queries (", q.size(0), ") than keys (", k.size(0), ")");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v differ in dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "the head dim must have unit stride");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head dim must be at most ", kMaxHeadDim, ", got ", q.size(2));
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.size(0) == 0) return out;
+  const float s = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    switch (q.size(2)) {
+      case 32: attend<scalar_t, 32>(q, k, v, out, s); break;
+      case 64: attend<scalar_t, 64>(q, k, v, out, s); break;
+      case 128: attend<scalar_t, 128>(q, k, v, out, s); break;
+      default: attend<scalar_t, 0>(q, k, v, out, s);
+    }
+  });
+  return out;
+}
