@@ -5,9 +5,10 @@ version it replaced, in the same run.
 
 ``plain``: every random row through top-k/top-p (a vocabulary-wide sort per row) and drawn with
 ``torch.multinomial`` (which draws an exponential for every token of the row); ``Sampler``: the
-engine's sampler, where only rows that ask for top-k or top-p are sorted and a row is drawn by
+engine's sampler, where only rows that ask for top-k or top-p go through them, from the row's
+largest values where those decide it (``yutu.engine.sampler.top_k_top_p``), and a row is drawn by
 inverse transform from one uniform (``yutu.engine.sampler.draw_from``). Rows ask for temperature
-0.8 and nothing else (``free``), or also top_p 0.95 (``top_p``, sorted either way). Shapes: a
+0.8 and nothing else (``free``), or also top_p 0.95 (``top_p``). Shapes: a
 batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
 Llama-3's (128,256). Each figure is the median of ``--rounds`` calls, the two versions taking
 turns; printed with the ratio plain / Sampler.

@@ -6,7 +6,14 @@ import math
 
 import pytest
 import torch
-from yutu.engine.sampler import Sampler, apply_top_k_top_p, draw_from, scale_by_temperature
+from yutu.engine.sampler import (
+    TOP_CANDIDATES,
+    Sampler,
+    apply_top_k_top_p,
+    draw_from,
+    scale_by_temperature,
+    top_k_top_p,
+)
 from yutu.engine.sampling import TOP_P_MIN, SamplingParams
 
 NEG = float("-inf")
@@ -28,6 +35,31 @@ def test_top_k_top_p_masks() -> None:
     assert kept[1] == [False, True, False, True]  # 0.5 + 0.25 reaches 0.7
     assert kept[2] == [False, True, False, False]  # the top token alone reaches 0.45
     assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_top_k_top_p_from_the_largest_values_masks_what_sorting_the_whole_row_masks() -> None:
+    """Rows decided by their TOP_CANDIDATES largest values (top-k sets among them, top-p reached
+    within them) and rows that are not (flat rows whose top_p mass spreads wider: the plain path),
+    mixed in one batch: the same tokens kept, with the same logits, as the reference."""
+    vocab = 8 * TOP_CANDIDATES
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(6, vocab, generator=gen) * 4
+    flat = torch.randn(3, vocab, generator=gen) * 0.1
+    logits = torch.cat([peaked, flat])
+    top_k = torch.tensor([vocab, 50, 1, TOP_CANDIDATES, vocab, 700, vocab, vocab, 2000])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 0.3, 0.95, 0.95, 0.5, 0.9])
+    want = apply_top_k_top_p(logits, top_k, top_p)
+    got = top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(got > NEG, want > NEG)
+    assert torch.equal(got[got > NEG], want[want > NEG])
+    kept = (want > NEG).sum(dim=1).tolist()
+    assert kept[1] == 50 and kept[2] == 1 and kept[5] <= 700
+    assert kept[6] > TOP_CANDIDATES and kept[7] > TOP_CANDIDATES  # the rows the plain path decided
+    assert TOP_CANDIDATES < kept[8] < 2000  # candidates widened to its top-k set, top-p cut within
+    # a vocabulary too small for candidates to pay: the plain version itself
+    small = logits[:, :TOP_CANDIDATES]
+    assert torch.equal(top_k_top_p(small, top_k.clamp(max=TOP_CANDIDATES), top_p),
+                       apply_top_k_top_p(small, top_k.clamp(max=TOP_CANDIDATES), top_p))  # fmt: skip
 
 
 def test_top_p_combined_with_top_k_renormalises() -> None:

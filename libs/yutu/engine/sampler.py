@@ -1,7 +1,8 @@
 """Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, and logprobs.
 
 A random row is drawn by inverse transform from one uniform (:func:`draw_from`); top-k and top-p
-(a sort of the vocabulary) run only for rows that ask for them.
+run only for rows that ask for them, on each row's largest values where those decide it
+(:func:`top_k_top_p`; :func:`apply_top_k_top_p`, which sorts the whole row, is the reference).
 
 All maths runs in float32 on the logits' device (a draw's running sum in float64). Reproducibility: a request with ``params.seed`` owns
 a ``torch.Generator`` and its row is sampled alone from it, one draw per generated token, so its
@@ -62,6 +63,43 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+TOP_CANDIDATES = 1024  # a row's largest logits that top_k_top_p looks at first
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_top_k_top_p`, from each row's largest values where they decide it.
+
+    The plain version sorts every row's whole vocabulary (~11 ms for one row of a 128k vocabulary
+    on one CPU thread); ``topk`` of its TOP_CANDIDATES largest values takes ~0.7 ms. A row is
+    decided by them when its top-k set lies among them (``top_k`` at most their number), or when
+    top-p already drops the last of them (every smaller value is dropped too: the mass before it
+    only grows). The mass is each candidate's probability in the row's top-k distribution, its
+    normaliser a logsumexp over the top-k set (over the whole row when top-k is off). Rows not
+    decided -- a flat distribution whose top_p mass spreads wider -- go through the plain version;
+    so does everything when the candidates would be a quarter of the vocabulary or more.
+    """
+    num_rows, vocab = logits.shape
+    k_max = int(top_k.max())
+    count = min(vocab, max(TOP_CANDIDATES, k_max if k_max < vocab else 0))
+    if count * 4 > vocab:
+        return apply_top_k_top_p(logits, top_k, top_p)
+    values, ids = logits.topk(count, dim=-1)  # (R, C) each, descending
+    ranks = torch.arange(count, device=logits.device).expand(num_rows, count)  # (R, C)
+    in_top_k = ranks >= top_k.unsqueeze(1)  # (R, C) True: outside the row's top-k set
+    values = values.masked_fill(in_top_k, float("-inf"))
+    k_inside = top_k <= count  # (R,) the whole top-k set is among the candidates
+    norm = torch.where(k_inside, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # (R,)
+    probs = (values - norm.unsqueeze(1)).exp()  # (R, C)
+    mass_before = probs.cumsum(dim=-1) - probs  # (R, C)
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (ranks > 0)
+    values = values.masked_fill(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter(-1, ids, values)
+    undecided = (~(k_inside | drop[:, -1])).nonzero().squeeze(1)  # (U,)
+    if undecided.numel():
+        out[undecided] = apply_top_k_top_p(logits[undecided], top_k[undecided], top_p[undecided])
+    return out
 
 
 def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
@@ -156,14 +194,14 @@ class Sampler:
         top_k = torch.tensor(top_k_list, device=logits.device)
         top_p = torch.tensor([params[r].top_p for r in random], device=logits.device)
         scaled = scale_by_temperature(logits if len(random) == num_rows else logits[rows], temps)  # (Rr, V)
-        # Only rows that restrict the choice pay for the sort (a vocab-wide sort per row and step;
-        # a row with neither restriction would come out of it unchanged, bit for bit).
+        # Only rows that restrict the choice pay for top-k/top-p (a row with neither restriction
+        # would come out of it unchanged, bit for bit).
         restricted = [i for i, r in enumerate(random) if top_k_list[i] < vocab or params[r].top_p < 1.0]
         if len(restricted) == len(random):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            scaled = top_k_top_p(scaled, top_k, top_p)
         elif restricted:
             idx = torch.tensor(restricted, device=logits.device)
-            scaled[idx] = apply_top_k_top_p(scaled[idx], top_k[idx], top_p[idx])
+            scaled[idx] = top_k_top_p(scaled[idx], top_k[idx], top_p[idx])
         probs = scaled.softmax(dim=-1)  # (Rr, V)
         uniforms = torch.rand(len(random), device=logits.device)  # (Rr,) unseeded rows: torch's RNG
         for i, r in enumerate(random):
