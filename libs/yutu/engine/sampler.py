@@ -4,9 +4,10 @@ A random row is drawn by inverse transform from one uniform (:func:`draw_from`);
 run only for rows that ask for them, on each row's largest values where those decide it
 (:func:`top_k_top_p`; :func:`apply_top_k_top_p`, which sorts the whole row, is the reference).
 
-All maths runs in float32 on the logits' device (a draw's running sum in float64). Reproducibility: a request with ``params.seed`` owns
-a ``torch.Generator`` and its row is sampled alone from it, one draw per generated token, so its
-tokens do not depend on what else is in the batch. Requests without a seed share torch's default RNG.
+All maths runs in float32 on the logits' device (a draw's running sum in float64).
+Reproducibility: a request with ``params.seed`` owns a ``torch.Generator`` and its row is sampled
+alone from it, one draw per generated token, so its tokens do not depend on what else is in the
+batch. Requests without a seed share torch's default RNG.
 Logprobs are ``log_softmax`` of the raw logits (before temperature/top-k/top-p), like OpenAI and vLLM.
 
 Numerical contract: for valid :class:`SamplingParams` the sampler never meets NaN.
@@ -87,10 +88,11 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
         return apply_top_k_top_p(logits, top_k, top_p)
     values, ids = logits.topk(count, dim=-1)  # (R, C) each, descending
     ranks = torch.arange(count, device=logits.device).expand(num_rows, count)  # (R, C)
-    in_top_k = ranks >= top_k.unsqueeze(1)  # (R, C) True: outside the row's top-k set
-    values = values.masked_fill(in_top_k, float("-inf"))
+    values = values.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))  # outside the top-k sets
     k_inside = top_k <= count  # (R,) the whole top-k set is among the candidates
-    norm = torch.where(k_inside, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # (R,)
+    norm = values.logsumexp(dim=-1)  # (R,)
+    if not bool(k_inside.all()):  # rows with top-k off: their whole row's
+        norm = torch.where(k_inside, norm, logits.logsumexp(dim=-1))
     probs = (values - norm.unsqueeze(1)).exp()  # (R, C)
     mass_before = probs.cumsum(dim=-1) - probs  # (R, C)
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (ranks > 0)

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -76,7 +75,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, kvh * tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = kTile * groups;
-    std::vector<float> qf(rows_max * hd), scores(rows_max * m_pad), acc(rows_max * hd);
+    std::vector<float> qf(rows_max * hd), scores(rows_max * m_pad);
     std::vector<int64_t> keys(rows_max);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, turn = item % tiles;
@@ -130,7 +129,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         inv[r] = 1.f / sum;
       }
       // Pass 2: weighted values, four rows at a time sharing each value row.
-      std::fill(acc.begin(), acc.begin() + rows * hd, 0.f);
       for (int64_t r = 0; r < rows; r += 4) {
         const int64_t nr = std::min<int64_t>(4, rows - r);
         int64_t last = 0;
