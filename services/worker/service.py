@@ -266,7 +266,7 @@ class WorkerService(Service):
         if s.write_behind_blocks > 0:
             self.write_behind = WriteBehind(
                 store, self._region.name, self._region.block_bytes, self._loop_engine.unpin, self.loops,
-                max_in_flight=s.write_behind_blocks,
+                max_in_flight=s.write_behind_blocks, busy=self._prefilling, max_defer_s=s.write_behind_defer_s,
             )  # fmt: skip
         self.imports.store = store
         self.imports.write_behind = self.write_behind
@@ -395,6 +395,10 @@ class WorkerService(Service):
         held = 0 if self.prefill is None else len(self.prefill.holds)
         transfers = [] if self.imports is None else self.imports.take_transfers()
         return held, transfers
+
+    def _prefilling(self) -> bool:
+        """Whether the engine has prompts to prefill, as of its last step (write-behind waits then)."""
+        return self._loop_engine is not None and self._loop_engine.stats.num_prefilling > 0
 
     @property
     def broken(self) -> str | None:

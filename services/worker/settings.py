@@ -65,6 +65,7 @@ class WorkerSettings(ServiceSettings):
     kv_store: bool  # use the KV store (write-behind, fetches) when a store master is registered
     kv_lease_s: float  # prefill: how long a request's KV stays held for its decode
     write_behind_blocks: int  # most blocks being written to the store at once (0: no write-behind)
+    write_behind_defer_s: float  # how long write-behind may wait while this instance prefills
     transfer_port: int  # the transfer engine's TCP data server (peers read the KV cache there)
     busy_poll_us: int  # wait this long awake for a store master's reply or a small TCP transfer's
 
@@ -87,6 +88,8 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"--kv-lease must be positive, got {args.kv_lease}")
         if args.write_behind_blocks < 0:
             raise ValueError(f"--write-behind-blocks must be 0 or more, got {args.write_behind_blocks}")
+        if args.write_behind_defer < 0:
+            raise ValueError(f"--write-behind-defer must be 0 or more, got {args.write_behind_defer}")
         if args.busy_poll_us < 0:
             raise ValueError(f"--busy-poll-us must be 0 or more, got {args.busy_poll_us}")
         return cls(
@@ -113,6 +116,7 @@ class WorkerSettings(ServiceSettings):
             kv_store=args.kv_store,
             kv_lease_s=args.kv_lease,
             write_behind_blocks=args.write_behind_blocks,
+            write_behind_defer_s=args.write_behind_defer,
             transfer_port=args.transfer_port,
             busy_poll_us=args.busy_poll_us,
         )
@@ -206,6 +210,15 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         type=int,
         default=512,
         help="most KV blocks being written to the store at once",
+    )
+    own(
+        kv,
+        "--write-behind-defer",
+        type=float,
+        default=1.0,
+        help="seconds new blocks may wait to be written while this instance has prompts to prefill"
+        " (the write's CPU then goes to the prompts; it waits no longer once half of"
+        " --write-behind-blocks are waiting); 0: write them 20 ms after the step that filled them",
     )
     if role == "prefill":
         own(

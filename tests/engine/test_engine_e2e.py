@@ -267,3 +267,20 @@ def test_config_validation(ckpt: Path) -> None:
     engine = make_engine(ckpt, num_kv_blocks=4, max_model_len=None, block_size=16)
     assert engine.max_model_len == 64  # derived: the pool holds 64 tokens < 512 positions
     assert EngineConfig(model_dir=ckpt).model_id == "tiny-llama"
+
+
+def test_stats_count_the_prompts_still_to_prefill(ckpt: Path) -> None:
+    engine = make_engine(ckpt, max_num_seqs=2, max_num_batched_tokens=16)
+    engine.add_request("long", prompt(40, seed=410), greedy(5))  # 3 chunks of <= 16 tokens
+    engine.add_request("short", prompt(8, seed=411), greedy(5))
+    engine.add_request("later", prompt(8, seed=412), greedy(5))  # waits: max_num_seqs=2
+    assert engine.stats().num_prefilling == 3  # all waiting
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        sched = engine.scheduler
+        mid_prompt = [s for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens]
+        assert engine.stats().num_prefilling == len(sched.waiting) + len(mid_prompt)
+        seen.add(engine.stats().num_prefilling)
+    assert engine.stats().num_prefilling == 0
+    assert {3, 0} <= seen and len(seen) >= 3  # prompts finished while others decoded

@@ -134,7 +134,7 @@ def test_float32_edge_params_that_are_valid_are_served(real_stack: RealStack) ->
 
 
 def zero_stats() -> EngineStats:
-    return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 @dataclass
@@ -375,6 +375,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         kv_store=False,
         kv_lease_s=30.0,
         write_behind_blocks=0,
+        write_behind_defer_s=0.0,
         transfer_port=0,
         busy_poll_us=0,
     )

@@ -1,12 +1,13 @@
 """Write-behind's control logic over a recording store (the store itself is tested for real in
 tests/store; the worker's write-behind against a real store in the disaggregation tests): offered
-blocks wait the delay, blocks offered meanwhile share one put, every block is unpinned once."""
+blocks wait the delay, blocks offered meanwhile share one put, every block is unpinned once, and
+writes wait while the instance prefills (not past their bound)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from yutu.supervise import Supervisor
@@ -27,13 +28,18 @@ class RecordingStore:
 
 
 @asynccontextmanager
-async def write_behind(delay_s: float) -> AsyncIterator[tuple[WriteBehind, RecordingStore, list[int]]]:
+async def write_behind(
+    delay_s: float, busy: Callable[[], bool] | None = None, max_defer_s: float = 0.0, max_in_flight: int = 512
+) -> AsyncIterator[tuple[WriteBehind, RecordingStore, list[int]]]:
     """A write-behind of 100-byte blocks over a recording store; yields it, the store and the
     block ids it unpinned, in order."""
     store = RecordingStore()
     unpinned: list[int] = []
     supervisor = Supervisor("test")
-    wb = WriteBehind(store, "kv", 100, unpinned.extend, supervisor, delay_s=delay_s)  # type: ignore[arg-type]
+    wb = WriteBehind(
+        store, "kv", 100, unpinned.extend, supervisor, max_in_flight=max_in_flight,  # type: ignore[arg-type]
+        delay_s=delay_s, busy=busy, max_defer_s=max_defer_s,
+    )  # fmt: skip
     try:
         yield wb, store, unpinned
     finally:
@@ -63,3 +69,41 @@ async def test_no_delay_writes_at_once() -> None:
         wb.offer([("a", 1)])
         assert await wb.flush(5.0)
         assert [keys for _, keys, _ in store.puts] == [["a"]] and unpinned == [1]
+
+
+async def test_writes_wait_while_the_instance_prefills() -> None:
+    prefilling = [True]
+    async with write_behind(0.01, busy=lambda: prefilling[0], max_defer_s=5.0) as (wb, store, unpinned):
+        wb.offer([("a", 1)])
+        await asyncio.sleep(0.15)
+        wb.offer([("b", 2)])  # offered while deferred: joins the same put
+        await asyncio.sleep(0.05)
+        assert store.puts == [] and unpinned == []  # still prefilling: nothing written
+        done_at = time.monotonic()
+        prefilling[0] = False
+        assert await wb.flush(5.0)
+        [(put_at, keys, _)] = store.puts
+        assert keys == ["a", "b"] and sorted(unpinned) == [1, 2]
+        assert put_at - done_at < 0.5  # written once the prompts are done (polled every few ms)
+        assert wb.stats.deferred_s > 0.1
+
+
+async def test_a_deferred_write_goes_after_max_defer_s() -> None:
+    async with write_behind(0, busy=lambda: True, max_defer_s=0.1) as (wb, store, unpinned):
+        offered_at = time.monotonic()
+        wb.offer([("a", 1)])
+        assert await wb.flush(5.0)
+        [(put_at, keys, _)] = store.puts
+        assert keys == ["a"] and unpinned == [1]
+        assert 0.09 <= put_at - offered_at < 1.0
+
+
+async def test_a_deferred_write_goes_once_half_the_budget_waits() -> None:
+    async with write_behind(0, busy=lambda: True, max_defer_s=30.0, max_in_flight=4) as (wb, store, unpinned):
+        wb.offer([("a", 1)])  # 1 of 4 waiting: deferred
+        await asyncio.sleep(0.05)
+        assert store.puts == []
+        wb.offer([("b", 2)])  # 2 of 4: half the budget; written without waiting for the prompts
+        assert await wb.flush(5.0)
+        assert [keys for _, keys, _ in store.puts] == [["a", "b"]] and sorted(unpinned) == [1, 2]
+        assert wb.stats.skipped == 0

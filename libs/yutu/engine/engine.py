@@ -591,4 +591,5 @@ class LLMEngine:
             num_held=len(self._held),
             failed_steps_total=self._failed_steps_total,
             failed_requests_total=self._failed_requests_total,
+            num_prefilling=self.scheduler.num_prefilling,
         )

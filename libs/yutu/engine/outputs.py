@@ -91,3 +91,4 @@ class EngineStats:
     num_held: int  # prefill-only requests whose blocks are held for a peer
     failed_steps_total: int  # steps that raised (their requests were failed)
     failed_requests_total: int  # requests the engine failed: in a failed step, or non-finite logits
+    num_prefilling: int  # waiting, or running with prompt tokens still to compute

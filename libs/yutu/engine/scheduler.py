@@ -132,6 +132,11 @@ class Scheduler:
         assert seq.status is RequestStatus.WAITING
         self.waiting.append(seq)
 
+    @property
+    def num_prefilling(self) -> int:
+        """Sequences waiting, or running with prompt tokens still to compute."""
+        return len(self.waiting) + sum(1 for seq in self.running if seq.needs_prefill)
+
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do (loading sequences wait for ``finish_load``, not a step)."""
         return bool(self.waiting or self.running)

@@ -16,12 +16,18 @@ their first step: on a small host the put (the master's commit, the copies) ran 
 and stretched that hand-off. Measured on 2 cores, 1P+1D, 25 sequential 1024-token prompts per run,
 three alternating pairs: the gap between a request's first and second token 7.2-7.9 ms (p50) with
 the delay against 8.2-12.2 ms without. The wait also lets blocks offered meanwhile share one put.
+
+While the instance has prompts to prefill (``busy``) they wait longer, up to ``max_defer_s``, or
+until half of ``max_in_flight`` is waiting: a burst of prompts is the time the store's work (our
+copies and commits, the master's records, the conductor's events) competes with the prompts for
+CPUs, and every one of those prompts' first tokens waits on the last of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from yutu.supervise import Supervisor
 log = logging.getLogger(__name__)
 
 DELAY_S = 0.02  # how long offered blocks wait before they are written (see the module docstring)
+DEFER_POLL_S = 0.005  # how often a deferred write looks whether the instance still prefills
 KNOWN_KEYS = 65_536  # keys remembered as stored, so a hot prefix is not offered again and again
 
 
@@ -43,6 +50,7 @@ class WriteBehindStats:
     known: int = 0  # not sent: remembered as stored
     skipped: int = 0  # not sent: too many in flight
     failed: int = 0  # the put failed (logged)
+    deferred_s: float = 0.0  # time writes waited for the instance's prompts (about)
 
 
 class WriteBehind:
@@ -56,10 +64,16 @@ class WriteBehind:
         max_in_flight: int = 512,
         batch_blocks: int = 64,
         delay_s: float = DELAY_S,
+        busy: Callable[[], bool] | None = None,
+        max_defer_s: float = 0.0,
     ) -> None:
-        if max_in_flight < 1 or batch_blocks < 1 or delay_s < 0:
-            raise ValueError("write-behind needs max_in_flight >= 1, batch_blocks >= 1 and delay_s >= 0")
+        if max_in_flight < 1 or batch_blocks < 1 or delay_s < 0 or max_defer_s < 0:
+            raise ValueError(
+                "write-behind needs max_in_flight >= 1, batch_blocks >= 1, delay_s >= 0 and max_defer_s >= 0"
+            )
         self.delay_s = delay_s
+        self.max_defer_s = max_defer_s
+        self._busy = busy
         self.store = store
         self.region = region
         self.block_bytes = block_bytes
@@ -115,12 +129,22 @@ class WriteBehind:
             await self._wake.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            await self._defer()
             self._wake.clear()
             while self._queue:
                 batch, self._queue = self._queue[: self.batch_blocks], self._queue[self.batch_blocks :]
                 await self._write(batch)
             if not self._queue:
                 self._idle.set()
+
+    async def _defer(self) -> None:
+        """Wait while the instance prefills: up to max_defer_s, or until half the budget waits."""
+        if self._busy is None or not self.max_defer_s:
+            return
+        deadline = time.monotonic() + self.max_defer_s
+        while self._busy() and self._in_flight < self.max_in_flight // 2 and time.monotonic() < deadline:
+            self.stats.deferred_s += DEFER_POLL_S
+            await asyncio.sleep(DEFER_POLL_S)
 
     async def _write(self, batch: list[tuple[str, int]]) -> None:
         keys = [k for k, _ in batch]
