@@ -109,9 +109,10 @@ class Generation:
         self._placed: list[tuple[ChoiceState, GenerateRequest, Route]] = []  # placed, not yet run
 
     async def __aenter__(self) -> Generation:
-        if not self._placed:
-            await self.place()
-        self.start()
+        if not self._started:  # (a streaming route starts it before its response does)
+            if not self._placed:
+                await self.place()
+            self.start()
         return self
 
     async def __aexit__(

@@ -6,7 +6,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
@@ -31,7 +30,7 @@ from services.gateway.schemas import (
     Usage,
 )
 from services.gateway.service import GatewayService
-from services.gateway.streaming import DONE, SSE_HEADERS, ClientGone, error_event, event, unless_disconnected
+from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
 from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -83,11 +82,8 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     if body.stream:  # the headers go out now: they name the instances placed at the start
         headers = instance_headers(gen.first_routes)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(
-            _stream(gen, gw, body, include_usage),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
-        )
+        gen.start()  # the workers compute while the response starts (EventStream closes it)
+        return EventStream(_stream(gen, gw, body, include_usage), gen.close, headers)
     try:
         async with gen:
             choices = await unless_disconnected(gen.run_to_end(), request)

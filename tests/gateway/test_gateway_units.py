@@ -1,9 +1,13 @@
-"""Pure pieces of the gateway: stop strings, token text/bytes, settings, API keys, length rules."""
+"""Pure pieces of the gateway: stop strings, token text/bytes, settings, API keys, length rules,
+the event stream's close."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from yutu.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -13,6 +17,7 @@ from services.gateway.errors import ApiError
 from services.gateway.prompts import max_tokens_for, stop_strings
 from services.gateway.settings import GatewaySettings, add_arguments, split_api_keys
 from services.gateway.stop import StopMatcher
+from services.gateway.streaming import EventStream
 from services.gateway.tokens import TokenText
 
 
@@ -125,3 +130,45 @@ def test_context_length_rules() -> None:
     assert stop_strings("x") == ("x",) and stop_strings(None) == ()
     with pytest.raises(ApiError, match="non-empty"):
         stop_strings(["a", ""])
+
+
+async def _events(iterated: list[str]) -> AsyncIterator[str]:
+    for chunk in ("data: 1\n\n", "data: [DONE]\n\n"):
+        iterated.append(chunk)
+        yield chunk
+
+
+async def _call(response: EventStream, fail_on_send: bool) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(10)  # the client never hangs up by itself here
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if fail_on_send:
+            raise OSError("the client is gone")
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    try:
+        await response(scope, receive, send)
+    except Exception:  # noqa: BLE001 - starlette's ClientDisconnect; what matters is on_close
+        pass
+    return sent
+
+
+async def test_event_stream_closes_its_generation_however_it_ends() -> None:
+    """The generation starts before its response: closed once the body is sent, and also when the
+    client is gone before the body's first chunk (the body iterator then never runs)."""
+    iterated: list[str] = []
+    closed: list[str] = []
+    sent = await _call(EventStream(_events(iterated), lambda: closed.append("sent"), {"x-a": "1"}), False)
+    assert sent[0]["type"] == "http.response.start" and (b"x-a", b"1") in sent[0]["headers"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: [DONE]\n\n", b""]
+    assert closed == ["sent"] and len(iterated) == 2
+
+    iterated.clear()
+    assert await _call(EventStream(_events(iterated), lambda: closed.append("gone"), {}), True) == []
+    assert closed == ["sent", "gone"] and iterated == []  # never iterated, still closed
