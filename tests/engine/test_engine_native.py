@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from engine_support import make_engine
 from yutu.engine import native
+from yutu.engine.loader import cpu_flags
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -89,7 +90,9 @@ def test_the_prefill_kernel_matches_sdpa(
 ) -> None:
     """Whole prompts and chunks after a cached prefix (rows at the last n of m positions), tiles
     that end mid-block, one query row, grouped and multi-query heads, head dims with and without
-    the vectorized path; q a view of the step's rows, as paged_attention passes it."""
+    the vectorized path (and for bfloat16 at 32, 64 and 128, the bfloat16 pair products where the
+    build has them, with an odd key count: a zero key pads the last pair); q a view of the step's
+    rows, as paged_attention passes it."""
     gen = torch.Generator().manual_seed(n * 7 + m)
     rows = torch.randn(n + 2, heads + 3, head_dim, generator=gen).to(dtype)
     q = rows[1 : n + 1, :heads]
@@ -103,6 +106,11 @@ def test_the_prefill_kernel_matches_sdpa(
     assert error <= TOLERANCE[dtype]
     torch_error = (causal_sdpa(q, k, v, scale).float() - want).abs().max().item()  # SDPA in `dtype`
     assert error <= max(torch_error, TOLERANCE[dtype] / 5)  # no further from it than torch is
+
+
+def test_the_prefill_kernel_uses_bfloat16_pairs_where_the_cpu_multiplies_them(kernels: object) -> None:
+    """The build's -march=native turns the pair products on exactly where the CPU has AVX512-BF16."""
+    assert kernels.prefill_bf16_pairs() == ("avx512_bf16" in cpu_flags())  # type: ignore[attr-defined]
 
 
 def test_the_prefill_kernel_refuses_misshapen_inputs(kernels: object) -> None:

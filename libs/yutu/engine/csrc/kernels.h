@@ -9,6 +9,8 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 
 // prefill_attention.cpp: causal attention of a prompt chunk (the last n of m key positions).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+// Whether this build multiplies bfloat16 pairs (AVX512-BF16) for bfloat16 prefill attention.
+bool prefill_bf16_pairs();
 
 // kv_copy.cpp: a step's keys and values into the paged cache; paged positions into dense slots.
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,

@@ -10,6 +10,13 @@
 //   softmax over j <= the row's last key       exps in their own loop, which vectorizes
 //   pass 2  out[r] = sum_j p[r, j] v[j] / sum_j p[r, j]   in float32, rounded once to q's dtype
 // Keys and values are converted to float32 once per call (transposed keys, padded to 16).
+// bfloat16 inputs on a CPU with AVX512-BF16 (compiled for it: -march=native) skip the conversion:
+// both passes multiply bfloat16 pairs into float32 sums with vdpbf16ps (32 products a register,
+// against 16 FMAs), keys and values packed as pairs of neighbours (two dims of a key in pass 1, two
+// keys of a dim in pass 2) and the probabilities rounded to bfloat16 for pass 2 (as flash attention
+// kernels round them for their second product). Pass 1 is as exact as the float32 path (a product
+// of two bfloat16 is exact in float32); pass 2's weights carry bfloat16's rounding (2^-9 relative),
+// below the output's own.
 // A two-pass softmax, not an online one: a tile's scores (kTile * G rows of up to m floats) stay
 // in the thread's cache, and no running maximum is rescaled per block of keys.
 //
@@ -21,7 +28,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -41,8 +54,41 @@ inline f32x16 load16(const float* p) {
 }
 inline void store16(float* p, f32x16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-template <typename T, int64_t HD>  // HD: the head dim known at compile time, 0: hd at run time
+// 32 bfloat16 (raw bits) as one value, and a pair of them (element 2i low, 2i + 1 high).
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+inline i32x16 load32bf(const uint16_t* p) {
+  i32x16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline uint32_t pair_at(const uint16_t* p) {
+  uint32_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// acc[i] += a.lo * b[2i] + a.hi * b[2i + 1], the pair a broadcast (vdpbf16ps).
+inline f32x16 dot_pairs(f32x16 acc, uint32_t a, i32x16 b) {
+  return (f32x16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+}
+// 16 floats rounded to bfloat16 (to nearest even).
+inline void round16(const float* src, uint16_t* dst) {
+  const __m256bh r = _mm512_cvtneps_pbh((__m512)load16(src));
+  __builtin_memcpy(dst, &r, sizeof r);
+}
+#else
+constexpr bool kBf16Dot = false;  // attend<..., true> is never instantiated: these never run
+inline f32x16 dot_pairs(f32x16 acc, uint32_t, i32x16) { return acc; }
+inline void round16(const float*, uint16_t*) {}
+#endif
+
+// HD: the head dim known at compile time, 0: hd at run time. Dot: T is bfloat16, HD a multiple of
+// 16, and both passes run on bfloat16 pairs (vdpbf16ps; see the top of the file).
+template <typename T, int64_t HD, bool Dot = false>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale) {
+  static_assert(!Dot || (kBf16Dot && std::is_same_v<T, at::BFloat16> && HD > 0 && HD % 16 == 0));
   const int64_t n = q.size(0), heads = q.size(1), m = k.size(0), kvh = k.size(1);
   const int64_t groups = heads / kvh, hd = HD > 0 ? HD : q.size(2);
   const int64_t m_pad = round_up(m, kKeys), offset = m - n;  // row a's last key: offset + a
@@ -54,18 +100,31 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   const int64_t v0 = v.stride(0), v1 = v.stride(1), o0 = out.stride(0), o1 = out.stride(1);
 
   // Keys transposed in blocks of 16, kt[h][j / 16][d][j % 16] (a block's hd x 16 floats contiguous;
-  // padded with zero keys to m_pad), values vf[h][j][d], float32.
-  std::vector<float> kt(kvh * hd * m_pad, 0.f), vf(kvh * m * hd);
+  // padded with zero keys to m_pad), values vf[h][j][d], float32. Dot: the same blocks of bfloat16
+  // with a key's dims in pairs, kb[h][j / 16][d / 2][j % 16][d % 2], and values with neighbouring
+  // keys in pairs, vb[h][j / 2][d][j % 2] (padded with a zero key to an even count).
+  const int64_t m_even = round_up(m, 2);
+  std::vector<float> kt(Dot ? 0 : kvh * hd * m_pad, 0.f), vf(Dot ? 0 : kvh * m * hd);
+  std::vector<uint16_t> kb(Dot ? kvh * hd * m_pad : 0, 0), vb(Dot ? kvh * m_even * hd : 0, 0);
   at::parallel_for(0, kvh * m, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / m, j = item % m;
       const T* kr = kp + j * k0 + h * k1;
       const T* vr = vp + j * v0 + h * v1;
-      float* ktj = kt.data() + h * hd * m_pad + (j / kKeys) * hd * kKeys + j % kKeys;
-      float* vfr = vf.data() + (h * m + j) * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        ktj[d * kKeys] = static_cast<float>(kr[d]);
-        vfr[d] = static_cast<float>(vr[d]);
+      if constexpr (Dot) {
+        uint16_t* kbj = kb.data() + h * hd * m_pad + (j / kKeys) * hd * kKeys + (j % kKeys) * 2;
+        uint16_t* vbj = vb.data() + h * m_even * hd + (j / 2) * hd * 2 + j % 2;
+        for (int64_t d = 0; d < hd; ++d) {
+          kbj[(d / 2) * 2 * kKeys + d % 2] = kr[d].x;
+          vbj[d * 2] = vr[d].x;
+        }
+      } else {
+        float* ktj = kt.data() + h * hd * m_pad + (j / kKeys) * hd * kKeys + j % kKeys;
+        float* vfr = vf.data() + (h * m + j) * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+          ktj[d * kKeys] = static_cast<float>(kr[d]);
+          vfr[d] = static_cast<float>(vr[d]);
+        }
       }
     }
   });
@@ -76,6 +135,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   at::parallel_for(0, kvh * tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = kTile * groups;
     std::vector<float> qf(rows_max * hd), scores(rows_max * m_pad);
+    std::vector<uint16_t> qb(Dot ? rows_max * hd : 0), pb(Dot ? rows_max * m_pad : 0);  // Dot: bfloat16
     std::vector<int64_t> keys(rows_max);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, turn = item % tiles;
@@ -84,11 +144,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
       const int64_t rows = (a1 - a0) * groups;
       const int64_t span = offset + a1;  // keys any row of the tile sees
       const int64_t span_pad = round_up(span, kKeys);
-      const float* kth = kt.data() + h * hd * m_pad;
-      const float* vfh = vf.data() + h * m * hd;
+      const float* kth = Dot ? nullptr : kt.data() + h * hd * m_pad;
+      const float* vfh = Dot ? nullptr : vf.data() + h * m * hd;
       for (int64_t r = 0; r < rows; ++r) {  // row r: position a0 + r / G, query head h * G + r % G
         const T* qr = qp + (a0 + r / groups) * q0 + (h * groups + r % groups) * q1;
-        for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = static_cast<float>(qr[d]) * scale;
+        if constexpr (Dot) {
+          for (int64_t d = 0; d < hd; ++d) qb[r * hd + d] = qr[d].x;
+        } else {
+          for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = static_cast<float>(qr[d]) * scale;
+        }
         keys[r] = offset + a0 + r / groups + 1;
       }
       // Pass 1: scores, four rows at a time against 16 keys (four accumulators in registers).
@@ -99,16 +163,35 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         const float* q2r = qf.data() + (r + std::min<int64_t>(2, nr - 1)) * hd;
         const float* q3r = qf.data() + (r + std::min<int64_t>(3, nr - 1)) * hd;
         float* s_rows[4];
-        for (int64_t i = 0; i < 4; ++i) s_rows[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
+        const uint16_t* qrow[4] = {};  // Dot: the rows in bfloat16
+        for (int64_t i = 0; i < 4; ++i) {
+          s_rows[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
+          if constexpr (Dot) qrow[i] = qb.data() + (r + std::min(i, nr - 1)) * hd;
+        }
         for (int64_t j = 0; j < span_pad; j += kKeys) {
           f32x16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-          const float* kb = kth + j * hd;  // the block's keys: hd rows of 16
-          for (int64_t d = 0; d < hd; ++d) {
-            const f32x16 kd = load16(kb + d * kKeys);
-            s0 += q0r[d] * kd;
-            s1 += q1r[d] * kd;
-            s2 += q2r[d] * kd;
-            s3 += q3r[d] * kd;
+          if constexpr (Dot) {
+            const uint16_t* kbb = kb.data() + h * hd * m_pad + j * hd;  // the block: hd / 2 pairs x 16
+            for (int64_t d = 0; d < HD; d += 2) {
+              const i32x16 kd = load32bf(kbb + d * kKeys);
+              s0 = dot_pairs(s0, pair_at(qrow[0] + d), kd);
+              s1 = dot_pairs(s1, pair_at(qrow[1] + d), kd);
+              s2 = dot_pairs(s2, pair_at(qrow[2] + d), kd);
+              s3 = dot_pairs(s3, pair_at(qrow[3] + d), kd);
+            }
+            s0 *= scale;
+            s1 *= scale;
+            s2 *= scale;
+            s3 *= scale;
+          } else {
+            const float* kblock = kth + j * hd;  // the block's keys: hd rows of 16
+            for (int64_t d = 0; d < hd; ++d) {
+              const f32x16 kd = load16(kblock + d * kKeys);
+              s0 += q0r[d] * kd;
+              s1 += q1r[d] * kd;
+              s2 += q2r[d] * kd;
+              s3 += q3r[d] * kd;
+            }
           }
           store16(s_rows[3] + j, s3);  // duplicates of the last row (nr < 4) write the same values
           store16(s_rows[2] + j, s2);
@@ -125,8 +208,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         for (int64_t j = 0; j < kr; ++j) sr[j] = std::exp(sr[j] - top);
         float sum = 0.f;
         for (int64_t j = 0; j < kr; ++j) sum += sr[j];
-        std::fill(sr + kr, sr + span, 0.f);
+        std::fill(sr + kr, sr + span_pad, 0.f);
         inv[r] = 1.f / sum;
+        if constexpr (Dot) {
+          for (int64_t j = 0; j < span_pad; j += kKeys) round16(sr + j, pb.data() + r * m_pad + j);
+        }
       }
       // Pass 2: weighted values, four rows at a time sharing each value row.
       for (int64_t r = 0; r < rows; r += 4) {
@@ -136,7 +222,24 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         float o[4][HD > 0 ? HD : kMaxHeadDim] = {};
         const float* p[4];
         for (int64_t i = 0; i < 4; ++i) p[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
-        if constexpr (HD > 0 && HD % 16 == 0) {  // the row sums in registers, 16 floats of hd each
+        if constexpr (Dot) {  // as below, two keys a product: pairs of weights, pairs of value rows
+          constexpr int64_t kV = HD / 16;
+          f32x16 a[4][kV] = {};
+          const uint16_t* pw[4];
+          for (int64_t i = 0; i < 4; ++i) pw[i] = pb.data() + (r + std::min(i, nr - 1)) * m_pad;
+          const uint16_t* vbh = vb.data() + h * m_even * HD;
+          for (int64_t j = 0; j < last; j += 2) {  // a key past `last` weighs 0 (a zero key at m)
+            const uint16_t* vj = vbh + j * HD;  // keys j, j + 1: HD pairs
+            i32x16 vv[kV];
+            for (int64_t c = 0; c < kV; ++c) vv[c] = load32bf(vj + 32 * c);
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint32_t w = pair_at(pw[i] + j);
+              for (int64_t c = 0; c < kV; ++c) a[i][c] = dot_pairs(a[i][c], w, vv[c]);
+            }
+          }
+          for (int64_t i = 0; i < 4; ++i)
+            for (int64_t c = 0; c < kV; ++c) store16(o[i] + 16 * c, a[i][c]);
+        } else if constexpr (HD > 0 && HD % 16 == 0) {  // the row sums in registers, 16 floats of hd each
           constexpr int64_t kV = HD / 16;
           f32x16 a[4][kV] = {};
           for (int64_t j = 0; j < last; ++j) {
@@ -169,7 +272,19 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   });
 }
 
+// A head dim known at compile time: bfloat16 pairs where the CPU multiplies them (Dot).
+template <typename T, int64_t HD>
+void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale) {
+  if constexpr (kBf16Dot && std::is_same_v<T, at::BFloat16>) {
+    attend<T, HD, true>(q, k, v, out, scale);
+  } else {
+    attend<T, HD>(q, k, v, out, scale);
+  }
+}
+
 }  // namespace
+
+bool prefill_bf16_pairs() { return kBf16Dot; }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -187,9 +302,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     switch (q.size(2)) {
-      case 32: attend<scalar_t, 32>(q, k, v, out, s); break;
-      case 64: attend<scalar_t, 64>(q, k, v, out, s); break;
-      case 128: attend<scalar_t, 128>(q, k, v, out, s); break;
+      case 32: attend_hd<scalar_t, 32>(q, k, v, out, s); break;
+      case 64: attend_hd<scalar_t, 64>(q, k, v, out, s); break;
+      case 128: attend_hd<scalar_t, 128>(q, k, v, out, s); break;
       default: attend<scalar_t, 0>(q, k, v, out, s);
     }
   });
