@@ -177,3 +177,30 @@ def test_each_torch_installation_builds_in_its_own_directory(monkeypatch: pytest
     monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
     assert native.build_directory() != here
     assert native.build_directory().parent == here.parent
+
+
+def test_where_nothing_compiles_the_portable_build_is_loaded(
+    kernels: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The selection (what a container image does): no machine build, no compiler, a portable build
+    this CPU can run -> that one, said in the log; a machine build, where there is one, wins; a CPU
+    without the portable build's extensions gets none. (The portable build itself is compiled and
+    served by the image: `make compose-test` checks that its engines load it.)"""
+    library = Path(kernels.__file__)  # type: ignore[attr-defined]  # a loadable build stands in for it
+    machine_dir = native.build_directory()
+    portable_dir = tmp_path / "portable"
+    portable_dir.mkdir()
+    (portable_dir / "yutu_native.so").symlink_to(library)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    for machine, portable_used in ((tmp_path / "none", True), (machine_dir, False)):
+        monkeypatch.setattr(
+            native, "build_directory", lambda portable=False, m=machine: portable_dir if portable else m
+        )
+        monkeypatch.setattr(native, "_loaded", None)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="yutu.engine.native"):
+            assert native.load() is kernels  # the same library: one module per process
+        assert ("portable native kernels (x86-64-v3" in caplog.text) == portable_used
+    assert native.portable_build() == portable_dir / "yutu_native.so"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert native.portable_build() is None  # this CPU could not run it

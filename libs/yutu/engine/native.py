@@ -21,13 +21,23 @@ the same sources in one virtualenv shares one build (:func:`build_directory`). E
 ``torch`` (torch's operations), or ``auto`` (native on CPU where they build, else torch's,
 saying why in the log).
 
+Where nothing can compile them (the container image has no compiler), a **portable** build made
+ahead (``python -m yutu.engine.native --portable``: ``-march=x86-64-v3``, AVX2 and FMA, so any
+x86-64 CPU of the last decade runs it) is loaded instead, from ``kernels/`` beside the machine
+builds, when this CPU has what it needs; the image ships one (docs/deployment.md). It lacks what a
+machine build takes from its CPU (AVX-512, the bfloat16 pair products), and says so in the log.
+
 ``python -m yutu.engine.native`` builds (or loads) them and prints where they are."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import threading
@@ -62,36 +72,72 @@ HEADERS = [CSRC / "kernels.h"]  # included by them: hashed and copied with them
 # it runs on the calling thread); the OpenMP runtime is torch's own, which libtorch_cpu loads: the
 # link step does not name one, so no second runtime (and thread pool) comes into the process.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# The portable build: x86-64 microarchitecture level 3 (Haswell, Zen 1 and later), and the
+# /proc/cpuinfo flags a CPU needs to run it.
+PORTABLE_MARCH = "x86-64-v3"
+PORTABLE_CFLAGS = ["-O3", f"-march={PORTABLE_MARCH}", "-ffast-math", "-fopenmp"]
+PORTABLE_CPU_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failure: str | None = None  # why the build failed (once failed, not tried again in this process)
 
 
-def build_directory() -> Path:
+def build_directory(portable: bool = False) -> Path:
     """Where this machine's build of these sources lives: named by the torch version, the CPU's flags
     and the sources' contents (with the flags and the torch installation built against), so that
     every checkout with the same sources and virtualenv shares one build and a changed source gets
     a new one. Another virtualenv gets its own: torch's builder rebuilds when the include paths it
     compiles with change, so two virtualenvs sharing a directory took turns rebuilding (~50 s each,
-    inside an engine's start)."""
-    machine = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-    code = hashlib.sha256(" ".join([*CFLAGS, str(Path(torch.__file__).resolve().parent)]).encode())
+    inside an engine's start). ``portable``: the portable build's, named by its -march instead."""
+    flags = PORTABLE_CFLAGS if portable else CFLAGS
+    code = hashlib.sha256(" ".join([*flags, str(Path(torch.__file__).resolve().parent)]).encode())
     for source in SOURCES + HEADERS:
         code.update(source.read_bytes())
-    return cache_root() / "kernels" / f"torch-{torch.__version__}-{machine}-{code.hexdigest()[:8]}"
+    target = (
+        PORTABLE_MARCH if portable else hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    )
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{target}-{code.hexdigest()[:8]}"
 
 
-def load() -> ModuleType:
-    """The built kernels, building them first when this machine has not yet (~40 s); raises
-    :class:`RuntimeError` saying why when they cannot be built (no compiler, no headers)."""
+def portable_build() -> Path | None:
+    """The portable build of these sources, if one was made and this CPU can run it."""
+    library = build_directory(portable=True) / "yutu_native.so"
+    return library if library.is_file() and PORTABLE_CPU_FLAGS <= cpu_flags() else None
+
+
+def _compiler() -> str | None:
+    """The C++ compiler torch's builder would run (``$CXX``, else ``c++``), if there is one."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _import(library: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("yutu_native", str(library))
+    spec = importlib.util.spec_from_file_location("yutu_native", library, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def load(portable: bool = False) -> ModuleType:
+    """The built kernels, building them first when this machine has not yet (~40 s); where nothing
+    can compile them, the portable build if there is one; raises :class:`RuntimeError` saying why
+    when they cannot be had (no compiler, no headers). ``portable``: build and load the portable
+    build (what an image ships)."""
     global _loaded, _failure
     with _lock:
         if _loaded is not None:
             return _loaded
         if _failure is not None:
             raise RuntimeError(_failure)
-        directory = build_directory()
+        directory = build_directory(portable)
+        prebuilt = None if portable else portable_build()
+        if prebuilt is not None and not (directory / "yutu_native.so").exists() and _compiler() is None:
+            _loaded = _import(prebuilt)
+            log.info("no C++ compiler here: using the portable native kernels (%s, without this CPU's own "
+                     "extensions such as AVX-512) from %s", PORTABLE_MARCH, prebuilt.parent)  # fmt: skip
+            return _loaded
         started = time.perf_counter()
         path = os.environ.get("PATH", "")
         # torch runs `ninja` from PATH; the project's (pip's ninja) is beside this interpreter
@@ -109,7 +155,7 @@ def load() -> ModuleType:
             _loaded = cpp_extension.load(
                 name="yutu_native",
                 sources=[str(directory / source.name) for source in SOURCES],
-                extra_cflags=CFLAGS,
+                extra_cflags=PORTABLE_CFLAGS if portable else CFLAGS,
                 build_directory=str(directory),
                 verbose=False,
             )
@@ -145,10 +191,21 @@ def engine_kernels(choice: str, device: torch.device) -> ModuleType | None:
         return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m yutu.engine.native",
+        description="Build (or load) the native CPU kernels for this machine and print where they are.",
+    )
+    parser.add_argument(
+        "--portable",
+        action="store_true",
+        help=f"build the portable kernels instead (-march={PORTABLE_MARCH}), which engines load where"
+        " nothing can compile (a container image)",
+    )
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        module = load()
+        module = load(portable=args.portable)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,10 +6,12 @@
 // "torch"); its CPU flash kernel is written for wide heads, and at the small head dims of small
 // models (32 here) spends most of its time outside the products. Here, per KV head and tile of
 // kTile query positions (their G query heads together: 4 rows share every key and value read):
-//   pass 1  scores[r, j] = scale * q[r] . k[j]   16 keys at a time, keys transposed to float32
+//   pass 1  scores[r, j] = scale * q[r] . k[j]   a register of keys at a time, keys transposed to float32
 //   softmax over j <= the row's last key       exps in their own loop, which vectorizes
 //   pass 2  out[r] = sum_j p[r, j] v[j] / sum_j p[r, j]   in float32, rounded once to q's dtype
-// Keys and values are converted to float32 once per call (transposed keys, padded to 16).
+// Keys and values are converted to float32 once per call (transposed keys, padded to a register).
+// A register is 16 floats with AVX-512, 8 without (the portable build: a 16-float vector type
+// lowered to AVX2 pairs ran this kernel 12-18x slower, slower than SDPA).
 // bfloat16 inputs on a CPU with AVX512-BF16 (compiled for it: -march=native) skip the conversion:
 // both passes multiply bfloat16 pairs into float32 sums with vdpbf16ps (32 products a register,
 // against 16 FMAs), keys and values packed as pairs of neighbours (two dims of a key in pass 1, two
@@ -38,21 +40,26 @@
 
 namespace {
 
-constexpr int64_t kKeys = 16;  // keys per block of pass 1 (one AVX-512 register of float32)
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // floats in a vector register
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kKeys = kLanes;  // keys per block of pass 1 (one register of float32)
 constexpr int64_t kTile = 16;  // query positions per work item
 constexpr int64_t kMaxHeadDim = 256;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// 16 floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones); a float
-// times it is broadcast. Loads and stores through memcpy: no alignment assumed.
-typedef float f32x16 __attribute__((vector_size(64)));
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+// A register of floats as one value (GCC's vector extension); a float times it is broadcast.
+// Loads and stores through memcpy: no alignment assumed.
+typedef float fvec __attribute__((vector_size(kLanes * 4)));
+inline fvec loadv(const float* p) {
+  fvec v;
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, f32x16 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline void storev(float* p, fvec v) { __builtin_memcpy(p, &v, sizeof v); }
 
 // 32 bfloat16 (raw bits) as one value, and a pair of them (element 2i low, 2i + 1 high).
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -69,18 +76,19 @@ inline uint32_t pair_at(const uint16_t* p) {
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
+static_assert(kLanes == 16, "AVX512-BF16 comes with AVX-512");
 // acc[i] += a.lo * b[2i] + a.hi * b[2i + 1], the pair a broadcast (vdpbf16ps).
-inline f32x16 dot_pairs(f32x16 acc, uint32_t a, i32x16 b) {
-  return (f32x16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+inline fvec dot_pairs(fvec acc, uint32_t a, i32x16 b) {
+  return (fvec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
 }
 // 16 floats rounded to bfloat16 (to nearest even).
 inline void round16(const float* src, uint16_t* dst) {
-  const __m256bh r = _mm512_cvtneps_pbh((__m512)load16(src));
+  const __m256bh r = _mm512_cvtneps_pbh((__m512)loadv(src));
   __builtin_memcpy(dst, &r, sizeof r);
 }
 #else
 constexpr bool kBf16Dot = false;  // attend<..., true> is never instantiated: these never run
-inline f32x16 dot_pairs(f32x16 acc, uint32_t, i32x16) { return acc; }
+inline fvec dot_pairs(fvec acc, uint32_t, i32x16) { return acc; }
 inline void round16(const float*, uint16_t*) {}
 #endif
 
@@ -99,7 +107,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
   const int64_t q0 = q.stride(0), q1 = q.stride(1), k0 = k.stride(0), k1 = k.stride(1);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), o0 = out.stride(0), o1 = out.stride(1);
 
-  // Keys transposed in blocks of 16, kt[h][j / 16][d][j % 16] (a block's hd x 16 floats contiguous;
+  // Keys transposed in blocks of kKeys, kt[h][j / kKeys][d][j % kKeys] (a block's hd x kKeys floats;
   // padded with zero keys to m_pad), values vf[h][j][d], float32. Dot: the same blocks of bfloat16
   // with a key's dims in pairs, kb[h][j / 16][d / 2][j % 16][d % 2], and values with neighbouring
   // keys in pairs, vb[h][j / 2][d][j % 2] (padded with a zero key to an even count).
@@ -155,7 +163,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         }
         keys[r] = offset + a0 + r / groups + 1;
       }
-      // Pass 1: scores, four rows at a time against 16 keys (four accumulators in registers).
+      // Pass 1: scores, four rows at a time against kKeys keys (four accumulators in registers).
       for (int64_t r = 0; r < rows; r += 4) {
         const int64_t nr = std::min<int64_t>(4, rows - r);
         const float* q0r = qf.data() + r * hd;
@@ -169,7 +177,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
           if constexpr (Dot) qrow[i] = qb.data() + (r + std::min(i, nr - 1)) * hd;
         }
         for (int64_t j = 0; j < span_pad; j += kKeys) {
-          f32x16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+          fvec s0 = {}, s1 = {}, s2 = {}, s3 = {};
           if constexpr (Dot) {
             const uint16_t* kbb = kb.data() + h * hd * m_pad + j * hd;  // the block: hd / 2 pairs x 16
             for (int64_t d = 0; d < HD; d += 2) {
@@ -184,19 +192,19 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
             s2 *= scale;
             s3 *= scale;
           } else {
-            const float* kblock = kth + j * hd;  // the block's keys: hd rows of 16
+            const float* kblock = kth + j * hd;  // the block's keys: hd rows of kKeys
             for (int64_t d = 0; d < hd; ++d) {
-              const f32x16 kd = load16(kblock + d * kKeys);
+              const fvec kd = loadv(kblock + d * kKeys);
               s0 += q0r[d] * kd;
               s1 += q1r[d] * kd;
               s2 += q2r[d] * kd;
               s3 += q3r[d] * kd;
             }
           }
-          store16(s_rows[3] + j, s3);  // duplicates of the last row (nr < 4) write the same values
-          store16(s_rows[2] + j, s2);
-          store16(s_rows[1] + j, s1);
-          store16(s_rows[0] + j, s0);
+          storev(s_rows[3] + j, s3);  // duplicates of the last row (nr < 4) write the same values
+          storev(s_rows[2] + j, s2);
+          storev(s_rows[1] + j, s1);
+          storev(s_rows[0] + j, s0);
         }
       }
       // Softmax of each row over its keys; the keys past them (up to the tile's span) weigh 0.
@@ -223,36 +231,36 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         const float* p[4];
         for (int64_t i = 0; i < 4; ++i) p[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
         if constexpr (Dot) {  // as below, two keys a product: pairs of weights, pairs of value rows
-          constexpr int64_t kV = HD / 16;
-          f32x16 a[4][kV] = {};
+          constexpr int64_t kV = HD / kLanes;
+          fvec a[4][kV] = {};
           const uint16_t* pw[4];
           for (int64_t i = 0; i < 4; ++i) pw[i] = pb.data() + (r + std::min(i, nr - 1)) * m_pad;
           const uint16_t* vbh = vb.data() + h * m_even * HD;
           for (int64_t j = 0; j < last; j += 2) {  // a key past `last` weighs 0 (a zero key at m)
             const uint16_t* vj = vbh + j * HD;  // keys j, j + 1: HD pairs
             i32x16 vv[kV];
-            for (int64_t c = 0; c < kV; ++c) vv[c] = load32bf(vj + 32 * c);
+            for (int64_t c = 0; c < kV; ++c) vv[c] = load32bf(vj + 2 * kLanes * c);
             for (int64_t i = 0; i < 4; ++i) {
               const uint32_t w = pair_at(pw[i] + j);
               for (int64_t c = 0; c < kV; ++c) a[i][c] = dot_pairs(a[i][c], w, vv[c]);
             }
           }
           for (int64_t i = 0; i < 4; ++i)
-            for (int64_t c = 0; c < kV; ++c) store16(o[i] + 16 * c, a[i][c]);
-        } else if constexpr (HD > 0 && HD % 16 == 0) {  // the row sums in registers, 16 floats of hd each
-          constexpr int64_t kV = HD / 16;
-          f32x16 a[4][kV] = {};
+            for (int64_t c = 0; c < kV; ++c) storev(o[i] + kLanes * c, a[i][c]);
+        } else if constexpr (HD > 0 && HD % kLanes == 0) {  // the row sums in registers, kLanes of hd each
+          constexpr int64_t kV = HD / kLanes;
+          fvec a[4][kV] = {};
           for (int64_t j = 0; j < last; ++j) {
             const float* vj = vfh + j * HD;
-            f32x16 vv[kV];
-            for (int64_t c = 0; c < kV; ++c) vv[c] = load16(vj + 16 * c);
+            fvec vv[kV];
+            for (int64_t c = 0; c < kV; ++c) vv[c] = loadv(vj + kLanes * c);
             for (int64_t i = 0; i < 4; ++i) {
               const float w = p[i][j];
               for (int64_t c = 0; c < kV; ++c) a[i][c] += w * vv[c];
             }
           }
           for (int64_t i = 0; i < 4; ++i)
-            for (int64_t c = 0; c < kV; ++c) store16(o[i] + 16 * c, a[i][c]);
+            for (int64_t c = 0; c < kV; ++c) storev(o[i] + kLanes * c, a[i][c]);
         } else {
           for (int64_t j = 0; j < last; ++j) {
             const float* vj = vfh + j * hd;
