@@ -8,7 +8,8 @@
 #          directory into an image and passes --build-arg WHEELS=<it>; with BuildKit,
 #          `--build-context wheels=DIR` does the same. CUDA: --build-arg TORCH_INDEX=.../whl/cu128.
 #   layers: base packages, torch, the other dependencies (from pyproject.toml alone), the demo
-#          model, then the source: editing code rebuilds only the last, small layers.
+#          model, then the source: editing code rebuilds only the last, small layers (and the
+#          portable kernels, compiled in a stage of their own from libs/: ~1.5 min on 2 cores).
 
 ARG BASE_IMAGE=debian:bookworm-slim
 ARG WHEELS=no-wheels
@@ -17,8 +18,8 @@ ARG WHEELS=no-wheels
 FROM scratch AS no-wheels
 FROM ${WHEELS} AS wheels
 
-# ---- build: a virtualenv in /opt/yutu with everything installed ------------------------------
-FROM ${BASE_IMAGE} AS build
+# ---- deps: a virtualenv in /opt/yutu with torch and the other dependencies ------------------
+FROM ${BASE_IMAGE} AS deps
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 RUN apt-get update -qq \
@@ -50,6 +51,23 @@ RUN set -e; cd /src; \
     python3 -c "from importlib.metadata import version; print('torch==' + version('torch'))" > /tmp/constraints.txt; \
     pip install -q -r /tmp/requirements.txt -c /tmp/constraints.txt; \
     rm /tmp/requirements.txt /tmp/constraints.txt
+
+# ---- kernels: the native CPU kernels (yutu.engine.native), compiled here for any x86-64-v3 CPU ---
+# (AVX2 and FMA: Haswell, Zen 1 and later), since the runtime has no compiler; engines load them
+# where they cannot build their own. Elsewhere (arm64) none: engines run on torch's operations.
+FROM deps AS kernels
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ python3-dev >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+COPY libs /src/libs
+ENV YUTU_CACHE_DIR=/var/cache/yutu
+RUN set -e; mkdir -p /var/cache/yutu/kernels; \
+    if [ "$(uname -m)" = x86_64 ]; then PYTHONPATH=/src/libs python3 -m yutu.engine.native --portable; \
+    else echo "no portable kernels for $(uname -m): engines will run on torch's operations"; fi; \
+    find /var/cache/yutu/kernels -type f ! -name yutu_native.so -delete
+
+# ---- build: the source and the demo model on top of the dependencies --------------------------
+FROM deps AS build
 # What the runtime never uses: torch's C++ headers, test suites and test binaries.
 RUN set -e; site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
     cd "$site/torch"; \
@@ -70,8 +88,10 @@ COPY services /src/services
 RUN pip install -q --no-deps --no-build-isolation --target /opt/yutu-app /src \
  && rm -rf /opt/yutu-app/bin /src \
  && chmod 0755 /opt/yutu/bin/yutu /opt/yutu/bin/yutu-health /opt/yutu/bin/yutu-entrypoint
-# The built-in demo model, made here once (deterministic, no download) so no container makes it.
+# The built-in demo model, made here once (deterministic, no download) so no container makes it;
+# the portable kernels beside it.
 ENV YUTU_CACHE_DIR=/var/cache/yutu
+COPY --from=kernels /var/cache/yutu/kernels /var/cache/yutu/kernels
 RUN python3 -c "from yutu.engine.default_model import ensure_default_model as e; print(e())"
 
 # ---- runtime: Debian's python3 and the virtualenv, nothing else --------------------------------

@@ -3,8 +3,9 @@
 # leaves nothing of it behind. Phases (each one timed): install Docker and Compose if missing, start
 # dockerd if none runs (and stop it at the end), build the image (base images made locally when no
 # registry answers), `up`, wait until every container is healthy and the gateway sees its engines,
-# a streamed /v1/chat/completions checked chunk by chunk, `down -v`, then no container, volume or
-# network of the project may remain. On failure it prints the services' logs.
+# a streamed /v1/chat/completions checked chunk by chunk, on x86-64 that the engines run on the
+# image's portable native kernels, `down -v`, then no container, volume or network of the project
+# may remain. On failure it prints the services' logs.
 # Env: YUTU_COMPOSE_PROJECT (default yutuci), YUTU_COMPOSE_UP_TIMEOUT (s, default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,17 @@ wait_healthy() {
 }
 phase healthy wait_healthy
 phase chat check_streaming_chat "http://127.0.0.1:$PORT"
+check_kernels() {  # the image's portable kernels (yutu.engine.native), loaded by both engines
+  if [[ "$(uname -m)" != x86_64 ]]; then echo "   kernels: $(uname -m) has none (torch's operations)" >&2; return 0; fi
+  local service
+  for service in prefill decode; do
+    if ! compose logs --no-color "$service" | grep -q "using the portable native kernels"; then
+      echo "compose-test: the $service engine did not load the image's portable kernels" >&2
+      return 1
+    fi
+  done
+}
+phase kernels check_kernels
 phase down compose down -v --remove-orphans
 phase leftovers check_nothing_left "label=com.docker.compose.project=$PROJECT"
 trap - EXIT
