@@ -10,6 +10,8 @@ picks the kernel as ``kernels`` says and says which it took.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from engine_support import make_engine
 from yutu.engine import native
+from yutu.engine.engine import torch_threads
 from yutu.engine.loader import cpu_flags
+from yutu.engine.sampling import SamplingParams
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -204,3 +208,35 @@ def test_where_nothing_compiles_the_portable_build_is_loaded(
     assert native.portable_build() == portable_dir / "yutu_native.so"
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert native.portable_build() is None  # this CPU could not run it
+
+
+def _cpu_masks() -> dict[str, str]:
+    """Each thread of this process -> its allowed CPUs (as /proc lists them)."""
+    masks = {}
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        status = (task / "status").read_text()
+        masks[task.name] = next(line.split(":")[1].strip() for line in status.splitlines()
+                                if line.startswith("Cpus_allowed_list"))  # fmt: skip
+    return masks
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_wide_steps_threads_are_spread_over_cpus_and_given_back(kernels: object, ckpt: Path) -> None:
+    """Two threads of a wide step that start on one CPU stay there (csrc/threads.cpp): bound each to
+    its own CPU for the step, then given back what they had; the engine does it around wide steps."""
+    before = _cpu_masks()
+    with torch_threads(2):
+        torch.ones(256, 256) @ torch.ones(256, 256)  # the intra-op team exists
+        assert kernels.spread_threads(True)  # type: ignore[attr-defined]
+        during = _cpu_masks()
+        assert kernels.spread_threads(False)  # type: ignore[attr-defined]
+    main = str(threading.get_native_id())
+    assert during[main].isdigit()  # one CPU: the one it was on
+    bound = {m for t, m in during.items() if m.isdigit() and m != before.get(t)}
+    assert len(bound) == 2  # the team's two threads, on two CPUs
+    assert all(_cpu_masks().get(t, m) == m for t, m in before.items())  # all given back
+    engine = make_engine(ckpt, prefill_threads=2, max_model_len=512)
+    engine.add_request("long", list(range(1, 400)), SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():  # a wide step (399 tokens), spread or not (other engines)
+        engine.step()
+    assert all(_cpu_masks().get(t, m) == m for t, m in before.items())

@@ -18,6 +18,11 @@ running or runnable (state R) all the time; an idle one waits for commands. Fron
 workers' event loops, store) do not count: they have little to do while a wide step computes and
 give their CPU back within milliseconds, which is why ``yutu up`` lends their core to wide steps.
 
+The engine binds a short wide step's threads (under 256 tokens: a chunk after a long cached
+prefix) one to a CPU while it runs (``wide_step_threads``, ``csrc/threads.cpp``): two threads that
+start on the same CPU -- the other one busy at that moment -- otherwise stay together after it
+frees, taking turns at every barrier (measured in the README, "The pieces").
+
 What it cannot see: engines in another pid namespace (each container of the compose file runs
 one service; cap ``--prefill-threads`` there if engines share CPUs), an engine running on a
 thread of its worker (``--engine-core thread``), and work that is not an engine's. Where ``/proc``

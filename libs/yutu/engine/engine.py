@@ -152,6 +152,21 @@ class EngineConfig:
 
 
 @contextlib.contextmanager
+def wide_step_threads(n: int, native: Any) -> Iterator[None]:
+    """Run a wide step on ``n`` torch threads, each bound to its own CPU for the step when the
+    native kernels are there (``spread_threads``, csrc/threads.cpp: two threads that start on one
+    CPU otherwise stay there)."""
+    with torch_threads(n):
+        if n < 2 or native is None or not native.spread_threads(True):
+            yield
+            return
+        try:
+            yield
+        finally:
+            native.spread_threads(False)
+
+
+@contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run the block on ``n`` torch (intra-op) threads, then go back to the process's count."""
     before = torch.get_num_threads()
@@ -214,6 +229,7 @@ class LLMEngine:
         dense_bytes = self._dense_decode_bytes(config)
         native = engine_kernels(config.kernels, self.device)
         self.kernels = "native" if native is not None else "torch"  # what the steps run on
+        self._native = native
         model.ops = native  # each layer's elementwise steps (None: torch's operations)
         self.runner = ModelRunner(
             model,
@@ -466,7 +482,11 @@ class LLMEngine:
         if self.wide_step_threads is None or not is_wide(batch):
             return contextlib.nullcontext()
         self.last_wide_threads = self.wide_step_threads.pick(torch.get_num_threads())
-        return torch_threads(self.last_wide_threads)
+        # bound to CPUs only for a short chunk after a long prefix: there a stall is most of the step
+        # (1P+1D, 128 tokens after 896 cached: 14 of 48 steps at 33-42 ms unbound, ~8 bound, none
+        # slow); a 1,024-token step was no faster bound (four pairs, 40.5-44.6 against 35.8-48.1 ms)
+        short = batch.num_tokens < WIDE_STEP_TOKENS
+        return wide_step_threads(self.last_wide_threads, self._native if short else None)
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         """Compute ``batch``, sample, and append to ``outputs`` (as it goes: kept if a later part raises)."""

@@ -8,6 +8,8 @@
 - ``write_kv_``, ``fill_slots_`` (``csrc/kv_copy.cpp``): a step's keys and values into the paged
   cache, and its new positions into the dense decode cache's slots; torch's indexed assignment
   is the reference.
+- ``spread_threads`` (``csrc/threads.cpp``): binds each thread of torch's intra-op team to its
+  own CPU for a wide step, and gives them their CPUs back after it.
 - ``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul`` (``csrc/layer_ops.cpp``): a decoder
   layer's elementwise steps, one call each, rounding as the model's torch code does (the
   reference; :class:`yutu.engine.model.LlamaForCausalLM` runs on them when ``ops`` is set).
@@ -61,6 +63,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "kv_copy.cpp",
         "layer_ops.cpp",
+        "threads.cpp",
         "bindings.cpp",
     )
 ]

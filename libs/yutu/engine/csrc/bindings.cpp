@@ -14,6 +14,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("q"), arg("k"), arg("v"), arg("scale"), nogil);
   m.def("prefill_bf16_pairs", &prefill_bf16_pairs,
         "whether bfloat16 prefill attention multiplies bfloat16 pairs (AVX512-BF16 in this build)");
+  m.def("spread_threads", &spread_threads,
+        "bind each thread of torch's intra-op team to its own CPU (true), or give them back the caller's "
+        "CPUs (false)",
+        arg("on"));
   m.def("write_kv_", &write_kv_, "in place: k_cache[blocks[t], offsets[t]] = k[t], and v alike", arg("k_cache"),
         arg("v_cache"), arg("k"), arg("v"), arg("blocks"), arg("offsets"), nogil);
   m.def("fill_slots_", &fill_slots_,

@@ -24,3 +24,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// threads.cpp: bind each thread of torch's intra-op team to its own CPU of the caller's (true),
+// or give them all the caller's CPUs back (false); false when there is nothing to spread over.
+bool spread_threads(bool on);
