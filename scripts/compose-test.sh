@@ -45,9 +45,12 @@ phase healthy wait_healthy
 phase chat check_streaming_chat "http://127.0.0.1:$PORT"
 check_kernels() {  # the image's portable kernels (yutu.engine.native), loaded by both engines
   if [[ "$(uname -m)" != x86_64 ]]; then echo "   kernels: $(uname -m) has none (torch's operations)" >&2; return 0; fi
-  local service
+  local service logs
   for service in prefill decode; do
-    if ! compose logs --no-color "$service" | grep -q "using the portable native kernels"; then
+    # Whole logs first: `compose logs | grep -q` fails under pipefail when grep's early exit
+    # cuts the pipe (SIGPIPE) before compose has written everything.
+    logs=$(compose logs --no-color "$service")
+    if ! grep -q "using the portable native kernels" <<<"$logs"; then
       echo "compose-test: the $service engine did not load the image's portable kernels" >&2
       return 1
     fi
