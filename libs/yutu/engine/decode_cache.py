@@ -144,10 +144,11 @@ class DenseStep:
             o = F.scaled_dot_product_attention(
                 qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale
             )  # (width, kvh, G, hd)
+        o = o.reshape(n, -1, hd)  # a view where SDPA's output is contiguous (not always on CUDA)
         if self.aligned:
-            out[:n] = o.view(n, -1, hd)
+            out[:n] = o
         else:
-            out[self.rows] = o.view(n, -1, hd)[self.slots]  # (D, nh, hd)
+            out[self.rows] = o[self.slots]  # (D, nh, hd)
 
 
 class DenseDecodeCache:
