@@ -136,7 +136,7 @@ def up_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
+        help="engine dtype for every instance (auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32; workers run on the CPU)",
     )
     option(
         topology,
@@ -364,7 +364,8 @@ def wait_serving(
 def prepare_kernels(choice: str) -> None:
     """Build the engines' native kernels here, once, where this machine has not yet (``make run``
     has; ~70 s otherwise), rather than in every engine at its start, racing for the build."""
-    from yutu.engine.loader import default_device_and_dtype
+    import torch
+
     from yutu.engine.native import build_directory, engine_kernels
 
     if choice == "torch":
@@ -372,7 +373,7 @@ def prepare_kernels(choice: str) -> None:
     if not build_directory().exists():
         log.info("building the native kernels (once per machine and virtualenv, ~70 s)")
     try:
-        engine_kernels(choice, default_device_and_dtype()[0])  # auto: warns and goes on without it
+        engine_kernels(choice, torch.device("cpu"))  # the workers' engines' (auto: warns, goes on without)
     except (RuntimeError, ValueError) as exc:
         raise SystemExit(f"error: --kernels native: {exc}") from None
 

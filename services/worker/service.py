@@ -67,6 +67,10 @@ from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+# Where workers run their engines: the KV cache is a view over a host-memory region (KVRegion) that
+# peers read and write through the transfer engine, so the engine computes beside it.
+WORKER_DEVICE = "cpu"
+
 _META_REFRESH_S = 1.0
 _STORE_ATTACH_S = 2.0  # how often a worker without the KV store looks for a store master
 
@@ -110,8 +114,15 @@ class WorkerService(Service):
             advertise_host=s.advertise_host, tcp_spin_us=s.busy_poll_us,
         )  # fmt: skip
         self._region = KVRegion(self._transfer)
+        if torch.cuda.is_available():
+            log.warning(
+                "a CUDA device is present, but workers run their engines on the CPU: their KV cache is"
+                " the host memory the transfer engine shares with peers and the store, and a KV path"
+                " from GPU memory is not built yet (the engine itself runs on CUDA: yutu.engine)"
+            )
         config = EngineConfig(
             model_dir=self.model_dir,
+            device=WORKER_DEVICE,
             block_size=s.block_size,
             num_kv_blocks=s.num_kv_blocks,
             kv_cache_memory_bytes=s.kv_cache_memory_mib * 2**20,

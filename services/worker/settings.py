@@ -174,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32"
+        help="weights, activations and KV cache; auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32 (workers run on the CPU)"
         " (every instance sharing KV must use the same)",
     )
     own(
