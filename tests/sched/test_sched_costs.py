@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from yutu.sched import DecodeCostModel, PrefillCostModel, TransferCostModel
+from yutu.sched import CostModels, DecodeCostModel, PrefillCostModel, TransferCostModel
 from yutu.sched.costs import DECODE_PRIOR, PREFILL_PRIOR, TRANSFER_LATENCY_S, TRANSFER_PRIOR_BPS
 from yutu.sched.regression import WindowFit
 
@@ -136,3 +136,30 @@ def test_transfer_one_stall_moves_the_estimate_by_a_bounded_factor() -> None:
     assert model.bandwidth_bps == before
     with pytest.raises(ValueError, match="finite and >= 0"):
         model.observe(10, float("inf"))
+
+
+def test_fit_now_gives_the_lazy_coefficients_and_predictions_do_not_refit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fits = 0
+    plain_fit = WindowFit._fit
+
+    def counted(self: WindowFit) -> tuple[float, ...]:
+        nonlocal fits
+        fits += 1
+        return plain_fit(self)
+
+    lazy, eager = CostModels(), CostModels()
+    for models in (lazy, eager):
+        for length, p in GRID:
+            models.prefill.observe(length, p, true_prefill(length, p))
+            models.decode.observe(length // 64, length, 0.002 + 1e-6 * length)
+    monkeypatch.setattr(WindowFit, "_fit", counted)
+    eager.fit()  # what the conductor does after each load report
+    assert fits == 2
+    predictions = (eager.prefill.predict(1000, 200), eager.decode.predict(4, 2048))
+    assert fits == 2  # placements read the fit made off their path
+    assert predictions == (lazy.prefill.predict(1000, 200), lazy.decode.predict(4, 2048))
+    assert fits == 4  # the lazy models fitted at their first prediction
+    eager.fit()
+    assert fits == 4  # nothing observed since: nothing to fit

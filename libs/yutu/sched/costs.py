@@ -190,3 +190,9 @@ class CostModels:
     prefill: PrefillCostModel = field(default_factory=PrefillCostModel)
     transfer: TransferCostModel = field(default_factory=TransferCostModel)
     decode: DecodeCostModel = field(default_factory=DecodeCostModel)
+
+    def fit(self) -> None:
+        """Fit the prefill and decode models on what they observed now, rather than lazily at the
+        next prediction: a caller that observes off the request path (the conductor, after each load
+        report) keeps the fit out of its placements. The coefficients are the same either way."""
+        _ = self.prefill.coefficients, self.decode.coefficients

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from itertools import combinations
 
 import numpy as np
+import numpy.ma  # noqa: F401 -- np.median imports it at its first call (20-70 ms): here, not mid-placement
 from numpy.typing import NDArray
 
 Vector = NDArray[np.float64]
