@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from yutu.config import DEFAULT_REDIS_URL, DTYPES, KERNEL_CHOICES, add_policy_options, option
+from yutu.config import DEFAULT_REDIS_URL, DEVICES, DTYPES, KERNEL_CHOICES, add_policy_options, option
 from yutu.restarts import MAX_RESTARTS, RESTART_WINDOW_S
 
 # command -> (module, one-line description)
@@ -136,7 +136,15 @@ def up_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="engine dtype for every instance (auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32; workers run on the CPU)",
+        help="engine dtype for every instance (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
+    )
+    option(
+        topology,
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="where every instance's engine computes: cpu or cuda (all on the current CUDA device); auto:"
+        " cuda where torch sees a GPU",
     )
     option(
         topology,
@@ -269,7 +277,7 @@ def up(argv: list[str]) -> int:
         log.info("preparing model %s", args.model or f"{DEFAULT_MODEL_NAME} (built-in demo)")
         model_dir = resolve_model(args.model)
         served = args.served_model_name or served_model_name(args.model, model_dir)
-        prepare_kernels(args.kernels)
+        prepare_kernels(args.kernels, args.device)
         if stop_requested:
             return 0
         for spec in stack_specs(args, model_dir, served):
@@ -361,14 +369,15 @@ def wait_serving(
             time.sleep(0.1)
 
 
-def prepare_kernels(choice: str) -> None:
+def prepare_kernels(choice: str, device: str) -> None:
     """Build the engines' native kernels here, once, where this machine has not yet (``make run``
-    has; ~70 s otherwise), rather than in every engine at its start, racing for the build."""
+    has; ~70 s otherwise), rather than in every engine at its start, racing for the build. Engines
+    on CUDA (``device``, as ``--device`` says) use none."""
     import torch
 
     from yutu.engine.native import build_directory, engine_kernels
 
-    if choice == "torch":
+    if choice == "torch" or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return
     if not build_directory().exists():
         log.info("building the native kernels (once per machine and virtualenv, ~70 s)")
@@ -406,7 +415,7 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
               "--kv-cache-memory-mib", str(args.kv_cache_memory_mib),
               "--torch-threads", str(torch_threads),
               "--prefill-threads", str(args.prefill_threads or prefill_threads(torch_threads)),
-              "--dtype", args.dtype, "--engine-core", args.engine_core,
+              "--dtype", args.dtype, "--device", args.device, "--engine-core", args.engine_core,
               "--kernels", args.kernels]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]

@@ -29,6 +29,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+DEVICES = ("auto", "cpu", "cuda")  # --device of the engines (auto: cuda where torch sees a GPU)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype of the engines (yutu.engine.loader.auto_dtype)
 KERNEL_CHOICES = ("auto", "native", "torch")  # --kernels of the engines (yutu.engine.native)
 

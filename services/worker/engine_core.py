@@ -60,6 +60,7 @@ class EngineInfo:
     demo: bool  # the built-in demo model (random weights)
     max_model_len: int
     dtype: str  # "float32", "bfloat16", ...
+    device: str  # where it computes: "cpu", "cuda", ...
     kv_salt: str  # what block keys are salted with (model and dtype)
     kernels: str  # what the engine computes with on CPU: "native" or "torch" (yutu.engine.native)
     root_key: bytes
@@ -76,6 +77,7 @@ class EngineInfo:
             demo=bool(engine.model_config.yutu_demo),
             max_model_len=engine.max_model_len,
             dtype=str(engine.dtype).removeprefix("torch."),
+            device=engine.device.type,
             kv_salt=engine.kv_salt,
             kernels=engine.kernels,
             root_key=engine.root_key,

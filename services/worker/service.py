@@ -67,9 +67,16 @@ from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-# Where workers run their engines: the KV cache is a view over a host-memory region (KVRegion) that
-# peers read and write through the transfer engine, so the engine computes beside it.
-WORKER_DEVICE = "cpu"
+
+def engine_device(choice: str) -> str:
+    """The device of ``--device`` (auto: cuda where torch sees a GPU). On CUDA the engine computes in
+    GPU memory and the KV region is its host mirror (yutu.engine.kv_mirror)."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise YutuError("--device cuda: torch sees no CUDA device here", ErrorKind.INVALID_REQUEST)
+    return choice
+
 
 _META_REFRESH_S = 1.0
 _STORE_ATTACH_S = 2.0  # how often a worker without the KV store looks for a store master
@@ -114,15 +121,9 @@ class WorkerService(Service):
             advertise_host=s.advertise_host, tcp_spin_us=s.busy_poll_us,
         )  # fmt: skip
         self._region = KVRegion(self._transfer)
-        if torch.cuda.is_available():
-            log.warning(
-                "a CUDA device is present, but workers run their engines on the CPU: their KV cache is"
-                " the host memory the transfer engine shares with peers and the store, and a KV path"
-                " from GPU memory is not built yet (the engine itself runs on CUDA: yutu.engine)"
-            )
         config = EngineConfig(
             model_dir=self.model_dir,
-            device=WORKER_DEVICE,
+            device=engine_device(s.device),
             block_size=s.block_size,
             num_kv_blocks=s.num_kv_blocks,
             kv_cache_memory_bytes=s.kv_cache_memory_mib * 2**20,
@@ -436,6 +437,7 @@ class WorkerService(Service):
             "block_size": self.settings.block_size,
             "block_bytes": 0 if self._region is None else self._region.block_bytes,
             "dtype": info.dtype,
+            "device": info.device,
             "kv_salt": info.kv_salt,  # what block keys are salted with (model and dtype)
             "max_num_seqs": self.settings.max_num_seqs,
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,  # its prefill chunk

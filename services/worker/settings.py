@@ -17,6 +17,7 @@ from functools import partial
 
 from yutu.busypoll import SPIN_US
 from yutu.config import (
+    DEVICES,
     DTYPES,
     KERNEL_CHOICES,
     ServiceSettings,
@@ -57,6 +58,7 @@ class WorkerSettings(ServiceSettings):
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
     prefill_threads: int  # threads of a step of >= 256 tokens (a prompt chunk); 0: torch_threads
+    device: str  # "auto" | "cpu" | "cuda": where the engine computes (auto: cuda where torch sees a GPU)
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
     kernels: str  # "auto" | "native" | "torch": the engine's CPU kernels (yutu.engine.native)
@@ -108,6 +110,7 @@ class WorkerSettings(ServiceSettings):
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
             prefill_threads=args.prefill_threads,
+            device=args.device,
             dtype=args.dtype,
             engine_core=args.engine_core,
             kernels=args.kernels,
@@ -171,11 +174,19 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
     )
     own(
         engine,
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="where the engine computes: cpu, or cuda (the current CUDA device; the KV cache in GPU memory,"
+        " its host copy in the region peers and the store read); auto: cuda where torch sees a GPU",
+    )
+    own(
+        engine,
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights, activations and KV cache; auto: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32 (workers run on the CPU)"
-        " (every instance sharing KV must use the same)",
+        help="weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX,"
+        " else float32 (every instance sharing KV must use the same)",
     )
     own(
         engine,

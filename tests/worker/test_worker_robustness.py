@@ -31,7 +31,7 @@ from yutu.engine.errors import EngineBrokenError, RequestFailedError
 from yutu.engine.outputs import EngineStats
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
-from yutu.errors import ErrorKind
+from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import admin_app
 from yutu.transfer import SegmentDirectory, TransferEngine
@@ -40,7 +40,7 @@ from yutu.worker.kv_region import KVRegion
 from services.worker.engine_core import EngineInfo
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
 from services.worker.generate_role import GenerateRole
-from services.worker.service import WorkerService
+from services.worker.service import WorkerService, engine_device
 from services.worker.settings import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
@@ -262,7 +262,7 @@ async def test_a_broken_worker_stays_up_says_why_and_refuses_work(
     )
     service.engine = engine  # type: ignore[assignment]
     service.engine_info = EngineInfo(
-        100, False, engine.max_model_len, "float32", engine.kv_salt, "torch", b"\0" * 16, 1, 1
+        100, False, engine.max_model_len, "float32", "cpu", engine.kv_salt, "torch", b"\0" * 16, 1, 1
     )
     service.model_dir, service.served_model_name = tmp_path, MODEL_NAME
     failed: list[tuple[bytes, str, ErrorKind, str]] = []
@@ -366,6 +366,7 @@ def worker_settings(redis_url: str, prefix: str) -> WorkerSettings:
         enable_prefix_caching=True,
         torch_threads=1,
         prefill_threads=0,
+        device="cpu",
         dtype="float32",
         engine_core="thread",
         kernels="auto",
@@ -410,3 +411,13 @@ async def test_prefault_puts_the_whole_kv_cache_in_memory_before_serving(
     finally:
         await engine.close()
         await client.aclose()
+
+
+def test_the_engine_device_is_the_one_asked_for_and_cuda_needs_a_gpu() -> None:
+    assert engine_device("cpu") == "cpu"
+    assert engine_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        assert engine_device("cuda") == "cuda"
+    else:
+        with pytest.raises(YutuError, match="torch sees no CUDA device"):
+            engine_device("cuda")

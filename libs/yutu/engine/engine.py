@@ -42,6 +42,7 @@ import torch
 from yutu.config import KERNEL_CHOICES
 from yutu.engine.cpus import WideStepThreads
 from yutu.engine.errors import EngineBrokenError, InvalidRequestError, PromptTooLongError
+from yutu.engine.kv_mirror import KVMirror
 from yutu.engine.loader import auto_dtype, default_device_and_dtype, load_model, native_bf16
 from yutu.engine.model import fuse_projections, pack_cpu_linears
 from yutu.engine.model_config import ModelConfig
@@ -115,6 +116,10 @@ class EngineConfig:
     # Builds the KV cache tensor (a view over registered memory, so peers can read its blocks);
     # None: plain device memory. See ModelRunner.
     kv_cache_factory: KVCacheFactory | None = None
+    # The factory's tensor as the host mirror of a cache in device memory (yutu.engine.kv_mirror)
+    # rather than the cache itself. None: when the device is not the CPU (a GPU computes in its own
+    # memory; peers and the store move host memory).
+    kv_mirror: bool | None = None
     # The dense decode cache (yutu.engine.decode_cache): decodes attend over contiguous copies
     # instead of gathering their blocks every step. None -> on CPU a quarter of the KV pool (at
     # most 1 GiB), elsewhere off; 0 -> off (every decode on the paged path).
@@ -226,6 +231,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_prefill_step_tokens,
         )
+        mirrored = self._mirrored(config)
         dense_bytes = self._dense_decode_bytes(config)
         native = engine_kernels(config.kernels, self.device)
         self.kernels = "native" if native is not None else "torch"  # what the steps run on
@@ -238,11 +244,17 @@ class LLMEngine:
             config.block_size,
             self.device,
             self.dtype,
-            config.kv_cache_factory,
+            None if mirrored else config.kv_cache_factory,
             dense_decode_bytes=dense_bytes,
             max_model_len=self.max_model_len,
             kernels=native,
         )
+        self.mirror: KVMirror | None = None  # the host copy peers and the store read (None: no copy)
+        if mirrored:
+            assert config.kv_cache_factory is not None
+            shape = self.model_config.kv_cache_shape(self.num_kv_blocks, config.block_size)
+            self.mirror = KVMirror(self.runner.kv_cache, config.kv_cache_factory(shape, self.dtype))
+        self._load_blocks: dict[str, list[int]] = {}  # a loading request's imported blocks (mirror only)
         self.sampler = Sampler()
         # Picks a wide step's threads (None: every step on the process's threads).
         self.wide_step_threads = (
@@ -262,6 +274,14 @@ class LLMEngine:
         self._failed_requests_total = 0
         self.consecutive_failed_steps = 0  # steps in a row that raised, or where every sampled request failed
         self.last_failure: str | None = None  # what the last failed step or request died of
+
+    def _mirrored(self, config: EngineConfig) -> bool:
+        mirrored = config.kv_mirror if config.kv_mirror is not None else self.device.type != "cpu"
+        if mirrored and config.kv_cache_factory is None:
+            if config.kv_mirror:
+                raise ValueError("kv_mirror needs a kv_cache_factory: the host memory to mirror the cache in")
+            return False  # a cache nobody else reads: nothing to mirror
+        return mirrored
 
     def _dense_decode_bytes(self, config: EngineConfig) -> int:
         if config.dense_decode_bytes is not None:
@@ -386,6 +406,9 @@ class LLMEngine:
         was loading, this frees its blocks. Unknown ids are ignored.
         """
         seq = self._seqs.get(request_id) or self.scheduler.abandoned.get(request_id)
+        blocks = self._load_blocks.pop(request_id, None)
+        if seq is not None and blocks and self.mirror is not None and request_id in self._seqs:
+            self.mirror.from_host(blocks)  # the blocks a copy may have reached (the rest is computed)
         if seq is not None:
             self.scheduler.finish_load(seq, num_tokens)
             if seq.num_cached_tokens is not None and seq.status is RequestStatus.RUNNING:
@@ -425,8 +448,12 @@ class LLMEngine:
         return queued, decoding
 
     def take_cache_events(self) -> list[CacheEvent]:
-        """Prefix-cache changes since the last call (with ``block_manager.record_events`` on)."""
-        return self.block_manager.drain_events()
+        """Prefix-cache changes since the last call (with ``block_manager.record_events`` on); with a
+        host mirror, the stored blocks are copied there first (the write-behind puts from it)."""
+        events = self.block_manager.drain_events()
+        if self.mirror is not None:
+            self.mirror.to_host([e.block_id for e in events if e.stored])
+        return events
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request now and free its blocks (held ones too); no further output is produced for it.
@@ -464,6 +491,10 @@ class LLMEngine:
         try:
             batch = self.scheduler.schedule()
             self._loads.extend(batch.loads)
+            if self.mirror is not None:
+                self._load_blocks.update(
+                    (load.seq_id, load.block_ids) for load in batch.loads if load.block_ids
+                )
             if batch.is_empty:
                 return []
             self._run(batch, outputs)
@@ -580,6 +611,8 @@ class LLMEngine:
             del self._seqs[seq.seq_id]
             self._held[seq.seq_id] = seq
             kv_held = HeldKV(self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens)
+            if self.mirror is not None:
+                self.mirror.to_host(kv_held.block_ids)  # before a peer hears of them
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[token],
