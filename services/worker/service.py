@@ -68,16 +68,6 @@ from services.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
-def engine_device(choice: str) -> str:
-    """The device of ``--device`` (auto: cuda where torch sees a GPU). On CUDA the engine computes in
-    GPU memory and the KV region is its host mirror (yutu.engine.kv_mirror)."""
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise YutuError("--device cuda: torch sees no CUDA device here", ErrorKind.INVALID_REQUEST)
-    return choice
-
-
 _META_REFRESH_S = 1.0
 _STORE_ATTACH_S = 2.0  # how often a worker without the KV store looks for a store master
 
@@ -123,7 +113,7 @@ class WorkerService(Service):
         self._region = KVRegion(self._transfer)
         config = EngineConfig(
             model_dir=self.model_dir,
-            device=engine_device(s.device),
+            device=s.device,
             block_size=s.block_size,
             num_kv_blocks=s.num_kv_blocks,
             kv_cache_memory_bytes=s.kv_cache_memory_mib * 2**20,

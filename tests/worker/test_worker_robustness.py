@@ -31,7 +31,7 @@ from yutu.engine.errors import EngineBrokenError, RequestFailedError
 from yutu.engine.outputs import EngineStats
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
-from yutu.errors import ErrorKind, YutuError
+from yutu.errors import ErrorKind
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import admin_app
 from yutu.transfer import SegmentDirectory, TransferEngine
@@ -40,8 +40,8 @@ from yutu.worker.kv_region import KVRegion
 from services.worker.engine_core import EngineInfo
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
 from services.worker.generate_role import GenerateRole
-from services.worker.service import WorkerService, engine_device
-from services.worker.settings import WorkerSettings
+from services.worker.service import WorkerService
+from services.worker.settings import WorkerSettings, engine_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from gateway_support import (  # noqa: E402 - the gateway tests' helpers, imported from their folder
@@ -419,5 +419,5 @@ def test_the_engine_device_is_the_one_asked_for_and_cuda_needs_a_gpu() -> None:
     if torch.cuda.is_available():
         assert engine_device("cuda") == "cuda"
     else:
-        with pytest.raises(YutuError, match="torch sees no CUDA device"):
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
             engine_device("cuda")
