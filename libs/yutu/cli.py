@@ -375,10 +375,14 @@ def prepare_kernels(choice: str, device: str) -> None:
     on CUDA (``device``, as ``--device`` says) use none."""
     import torch
 
+    from yutu.engine.loader import resolve_device
     from yutu.engine.native import build_directory, engine_kernels
 
-    if choice == "torch" or device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        return
+    try:
+        if choice == "torch" or resolve_device(device) == "cuda":
+            return
+    except ValueError as exc:  # --device cuda without a GPU: said once here, not by every worker
+        raise SystemExit(f"error: {exc}") from None
     if not build_directory().exists():
         log.info("building the native kernels (once per machine and virtualenv, ~70 s)")
     try:

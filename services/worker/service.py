@@ -67,7 +67,6 @@ from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-
 _META_REFRESH_S = 1.0
 _STORE_ATTACH_S = 2.0  # how often a worker without the KV store looks for a store master
 

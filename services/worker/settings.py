@@ -42,19 +42,6 @@ STEP_TOKENS = 512
 PREFILL_STEP_TOKENS = 2048
 
 
-def engine_device(choice: str) -> str:
-    """The device of ``--device``: auto is cuda where torch sees a GPU, else cpu; cuda where it sees
-    none is refused. On CUDA the engine computes in GPU memory and the KV region is its host mirror
-    (yutu.engine.kv_mirror)."""
-    import torch  # here: the flags parse without it
-
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here")
-    return choice
-
-
 @dataclass(frozen=True)
 class WorkerSettings(ServiceSettings):
     role: str  # "mixed" | "prefill" | "decode"
@@ -71,7 +58,8 @@ class WorkerSettings(ServiceSettings):
     enable_prefix_caching: bool
     torch_threads: int  # threads of the model step; 0: torch's default
     prefill_threads: int  # threads of a step of >= 256 tokens (a prompt chunk); 0: torch_threads
-    device: str  # "cpu" | "cuda": where the engine computes (--device auto resolved: engine_device)
+    device: str  # "cpu" | "cuda": where the engine computes (--device resolved; on CUDA the KV region is
+    # the cache's host mirror, yutu.engine.kv_mirror)
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16" (weights, activations and KV cache)
     engine_core: str  # "process" (the engine in a child process) | "thread" (in this process)
     kernels: str  # "auto" | "native" | "torch": the engine's CPU kernels (yutu.engine.native)
@@ -91,6 +79,8 @@ class WorkerSettings(ServiceSettings):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, role: str = "mixed") -> WorkerSettings:
+        from yutu.engine.loader import resolve_device  # imports torch: the flags parse without it
+
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_step_tokens",
@@ -123,7 +113,7 @@ class WorkerSettings(ServiceSettings):
             enable_prefix_caching=args.enable_prefix_caching,
             torch_threads=args.torch_threads,
             prefill_threads=args.prefill_threads,
-            device=engine_device(args.device),
+            device=resolve_device(args.device),
             dtype=args.dtype,
             engine_core=args.engine_core,
             kernels=args.kernels,

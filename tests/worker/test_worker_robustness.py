@@ -28,6 +28,7 @@ import redis.asyncio
 import torch
 from yutu.engine.engine import FinishReason, RequestOutput
 from yutu.engine.errors import EngineBrokenError, RequestFailedError
+from yutu.engine.loader import resolve_device
 from yutu.engine.outputs import EngineStats
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
@@ -41,7 +42,7 @@ from services.worker.engine_core import EngineInfo
 from services.worker.engine_loop import EngineLoop, EngineUnavailableError
 from services.worker.generate_role import GenerateRole
 from services.worker.service import WorkerService
-from services.worker.settings import WorkerSettings, engine_device
+from services.worker.settings import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from gateway_support import (  # noqa: E402 - the gateway tests' helpers, imported from their folder
@@ -414,10 +415,10 @@ async def test_prefault_puts_the_whole_kv_cache_in_memory_before_serving(
 
 
 def test_the_engine_device_is_the_one_asked_for_and_cuda_needs_a_gpu() -> None:
-    assert engine_device("cpu") == "cpu"
-    assert engine_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
-        assert engine_device("cuda") == "cuda"
+        assert resolve_device("cuda") == "cuda"
     else:
         with pytest.raises(ValueError, match="torch sees no CUDA device"):
-            engine_device("cuda")
+            resolve_device("cuda")

@@ -407,7 +407,7 @@ class LLMEngine:
         """
         seq = self._seqs.get(request_id) or self.scheduler.abandoned.get(request_id)
         blocks = self._load_blocks.pop(request_id, None)
-        if seq is not None and blocks and self.mirror is not None and request_id in self._seqs:
+        if blocks and self.mirror is not None and request_id in self._seqs:
             self.mirror.from_host(blocks)  # the blocks a copy may have reached (the rest is computed)
         if seq is not None:
             self.scheduler.finish_load(seq, num_tokens)

@@ -68,9 +68,19 @@ def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> tor
     return torch.float32
 
 
+def resolve_device(choice: str) -> str:
+    """The device of ``--device``: auto is cuda where torch sees a GPU, else cpu; cuda where it sees
+    none is refused (ValueError)."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here")
+    return choice
+
+
 def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
     """CUDA when a GPU is available, else CPU; the dtype of :func:`auto_dtype`."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(resolve_device("auto"))
     return device, auto_dtype(device)
 
 
