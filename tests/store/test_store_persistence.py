@@ -14,14 +14,16 @@ from services.store_master.persistence import Persister
 
 
 class FakeStore:
-    """Records every write as ``(objects, segments)``; fails while ``fail`` is set."""
+    """Records every write as ``(objects, segments)``, each taking ``write_s``; fails while
+    ``fail`` is set."""
 
     def __init__(self) -> None:
         self.writes: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self.fail = False
+        self.write_s = 0.001
 
     async def write(self, objects: dict[str, Any], segments: dict[str, Any]) -> None:
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(self.write_s)
         if self.fail:
             raise RedisConnectionError("redis is down")
         self.writes.append((objects, segments))
@@ -103,4 +105,38 @@ async def test_a_failed_background_commit_is_tried_again_by_itself(monkeypatch: 
             break
         await asyncio.sleep(0.02)
     assert store.writes == [({"a": b"v"}, {})] and not persister.dirty
+    await persister.close()
+
+
+async def test_marks_made_during_a_background_write_wait_for_their_own_delay() -> None:
+    """A stream of puts written behind: the puts finished while a write is in flight go in the
+    next window's write, not in a write chained right after it (which made one write per put or
+    two under load)."""
+    persister, store = make({"a": b"1", "b": b"2"})
+    store.write_s = 0.1
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.0)
+    await asyncio.sleep(0.02)  # a's write is in flight
+    persister.mark({"b"}, set())
+    persister.commit_soon(0.3)
+    await asyncio.sleep(0.2)  # a's write ended ~0.1 s ago; b is not due before ~0.32 s
+    assert store.writes == [({"a": b"1"}, {})]
+    await asyncio.sleep(0.4)
+    assert store.writes == [({"a": b"1"}, {}), ({"b": b"2"}, {})] and not persister.dirty
+    await persister.close()
+
+
+async def test_a_background_commit_due_during_a_write_follows_it() -> None:
+    persister, store = make({"a": b"1", "b": b"2"})
+    store.write_s = 0.1
+    persister.mark({"a"}, set())
+    persister.commit_soon(0.0)
+    await asyncio.sleep(0.02)
+    persister.mark({"b"}, set())
+    persister.commit_soon(0.01)  # due while a's write is still in flight
+    for _ in range(50):
+        if len(store.writes) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert store.writes == [({"a": b"1"}, {}), ({"b": b"2"}, {})] and not persister.dirty
     await persister.close()
