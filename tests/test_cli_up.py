@@ -70,8 +70,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert not redis_reachable(redis_url)
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
-         "--redis-url", redis_url, "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64",
-         "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json",
+         "--redis-url", redis_url, "--redis-dir", str(tmp_path / "redis"), "--log-dir", str(tmp_path / "logs"),
+         "--kv-cache-memory-mib", "64", "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json",
          "--prefill-stealing"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -83,6 +83,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         # redis-server, store-master, store-node-0, conductor, prefill-0, decode-0, gateway
         assert len(children) == 7
         assert redis_reachable(redis_url)
+        assert (tmp_path / "redis" / "appendonlydir").is_dir()  # --redis-dir, not ~/.cache/yutu/redis
 
         for pid in children:  # the key reaches the gateway through its environment, not its argv
             assert b"sekrit-key" not in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -169,8 +170,8 @@ def test_up_killed_takes_its_children_down(tmp_path: Path) -> None:
     port, redis_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
-         "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--log-dir", str(tmp_path / "logs"),
-         "--kv-cache-memory-mib", "64", "--store-nodes", "0"],
+         "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--redis-dir", str(tmp_path / "redis"),
+         "--log-dir", str(tmp_path / "logs"), "--kv-cache-memory-mib", "64", "--store-nodes", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

@@ -103,6 +103,13 @@ def up_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REDIS_URL,
         help="Redis registry; started locally if unreachable",
     )
+    option(
+        parser,
+        "--redis-dir",
+        default=None,
+        help="where a Redis started here keeps its append-only file (default: "
+        "~/.cache/yutu/redis/<port>, so a restarted stack finds its store metadata again)",
+    )
     topology = parser.add_argument_group(
         "topology (disaggregated by default: a conductor, prefill and decode pools)"
     )
@@ -269,7 +276,11 @@ def up(argv: list[str]) -> int:
     try:
         reclaim_stale_regions()  # shared memory of store nodes that were killed outright
         if not redis_reachable(args.redis_url):
-            data_dir = Path.home() / ".cache" / "yutu" / "redis" / str(urlparse(args.redis_url).port or 6379)
+            data_dir = (
+                Path(args.redis_dir)
+                if args.redis_dir
+                else Path.home() / ".cache" / "yutu" / "redis" / str(urlparse(args.redis_url).port or 6379)
+            )
             log.info(
                 "no Redis at %s: starting redis-server (append-only file in %s)", args.redis_url, data_dir
             )

@@ -221,8 +221,8 @@ def test_replay_against_yutu_up(tmp_path: Path) -> None:
     write_trace(trace)
     stack = subprocess.Popen(
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
-         "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--log-dir", str(tmp_path / "logs"),
-         "--workers", "1", "--store-nodes", "0", "--kv-cache-memory-mib", "32", "--max-model-len", "256"],
+         "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--redis-dir", str(tmp_path / "redis"),
+         "--log-dir", str(tmp_path / "logs"), "--workers", "1", "--store-nodes", "0", "--kv-cache-memory-mib", "32", "--max-model-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
