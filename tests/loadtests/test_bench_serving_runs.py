@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
     before = set(SHM_ROOT.glob("yutu-bench-*"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtests" / "bench_serving.py"), "--stacks", "mixed", "--quick",
-         "--out", str(out)],
+         "--rounds", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,7 +43,7 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
     assert (setup["step_tokens"], setup["prefill_step_tokens"]) == (512, 2048)  # the worker's defaults
     assert (
         f"(engine: {setup['torch']} torch thread(s), {setup['prefill']} for a long prompt's chunks; steps of"
-        f" {setup['step_tokens']} tokens, {setup['prefill_step_tokens']} where nothing decodes)"
+        f" {setup['step_tokens']} tokens, {setup['prefill_step_tokens']} where nothing decodes; medians of 2 rounds)"
         in proc.stdout
     )
     for side in ("stack", "engine_only"):
@@ -51,6 +52,11 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
             expected = FIGURES | ({"tok_s"} if scenario == "concurrent" else set())
             assert set(figures) == expected, (side, scenario)
             assert all(v > 0 for v in figures.values()), (side, scenario, figures)
+    assert res["rounds"] == 2 and len(run["rounds"]) == 2 and "medians of 2 rounds" in proc.stdout
+    for side in ("stack", "engine_only"):  # each figure printed is the median of the rounds'
+        for scenario, figures in run[side].items():
+            for fig, value in figures.items():
+                assert value == statistics.median(r[side][scenario][fig] for r in run["rounds"])
     t = run["targets"]
     tpot = run["stack"]["sequential"]["tpot_p50_ms"] / run["engine_only"]["sequential"]["tpot_p50_ms"]
     tput = run["stack"]["concurrent"]["tok_s"] / run["engine_only"]["concurrent"]["tok_s"]
