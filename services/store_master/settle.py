@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import enum
 
-from yutu.protocol.kv_events import KVEvent
+from yutu.protocol.kv_events import KVEvent, extend_joined
 from yutu.rpc import KVEventPublisher
 
 from services.store_master.eager import run_eager
@@ -101,8 +101,8 @@ class Settler:
             else:
                 await persister.commit()
         if self.events is not None and effects.events:
-            if behind:  # one batch for every put_end of the window, instead of one each
-                self._behind += effects.events
+            if behind:  # one batch (one BlockStored) for every put_end of the window, not one each
+                extend_joined(self._behind, effects.events)
                 if self._flush_timer is None:
                     self._flush_timer = asyncio.get_running_loop().call_later(
                         WRITE_BEHIND_S, self.flush_events

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from yutu.errors import ErrorKind, YutuError
 from yutu.evict import POLICIES
 from yutu.protocol.kv_events import (
-    MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
-    BlockStored,
     KVEvent,
+    add_stored,
     key_to_hash,
 )
 from yutu.store.types import Medium
@@ -80,15 +79,10 @@ class Effects:
         )
 
     def stored(self, block_hash: BlockHash, block_size: int) -> None:
-        """A new readable object's ``BlockStored``: added to the last event when that one is a
-        ``BlockStored`` too, so a batch of puts makes one event, not one per object. Its hashes are
-        a set of objects, not a chain of blocks (no parent hash): the conductor's view adds them
-        one by one, as it does for a snapshot's single ``BlockStored`` of every key."""
-        last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and last.block_size == block_size and last.medium == MEDIUM_CPU:
-            last.block_hashes.append(block_hash)
-        else:
-            self.events.append(BlockStored([block_hash], block_size=block_size))
+        """A new readable object's ``BlockStored``, joining the last event when that one is a
+        ``BlockStored`` too (:func:`~yutu.protocol.kv_events.add_stored`). Its hashes are a set of
+        objects, not a chain of blocks (no parent hash)."""
+        add_stored(self.events, block_hash, block_size)
 
 
 @dataclass

@@ -108,8 +108,9 @@ class Events:
 
 async def test_put_end_events_go_out_in_one_batch_per_window_and_before_any_later_event() -> None:
     """BEHIND put_ends hold their BlockStored for the write-behind window (one batch for all of
-    them); a later NOW operation publishes what is held first, so a key's BlockStored never
-    follows its BlockRemoved; the window's timer then has nothing left to send."""
+    them, the window's puts in one BlockStored); a later NOW operation publishes what is held
+    first, so a key's BlockStored never follows its BlockRemoved; the window's timer then has
+    nothing left to send."""
     state = MasterState(StatePolicy(lease_ttl_s=5.0), Clock())
     tasks = TaskDispatcher()
     events = Events()
@@ -123,8 +124,7 @@ async def test_put_end_events_go_out_in_one_batch_per_window_and_before_any_late
     call(handlers, p.Remove("00aa"))  # NOW: what is held goes out first, then its own
     names = [[(type(e).__name__, e.block_hashes) for e in batch] for batch in events.batches]  # type: ignore[attr-defined]
     assert names == [[
-        ("BlockStored", [bytes.fromhex("00aa")]),
-        ("BlockStored", [bytes.fromhex("00bb")]),
+        ("BlockStored", [bytes.fromhex("00aa"), bytes.fromhex("00bb")]),
         ("BlockRemoved", [bytes.fromhex("00aa")]),
     ]]  # fmt: skip
     (slot,) = call(handlers, p.BatchPutStart(["00cc"], [100], writer="w")).results  # type: ignore[attr-defined]

@@ -10,10 +10,13 @@ from yutu.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventBatch,
     KVEventDecodeError,
+    add_stored,
     decode_batch,
     encode_batch,
+    extend_joined,
     frames,
     key_to_hash,
 )
@@ -107,3 +110,31 @@ def test_vllm_msgspec_decoder_reads_our_batches() -> None:
     assert [type(e).__name__ for e in theirs.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert theirs.events[0].block_hashes == [h] and theirs.events[0].block_size == 16
     assert decode_batch(msgspec.msgpack.encode(theirs)) == ours
+
+
+def test_stored_sets_join_and_nothing_else_does() -> None:
+    """The store's BlockStored events (sets of blocks: no parent, no token ids) join the one just
+    before them; a chain's event, another block size or a removal in between keeps them apart."""
+    events: list[KVEvent] = []
+    add_stored(events, b"a", 16)
+    extend_joined(events, [BlockStored([b"b"], block_size=16), BlockStored([b"c", b"d"], block_size=16)])
+    assert events == [BlockStored([b"a", b"b", b"c", b"d"], block_size=16)]
+    extend_joined(
+        events,
+        [
+            BlockRemoved([b"a"]),
+            BlockStored([b"e"], block_size=16),
+            BlockStored([b"f"], block_size=32),
+            BlockStored([b"g"], parent_block_hash=b"f", token_ids=[1] * 32, block_size=32),
+            BlockStored([b"h"], block_size=32),
+        ],
+    )
+    add_stored(events, b"i", 32)
+    assert events == [
+        BlockStored([b"a", b"b", b"c", b"d"], block_size=16),
+        BlockRemoved([b"a"]),  # order kept: a's removal after its store, e after the removal
+        BlockStored([b"e"], block_size=16),
+        BlockStored([b"f"], block_size=32),
+        BlockStored([b"g"], parent_block_hash=b"f", token_ids=[1] * 32, block_size=32),
+        BlockStored([b"h", b"i"], block_size=32),
+    ]

@@ -65,6 +65,47 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def _joins(last: KVEvent | None, block_size: int, medium: str | None) -> bool:
+    """Whether ``last`` is a ``BlockStored`` of a set of blocks (no parent, no token ids, as the
+    store publishes) that blocks of ``block_size`` in ``medium`` may join."""
+    return (
+        isinstance(last, BlockStored)
+        and last.parent_block_hash is None
+        and not last.token_ids
+        and last.block_size == block_size
+        and last.medium == medium
+        and last.lora_id is None
+    )
+
+
+def add_stored(events: list[KVEvent], block_hash: BlockHash, block_size: int) -> None:
+    """Append the ``BlockStored`` of one block to ``events``, joining the event just before it when
+    that one is a ``BlockStored`` of a set of blocks like it: a batch of puts makes one event, not
+    one per object (the conductor's view adds a set's hashes one by one)."""
+    last = events[-1] if events else None
+    if _joins(last, block_size, MEDIUM_CPU):
+        last.block_hashes.append(block_hash)  # type: ignore[union-attr]  # _joins: a BlockStored
+    else:
+        events.append(BlockStored([block_hash], block_size=block_size))
+
+
+def extend_joined(events: list[KVEvent], more: list[KVEvent]) -> None:
+    """Append ``more`` to ``events`` in order, each set-of-blocks ``BlockStored`` joining one just
+    before it as :func:`add_stored` does: the puts of a write-behind window make one event."""
+    for event in more:
+        last = events[-1] if events else None
+        if (
+            isinstance(event, BlockStored)
+            and event.parent_block_hash is None
+            and not event.token_ids
+            and event.lora_id is None
+            and _joins(last, event.block_size, event.medium)
+        ):
+            last.block_hashes.extend(event.block_hashes)  # type: ignore[union-attr]
+        else:
+            events.append(event)
+
+
 @dataclass(frozen=True)
 class KVEventBatch:
     ts: float  # wall clock (time.time()) when the batch was made
