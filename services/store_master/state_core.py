@@ -21,8 +21,9 @@ from yutu.protocol.kv_events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
+    BlockStored,
     KVEvent,
-    add_stored,
+    extend_joined,
     key_to_hash,
 )
 from yutu.store.types import Medium
@@ -80,9 +81,9 @@ class Effects:
 
     def stored(self, block_hash: BlockHash, block_size: int) -> None:
         """A new readable object's ``BlockStored``, joining the last event when that one is a
-        ``BlockStored`` too (:func:`~yutu.protocol.kv_events.add_stored`). Its hashes are a set of
-        objects, not a chain of blocks (no parent hash)."""
-        add_stored(self.events, block_hash, block_size)
+        ``BlockStored`` too (:func:`~yutu.protocol.kv_events.extend_joined`). Its hashes are a set
+        of objects, not a chain of blocks (no parent hash)."""
+        extend_joined(self.events, [BlockStored([block_hash], block_size=block_size)])
 
 
 @dataclass

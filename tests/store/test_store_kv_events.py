@@ -13,7 +13,6 @@ from yutu.protocol.kv_events import (
     KVEvent,
     KVEventBatch,
     KVEventDecodeError,
-    add_stored,
     decode_batch,
     encode_batch,
     extend_joined,
@@ -116,7 +115,7 @@ def test_stored_sets_join_and_nothing_else_does() -> None:
     """The store's BlockStored events (sets of blocks: no parent, no token ids) join the one just
     before them; a chain's event, another block size or a removal in between keeps them apart."""
     events: list[KVEvent] = []
-    add_stored(events, b"a", 16)
+    extend_joined(events, [BlockStored([b"a"], block_size=16)])
     extend_joined(events, [BlockStored([b"b"], block_size=16), BlockStored([b"c", b"d"], block_size=16)])
     assert events == [BlockStored([b"a", b"b", b"c", b"d"], block_size=16)]
     extend_joined(
@@ -129,7 +128,7 @@ def test_stored_sets_join_and_nothing_else_does() -> None:
             BlockStored([b"h"], block_size=32),
         ],
     )
-    add_stored(events, b"i", 32)
+    extend_joined(events, [BlockStored([b"i"], block_size=32)])
     assert events == [
         BlockStored([b"a", b"b", b"c", b"d"], block_size=16),
         BlockRemoved([b"a"]),  # order kept: a's removal after its store, e after the removal

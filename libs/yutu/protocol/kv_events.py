@@ -65,41 +65,29 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def _joins(last: KVEvent | None, block_size: int, medium: str | None) -> bool:
-    """Whether ``last`` is a ``BlockStored`` of a set of blocks (no parent, no token ids, as the
-    store publishes) that blocks of ``block_size`` in ``medium`` may join."""
+def _a_set(event: KVEvent | None) -> bool:
+    """Whether ``event`` is a ``BlockStored`` of a set of blocks -- no parent, no token ids, no
+    LoRA -- as the store publishes: such events may join."""
     return (
-        isinstance(last, BlockStored)
-        and last.parent_block_hash is None
-        and not last.token_ids
-        and last.block_size == block_size
-        and last.medium == medium
-        and last.lora_id is None
+        isinstance(event, BlockStored)
+        and event.parent_block_hash is None
+        and not event.token_ids
+        and event.lora_id is None
     )
 
 
-def add_stored(events: list[KVEvent], block_hash: BlockHash, block_size: int) -> None:
-    """Append the ``BlockStored`` of one block to ``events``, joining the event just before it when
-    that one is a ``BlockStored`` of a set of blocks like it: a batch of puts makes one event, not
-    one per object (the conductor's view adds a set's hashes one by one)."""
-    last = events[-1] if events else None
-    if _joins(last, block_size, MEDIUM_CPU):
-        last.block_hashes.append(block_hash)  # type: ignore[union-attr]  # _joins: a BlockStored
-    else:
-        events.append(BlockStored([block_hash], block_size=block_size))
-
-
 def extend_joined(events: list[KVEvent], more: list[KVEvent]) -> None:
-    """Append ``more`` to ``events`` in order, each set-of-blocks ``BlockStored`` joining one just
-    before it as :func:`add_stored` does: the puts of a write-behind window make one event."""
+    """Append ``more`` to ``events`` in order, a set-of-blocks ``BlockStored`` joining the one just
+    before it when that one is such an event of the same block size and medium: a batch of puts,
+    or the puts of a write-behind window, make one event, not one per object (the conductor's view
+    adds a set's hashes one by one). Anything in between keeps them apart, so order holds."""
     for event in more:
         last = events[-1] if events else None
         if (
-            isinstance(event, BlockStored)
-            and event.parent_block_hash is None
-            and not event.token_ids
-            and event.lora_id is None
-            and _joins(last, event.block_size, event.medium)
+            _a_set(event)
+            and _a_set(last)
+            and last.block_size == event.block_size  # type: ignore[union-attr]  # _a_set: BlockStored
+            and last.medium == event.medium  # type: ignore[union-attr]
         ):
             last.block_hashes.extend(event.block_hashes)  # type: ignore[union-attr]
         else:
