@@ -55,7 +55,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E402
+from medians import median_of  # noqa: E402
 from vllm_peer import CONFIGS as VLLM_CONFIGS  # noqa: E402
 from vllm_peer import VllmServer  # noqa: E402
 from vllm_peer import default_python as vllm_default_python  # noqa: E402
@@ -187,12 +187,6 @@ def engine_only_subprocess(model_dir: Path, setup: EngineSetup, shapes: Shapes) 
     if done.returncode != 0:
         raise RuntimeError(f"the engine-only run failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per figure, the median over ``runs`` (each ``{scenario: {figure: value}}``)."""
-    return {scen: {fig: statistics.median(run[scen][fig] for run in runs) for fig in runs[0][scen]}
-            for scen in runs[0]}  # fmt: skip
 
 
 def best_of(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,6 @@ import dataclasses
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -74,6 +73,7 @@ from redis.connection import PythonRespSerializer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
+from medians import median_of  # noqa: E402
 from mooncake_compare import compare, default_python, run_peer  # noqa: E402
 from store_baselines import (  # noqa: E402  (this script's folder is on sys.path)
     BATCH,
@@ -251,17 +251,6 @@ async def run_store(
     async with httpx.AsyncClient() as http:
         results["master_stats"] = (await http.get(store.master_admin + "/stats", timeout=5)).json()
     return results
-
-
-def median_of(rounds: list[Any]) -> Any:
-    """The rounds' results as one: every number the median over the rounds that have it, anything
-    else (names, versions) the last round's."""
-    last = rounds[-1]
-    if isinstance(last, dict):
-        return {k: median_of([r[k] for r in rounds if isinstance(r, dict) and k in r]) for k in last}
-    if all(isinstance(r, int | float) and not isinstance(r, bool) for r in rounds):
-        return statistics.median(rounds)
-    return last
 
 
 # -- report ------------------------------------------------------------------------------------
