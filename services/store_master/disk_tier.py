@@ -95,8 +95,8 @@ class DiskTier:
             return
         for replica in entry.dram_replicas():
             self.state.release(entry, replica)
-        entry.replicas = [r for r in entry.replicas if r.medium is Medium.DISK]
-        entry.replicas.append(Replica(task.segment, None, task.length, ReplicaState.COMPLETE, Medium.DISK))
+        disk = Replica(task.segment, None, task.length, ReplicaState.COMPLETE, Medium.DISK)
+        entry.replicas = (*entry.disk_replicas(), disk)
         self.state.eviction.gone(task.key)
         segment.disk_keys[task.key] = None
         self.state.counters.offloaded_objects += 1
@@ -139,10 +139,8 @@ class DiskTier:
                 entry.busy = None
             return
         entry.busy = None
-        entry.replicas = [
-            r for r in entry.replicas if not (r.medium is Medium.DISK and r.segment == task.segment)
-        ]
-        entry.replicas.append(Replica(task.segment, task.offset, task.length, ReplicaState.COMPLETE))
+        kept = (r for r in entry.replicas if not (r.medium is Medium.DISK and r.segment == task.segment))
+        entry.replicas = (*kept, Replica(task.segment, task.offset, task.length, ReplicaState.COMPLETE))
         self.state.eviction.stored(entry)
         segment.disk_used -= task.length
         segment.disk_keys.pop(task.key, None)

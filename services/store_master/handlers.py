@@ -269,7 +269,7 @@ class Handlers:
         _lists("keys", m.keys)
         segments, now = self.state.segments, self.state.clock()
         get_replicas, new = self.state.get_replicas, tuple.__new__
-        complete = ReplicaState.COMPLETE
+        complete = ReplicaState.COMPLETE.value  # as kept descriptors hold it
         results: list[p.Outcome[p.ReplicaSet]] = []
         for key in m.keys:
             try:
@@ -285,7 +285,7 @@ class Handlers:
             described = []
             for r in found[1]:
                 d = r.descriptor
-                if d is None or d[4] is not complete:
+                if d is None or d[4] != complete:
                     (d,) = descriptors(segments, [r])
                 described.append(d)
             # p.Outcome(None, p.ReplicaSet(...)) without their generated __new__ (once per key)

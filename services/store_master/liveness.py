@@ -84,10 +84,10 @@ class Membership:
             entry = self.core.objects[key]
             before = len(entry.replicas)
             lost_dram = any(r.segment == name and r.medium is Medium.DRAM for r in entry.replicas)
-            entry.replicas = [r for r in entry.replicas if r.segment != name]
+            entry.replicas = tuple(r for r in entry.replicas if r.segment != name)
             dropped += before - len(entry.replicas)
             if entry.pending is not None:
-                kept = [r for r in entry.pending.replicas if r.segment != name]
+                kept = tuple(r for r in entry.pending.replicas if r.segment != name)
                 dropped += len(entry.pending.replicas) - len(kept)
                 entry.pending.replicas = kept
                 if not kept:

@@ -36,10 +36,10 @@ class Puts:
         soft_pin: bool = False,
         upsert: bool = False,
         writer: str = "",
-    ) -> tuple[str | None, list[Replica]]:
+    ) -> tuple[str | None, tuple[Replica, ...]]:
         """Allocate replicas for ``key``: ``(put_id, replicas)`` to write, then ``put_end``.
 
-        ``(None, [])`` when the key is already stored or being stored and ``upsert`` is false.
+        ``(None, ())`` when the key is already stored or being stored and ``upsert`` is false.
         Raises :class:`NoSpaceError` when no segment has room (the caller evicts and retries).
         """
         try:
@@ -50,10 +50,10 @@ class Puts:
         check_int("replicas", replicas, 1)
         entry = self.core.objects.get(key)
         if self._taken(entry, upsert):
-            return None, []
+            return None, ()
         pending = self._place(size, replicas, writer, repr(key))
         if entry is None:
-            entry = ObjectEntry(key, 0, [], pending.started_at)
+            entry = ObjectEntry(key, 0, (), pending.started_at)
             self.core.objects[key] = entry
         entry.pending = pending
         entry.soft_pin = bool(soft_pin) or (upsert and entry.soft_pin)
@@ -93,7 +93,7 @@ class Puts:
         return PendingPut(
             f"{self.core.put_prefix}{next(self.core.put_serial):x}",
             size,
-            [Replica(name, offset, size, ReplicaState.WRITING) for name, offset in placed],
+            tuple([Replica(name, offset, size, ReplicaState.WRITING) for name, offset in placed]),
             self.core.clock(),
             writer if isinstance(writer, str) else "",
         )
@@ -122,7 +122,7 @@ class Puts:
             return None
         del self.core.reserved[put_id]
         if entry is None:
-            entry = ObjectEntry(key, 0, [], self.core.clock())
+            entry = ObjectEntry(key, 0, (), self.core.clock())
             self.core.objects[key] = entry
         entry.pending = pending
         entry.soft_pin = bool(soft_pin) or (upsert and entry.soft_pin)

@@ -142,9 +142,9 @@ class MasterState(StateCore):
                 else:
                     self.disk.restore(entry.key, replica)
                 keep.append(replica)
-            entry.replicas = keep
+            entry.replicas = tuple(keep)
             if entry.pending is not None:
-                pending = [r for r in entry.pending.replicas if r.segment in self.segments]
+                pending = tuple(r for r in entry.pending.replicas if r.segment in self.segments)
                 for replica in pending:
                     assert replica.offset is not None
                     self.segments.reserve(replica.segment, replica.offset, replica.length)
@@ -164,7 +164,7 @@ class MasterState(StateCore):
         self.segments.check()
         expected: dict[str, int] = {}
         for entry in self.objects.values():
-            live = list(entry.replicas) + ([] if entry.pending is None else entry.pending.replicas)
+            live = entry.replicas + (() if entry.pending is None else entry.pending.replicas)
             names = [r.segment for r in live if r.medium is Medium.DRAM]
             assert len(set(r.segment for r in entry.replicas)) == len(entry.replicas), (
                 "replicas share a segment"

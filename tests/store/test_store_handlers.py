@@ -4,6 +4,7 @@ descriptors against fresh ones, and the fast decode of batch gets against the pl
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import msgpack
 import pytest
@@ -68,6 +69,43 @@ async def test_put_then_get_sends_current_descriptors() -> None:
     )
     single = call(handlers, p.GetReplicas("a"))
     assert single == p.ReplicasReply("a", 100, fresh[:1], 5.0)
+    state.check()
+
+
+async def test_stored_objects_leave_nothing_for_the_garbage_collector_to_walk() -> None:
+    """A full collection walks every tracked object and stops the master meanwhile: a stored
+    object's records, its replicas' tuple and the descriptors kept for readers are all untracked
+    (services.store_master.objects), and a kept descriptor encodes as the NamedTuple would."""
+    state, handlers = make()
+    call(
+        handlers,
+        p.BatchMountSegment("n0", [p.SegmentSpec(f"s{i}", "dram", 1 << 20, "h0", 1, 0) for i in (0, 1)]),
+    )
+    started = call(handlers, p.BatchPutStart(["a", "b"], [100, 200], replicas=2, writer="w"))
+    assert isinstance(started, p.BatchPutStartReply)
+    slots = [p.unwrap(o) for o in started.results]
+    call(handlers, p.BatchPutEnd(["a"], [slots[0].put_id]))  # "b" stays pending
+    call(handlers, p.BatchGetReplicas(["a"]))
+    reserved = call(handlers, p.BatchReserve([64], writer="w"))
+    gc.collect()  # CPython untracks a tuple of untracked objects when a collection meets it
+    a, b = state.objects["a"], state.objects["b"]
+    assert b.pending is not None and len(a.replicas) == 2 and len(b.pending.replicas) == 2
+    records: list[object] = [
+        a,
+        a.replicas,
+        *a.replicas,
+        b,
+        b.pending,
+        b.pending.replicas,
+        *b.pending.replicas,
+    ]
+    records += [*state.reserved.values(), *(r for put in state.reserved.values() for r in put.replicas)]
+    kept = [r.descriptor for r in a.replicas + b.pending.replicas]
+    assert all(d is not None for d in kept) and isinstance(reserved, p.BatchReserveReply)
+    assert len(state.reserved) == 1
+    assert [o for o in records + kept if gc.is_tracked(o)] == []
+    for replica in a.replicas:
+        assert msgpack.packb(replica.descriptor) == msgpack.packb(describe(state.segments, replica))
     state.check()
 
 

@@ -69,7 +69,7 @@ def test_key_to_hash() -> None:
 
 def _vllm_types() -> Any:
     """vLLM's KV event structs (as in vllm/distributed/kv_events.py), built with msgspec.defstruct."""
-    import msgspec  # a test dependency: vLLM's consumers decode events with it
+    import msgspec  # vLLM's consumers decode events with it
 
     opts = {"array_like": True, "omit_defaults": True}
     base = msgspec.defstruct("KVCacheEvent", [], tag=True, **opts)

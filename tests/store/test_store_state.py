@@ -102,7 +102,7 @@ def test_stored_events_of_consecutive_puts_share_one_event_in_order() -> None:
 def test_put_of_existing_key_is_idempotent_and_upsert_replaces() -> None:
     st, clock = make(segments=1)
     assert put(st, "k", 100) == [("seg0", 0)]
-    assert st.put_start("k", 100) == (None, [])  # already stored: nothing to write
+    assert st.put_start("k", 100) == (None, ())  # already stored: nothing to write
     put_id, replicas = st.put_start("k", 300, upsert=True)
     assert put_id is not None and [(r.offset, r.length) for r in replicas] == [(128, 300)]
     found = st.get_replicas("k")  # still the old bytes while the upsert is written; takes a lease
