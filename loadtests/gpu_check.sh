@@ -6,6 +6,7 @@
 #   engine_suites_on_cuda  the engine suites (end to end, disaggregation primitives, the KV cache's host
 #                          mirror, dtypes, failures) with their engines on CUDA (YUTU_TEST_DEVICE=cuda)
 #   bench_cuda_sdpa        attention calls with and without cuDNN (why engines leave it out)
+#   bench_cuda_graphs      a decode step of the demo model's shape, eager against a captured CUDA graph
 #   bench_engine_bf16/f32  loadtests/bench_engine.py on CUDA, bfloat16 (--dtype auto there) and float32
 #   bench_serving_cuda     loadtests/bench_serving.py: the mixed and 1P+1D stacks with their engines on
 #                          the GPU (--device auto), against the engine alone on the GPU
@@ -43,6 +44,7 @@ part engine_suites_on_cuda env YUTU_TEST_DEVICE=cuda "${pytest[@]}" tests/engine
   tests/engine/test_engine_disagg.py tests/engine/test_engine_kv_mirror.py tests/engine/test_engine_dtype.py \
   tests/engine/test_engine_failures.py
 part bench_cuda_sdpa $PY loadtests/bench_cuda_sdpa.py
+part bench_cuda_graphs $PY loadtests/bench_cuda_graphs.py --out "$OUT_DIR/bench_cuda_graphs.json"
 part bench_engine_bf16 $PY loadtests/bench_engine.py --dtype auto --out "$OUT_DIR/bench_engine_cuda_bf16.json"
 part bench_engine_f32 $PY loadtests/bench_engine.py --dtype float32 --out "$OUT_DIR/bench_engine_cuda_f32.json"
 part bench_serving_cuda $PY loadtests/bench_serving.py --stacks mixed,disagg \
