@@ -18,6 +18,7 @@ Without a GPU it times the eager step alone (a smoke run of the script).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+from yutu.engine.model_runner import CUDA_SDPA_BACKENDS
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 8, 2, 32, 768, 2560  # the demo model
 
@@ -86,8 +89,10 @@ class Decoder:
             q = self._rope(q.view(b, 1, HEADS, HEAD_DIM).transpose(1, 2), pos)
             k_cache.scatter_(2, where, self._rope(k.view(b, 1, KV_HEADS, HEAD_DIM).transpose(1, 2), pos))
             v_cache.scatter_(2, where, v.view(b, 1, KV_HEADS, HEAD_DIM).transpose(1, 2))
-            attn = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-            x = x + attn.transpose(1, 2).reshape(b, 1, HEADS * HEAD_DIM) @ layer.o.T
+            # a KV head's query heads as its query rows, as the engines' decode attention does
+            qg = q.reshape(b, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+            attn = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask)
+            x = x + attn.reshape(b, 1, HEADS * HEAD_DIM) @ layer.o.T
             gate, up = (self._rms(x, layer.norm2) @ layer.gate_up.T).chunk(2, -1)
             x = x + (F.silu(gate) * up) @ layer.down.T
         return (self._rms(x, self.norm) @ self.head.T)[:, 0].float()
@@ -101,6 +106,13 @@ def per_step_ms(run: Any, steps: int) -> float:
 
 
 def measure(batch: int, context: int, steps: int, device: str) -> dict[str, float]:
+    """Under the engines' attention backends (cuDNN left out on CUDA) and inference mode."""
+    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if device == "cuda" else contextlib.nullcontext()
+    with torch.inference_mode(), backends:
+        return _measure(batch, context, steps, device)
+
+
+def _measure(batch: int, context: int, steps: int, device: str) -> dict[str, float]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     decoder = Decoder(batch, context, device, dtype)
     tokens = torch.randint(10, VOCAB, (batch,), device=device)
