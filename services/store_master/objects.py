@@ -8,11 +8,11 @@ swaps them. Records serialise to msgpack-native lists for Redis (``to_wire``).
 The per-object records (:class:`ObjectEntry`, :class:`PendingPut`, :class:`Replica`) are msgspec
 Structs that CPython's garbage collector does not track (``gc=False``), their replicas in tuples
 (which CPython stops tracking once they hold only untracked objects), and a replica's kept
-descriptor holds only strings, ints and None (see services.store_master.replies). A full collection
-walks every tracked object and stops the master meanwhile: as dataclasses in lists, each stored
-object was four tracked objects and a full collection took 106 ms at 100,000 objects
-(``loadtests/bench_gc.py --heap store-master``). An untracked object is never collected as part of
-a cycle, so no record refers back to anything that refers to it.
+descriptor is a plain tuple of strings, ints and None (see services.store_master.replies). A full
+collection walks every tracked object and stops the master meanwhile: as dataclasses in lists,
+each stored object was four tracked objects and a full collection took ~110 ms at 100,000 objects
+(``loadtests/bench_gc.py`` measures both shapes). An untracked object is never collected as part
+of a cycle, so no record refers back to anything that refers to it.
 """
 
 from __future__ import annotations
