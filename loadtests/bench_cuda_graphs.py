@@ -28,9 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
+from yutu.engine.default_model import demo_hf_config
 from yutu.engine.model_runner import CUDA_SDPA_BACKENDS
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 8, 2, 32, 768, 2560  # the demo model
+DEMO = demo_hf_config(vocab_size=2560)  # the demo model's shape (its vocabulary: 2,560 tokens)
+HIDDEN, LAYERS, FFN, VOCAB = DEMO["hidden_size"], DEMO["num_hidden_layers"], DEMO["intermediate_size"], 2560
+HEADS, KV_HEADS, HEAD_DIM = DEMO["num_attention_heads"], DEMO["num_key_value_heads"], DEMO["head_dim"]
 
 
 @dataclass
@@ -59,7 +62,8 @@ class Decoder:
             for _ in range(LAYERS)
         ]  # fmt: skip
         self.embed, self.head, self.norm = weight(VOCAB, HIDDEN), weight(VOCAB, HIDDEN), ones
-        self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM))
+        steps = torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM
+        self.inv_freq = 1.0 / (DEMO["rope_theta"] ** steps)
         self.positions = torch.arange(context, device=device)
         shape = (batch, KV_HEADS, context, HEAD_DIM)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(LAYERS)]
@@ -68,7 +72,8 @@ class Decoder:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(self.dtype) * weight
+        scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + DEMO["rms_norm_eps"])
+        return (xf * scale).to(self.dtype) * weight
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         freqs = pos.float()[:, None] * self.inv_freq[None]

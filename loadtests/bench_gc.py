@@ -189,19 +189,9 @@ def main() -> None:
         return
     results: dict[str, Any] = {}
     for heap in ("engine", "gateway", "store-master"):
-        argv = [
-            sys.executable,
-            __file__,
-            "--heap",
-            heap,
-            "--repeat",
-            str(args.repeat),
-            "--requests",
-            str(args.requests),
-            "--objects",
-            str(args.objects),
-        ]
-        argv += ["--model", args.model] if args.model else []  # fmt: skip
+        argv = [sys.executable, __file__, "--heap", heap, "--repeat", str(args.repeat),
+                "--requests", str(args.requests), "--objects", str(args.objects)]  # fmt: skip
+        argv += ["--model", args.model] if args.model else []
         child = subprocess.run(argv, capture_output=True, text=True, check=False)
         if child.returncode != 0:
             raise SystemExit(f"the {heap} measurement failed:\n{child.stderr[-3000:]}")
