@@ -1,6 +1,7 @@
 """The serving benchmark (issue #9): the whole stack against the engine alone, same shapes, same run.
 
-    .venv/bin/python loadtests/bench_serving.py [--stacks mixed,disagg] [--vllm auto] [--out bench_serving.json]
+    .venv/bin/python loadtests/bench_serving.py [--stacks mixed,disagg] [--vllm auto] [--trace TRACE.jsonl]
+        [--out bench_serving.json]
 
 Scenarios (the demo model's shape, token-id prompts, greedy, ``ignore_eos``, streaming; each token's
 arrival is read from its logprobs entry, ``logprobs: 0`` on both sides, since the random demo weights
@@ -9,6 +10,20 @@ rarely produce whole UTF-8 characters and text deltas would lag behind the token
 1. ``sequential``: 20 prompts of 1024 fresh tokens one after another, 64 tokens out: TTFT and TPOT.
 2. ``cached``: the same with an 896-token prefix already cached (served once before): TTFT, TPOT.
 3. ``concurrent``: 16 requests of 512 tokens in, 128 out, all at once: output tokens/s, TPOT.
+
+Two more rows of issue #9's table are measured by other clients, once per server after its
+scenarios; they have no engine-only counterpart (printed per server, and beside vLLM's):
+
+4. ``trace`` (``--trace FILE``): a Mooncake trace's first ``--trace-requests`` (200) requests,
+   ``--trace-speed`` (3) times faster than recorded, each sent at its time whatever the others do,
+   token ids made as ``replay.py`` makes them (64 per 512-token block, shared blocks shared, a prompt
+   cut to fit 4,096 tokens): the share of requests with TTFT <= 1 s and TBT <= 100 ms (``replay.py``'s
+   TBT: the mean of a request's worst 10% of gaps; a failed request meets neither), TTFT and TBT.
+5. ``vllm_client`` (with ``--vllm``): vLLM's own benchmark client (``vllm bench serve``, through
+   ``loadtests/vllm_client.py`` and the vLLM virtualenv's interpreter): random text prompts of the
+   concurrent scenario's shape, 16 at a time, 128 in all, ``ignore_eos``: output tokens/s, TTFT,
+   TPOT, ITL p99. It tokenizes text and runs on the same cores: where a server's per-token cost
+   shows when the CPU is contended.
 
 Each scenario runs through the gateway (OpenAI streaming API) of each stack in ``--stacks``:
 ``mixed`` (``yutu up --store-nodes 0 --workers 1``) and ``disagg`` (``yutu up --prefill 1
@@ -63,16 +78,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 import httpx  # noqa: E402
 from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E402
 from medians import median_of  # noqa: E402
+from replay_report import tbt_ms  # noqa: E402
+from replay_trace import Synthesis, WireRequest, plan, read_trace  # noqa: E402
 from vllm_peer import CONFIGS as VLLM_CONFIGS  # noqa: E402
-from vllm_peer import VllmServer  # noqa: E402
+from vllm_peer import VllmServer, clean_environ  # noqa: E402
 from vllm_peer import default_python as vllm_default_python  # noqa: E402
 
 WORK_PREFIX = "yutu-bench-serving-"
+MAX_MODEL_LEN = 4096  # every server's and the engine's (StackSpec's default, vllm_peer's)
 STACKS = {
     "mixed": StackSpec("mixed", workers=1, store_nodes=0),
     "disagg": StackSpec("disagg", prefill=1, decode=1),
@@ -88,6 +107,7 @@ class Shapes:
     concurrent: int = 16
     concurrent_prompt: int = 512
     concurrent_out: int = 128
+    client_waves: int = 8  # vLLM's client: concurrent x this many prompts of the concurrent scenario's shape
     seed: int = 0
 
 
@@ -144,7 +164,7 @@ def engine_only(model_dir: Path, setup: EngineSetup, shapes: Shapes) -> dict[str
         EngineConfig(
             model_dir=model_dir,
             kv_cache_memory_bytes=256 * 2**20,
-            max_model_len=4096,
+            max_model_len=MAX_MODEL_LEN,
             prefill_threads=setup.prefill,
             max_num_batched_tokens=setup.step_tokens,
             max_prefill_step_tokens=setup.prefill_step_tokens,
@@ -247,6 +267,103 @@ async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> di
     return results
 
 
+# -- the two rows measured by other clients: a Mooncake trace, vLLM's own client ---------------------
+
+SLO_TTFT_MS, SLO_TBT_MS = 1000.0, 100.0  # the trace row's SLOs (issue #9; replay.py's defaults)
+TRACE_BLOCK_TOKENS = 64  # wire tokens per 512-token trace block (replay.py's default)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """The rows beyond the three scenarios, each measured once per server: a Mooncake trace's
+    first requests replayed open loop (``--trace``), and vLLM's own benchmark client (with ``--vllm``)."""
+
+    trace: Path | None = None
+    trace_requests: int = 200
+    trace_speed: float = 3.0
+    vllm: Path | None = None  # the interpreter of vLLM's client
+
+
+def trace_plan(extras: Extras, vocab: int, max_model_len: int) -> list[WireRequest]:
+    """The trace's requests as replay.py sends them: token ids per 512-token block, at their times."""
+    assert extras.trace is not None
+    trace = read_trace(extras.trace, 0, extras.trace_requests)
+    synthesis = Synthesis(vocab_size=vocab, max_model_len=max_model_len, block_tokens=TRACE_BLOCK_TOKENS)
+    return plan(trace, synthesis, extras.trace_speed)
+
+
+async def through_trace(url: str, model: str, wire: list[WireRequest]) -> dict[str, float]:
+    """Each request sent at its time whatever the others do; token times from the logprobs entries,
+    as in the scenarios. ``slo_share``: requests with TTFT <= 1 s and TBT (replay.py's: the mean of
+    each request's worst 10% of gaps) <= 100 ms, of all sent; a failed request meets neither."""
+    limits = httpx.Limits(max_connections=len(wire), max_keepalive_connections=len(wire))
+    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as http:
+        start = time.perf_counter()
+
+        async def one(req: WireRequest) -> list[float] | None:
+            await asyncio.sleep(max(0.0, req.send_at_s - (time.perf_counter() - start)))
+            try:
+                return await _stream(http, model, list(req.prompt), req.max_tokens)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                print(f"  trace line {req.trace.line + 1}: {type(exc).__name__}: {exc}", flush=True)
+                return None
+
+        runs = await asyncio.gather(*(one(req) for req in wire))
+    return trace_figures(list(runs))
+
+
+def trace_figures(runs: list[list[float] | None]) -> dict[str, float]:
+    """The trace row from each request's token times (seconds after its send; None: it failed)."""
+    done = [t for t in runs if t is not None]
+    tbts = [tbt_ms(t) for t in done]
+    met = sum(
+        t[0] * 1e3 <= SLO_TTFT_MS and (b is None or b <= SLO_TBT_MS) for t, b in zip(done, tbts, strict=True)
+    )
+    ttfts = [t[0] * 1e3 for t in done] or [0.0]
+    known = [b for b in tbts if b is not None] or [0.0]
+    return {"slo_share": met / len(runs), "ttft_p50_ms": _pct(ttfts, 50), "ttft_p99_ms": _pct(ttfts, 99),
+            "tbt_p50_ms": _pct(known, 50), "tbt_p99_ms": _pct(known, 99),
+            "failed": float(len(runs) - len(done))}  # fmt: skip
+
+
+def through_vllm_client(python: Path, url: str, model: str, model_dir: Path, shapes: Shapes,
+                        work: Path) -> dict[str, float]:  # fmt: skip
+    """vLLM's ``bench serve`` (``vllm_client.py``) against ``url``: random text prompts of the
+    concurrent scenario's shape, as many at once, ``client_waves`` times over, ``ignore_eos``."""
+    name = f"vllm-client-{time.monotonic_ns()}.json"
+    argv = [str(python), str(HERE / "vllm_client.py"), "--backend", "vllm", "--base-url", url, "--model", model,
+            "--tokenizer", str(model_dir), "--dataset-name", "random",
+            "--random-input-len", str(shapes.concurrent_prompt), "--random-output-len", str(shapes.concurrent_out),
+            "--max-concurrency", str(shapes.concurrent), "--num-prompts", str(shapes.concurrent * shapes.client_waves),
+            "--ignore-eos", "--seed", str(shapes.seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(work),
+            "--result-filename", name]  # fmt: skip
+    done = subprocess.run(argv, env=clean_environ(), cwd=work, capture_output=True, text=True, timeout=900,
+                          check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"vLLM's client failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    res = json.loads((work / name).read_text())
+    if res["failed"]:
+        raise RuntimeError(
+            f"vLLM's client: {res['failed']} of {res['completed'] + res['failed']} requests failed"
+        )
+    return {"tok_s": res["output_throughput"], "ttft_p50_ms": res["median_ttft_ms"],
+            "tpot_p50_ms": res["median_tpot_ms"], "itl_p99_ms": res["p99_itl_ms"]}  # fmt: skip
+
+
+def through_extras(extras: Extras, url: str, model: str, vocab: int, model_dir: Path, shapes: Shapes,
+                   work: Path) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The extra rows on one server (after its scenarios)."""
+    out: dict[str, dict[str, float]] = {}
+    if extras.trace is not None:
+        out["trace"] = asyncio.run(through_trace(url, model, trace_plan(extras, vocab, MAX_MODEL_LEN)))
+    if extras.vllm is not None:
+        out["vllm_client"] = through_vllm_client(extras.vllm, url, model, model_dir, shapes, work)
+    return out
+
+
 @dataclass(frozen=True)
 class EngineSetup:
     """An engine's torch threads (for most steps, and for a wide step: a long prompt's chunk) and
@@ -291,13 +408,14 @@ def vllm_python(choice: str) -> Path | None:
     return python
 
 
-def through_vllm(python: Path, config: str, model_dir: Path, vocab: int, shapes: Shapes,
-                 work: Path) -> dict[str, Any]:  # fmt: skip
+def through_vllm(python: Path, config: str, model_dir: Path, vocab: int, shapes: Shapes, work: Path,
+                 extras: Extras) -> dict[str, Any]:  # fmt: skip
     """One vLLM configuration: started, measured like a stack, stopped (``vllm_peer``)."""
     with VllmServer(python, model_dir, config, work / f"vllm-{config}.log") as server:
         measured = asyncio.run(through_server(server.url, server.served_name, vocab, shapes))
+        extra = through_extras(extras, server.url, server.served_name, vocab, model_dir, shapes, work)
         return {"command": server.command, "env": server.env, "version": server.version, "url": server.url,
-                "startup_s": server.startup_s, "server": measured}  # fmt: skip
+                "startup_s": server.startup_s, "server": measured, "extra": extra}  # fmt: skip
 
 
 def turns(stacks: list[str], configs: list[str]) -> list[tuple[str, str]]:
@@ -311,11 +429,14 @@ def turns(stacks: list[str], configs: list[str]) -> list[tuple[str, str]]:
 
 
 def compare_to_vllm(stack: dict[str, Any], peers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per row of :data:`ROWS`: the stack's figure, each configuration's, the better configuration,
-    the ratio stack / better, and whether the stack is ahead (lower time, higher tok/s)."""
+    """Per row of :data:`ROWS` (and of :data:`EXTRA_ROWS` that every side measured): the stack's
+    figure, each configuration's, the better configuration, the ratio stack / better, and whether
+    the stack is ahead (lower time, higher tok/s or share meeting the SLOs)."""
     rows: dict[str, dict[str, Any]] = {}
-    for scen, fig in ROWS:
-        higher_wins = fig == "tok_s"
+    for scen, fig in ROWS + EXTRA_ROWS:
+        if scen not in stack or any(scen not in peer for peer in peers.values()):
+            continue
+        higher_wins = fig in HIGHER_WINS
         theirs = {cfg: peer[scen][fig] for cfg, peer in peers.items()}
         best = (max if higher_wins else min)(theirs, key=lambda cfg: theirs[cfg])
         ours = stack[scen][fig]
@@ -334,7 +455,8 @@ def vllm_report(results: dict[str, Any]) -> str:
     ]
     results["vs_vllm"] = {}
     for name, res in results["stacks"].items():
-        rows = compare_to_vllm(res["stack"], {cfg: run["server"] for cfg, run in peers.items()})
+        rows = compare_to_vllm({**res["stack"], **res["extra"]},
+                               {cfg: {**run["server"], **run["extra"]} for cfg, run in peers.items()})  # fmt: skip
         results["vs_vllm"][name] = rows
         head = "".join(f"{'vLLM ' + cfg:>14}" for cfg in peers)
         lines += [f"\n{name} against vLLM:", f"  {'scenario':<11}{'figure':<13}{name:>10}{head}"
@@ -354,6 +476,26 @@ def vllm_report(results: dict[str, Any]) -> str:
 ROWS = (("sequential", "ttft_p50_ms"), ("sequential", "tpot_p50_ms"), ("sequential", "itl_p99_ms"),
         ("cached", "ttft_p50_ms"), ("cached", "tpot_p50_ms"), ("concurrent", "tok_s"),
         ("concurrent", "tpot_p50_ms"), ("concurrent", "itl_p99_ms"))  # fmt: skip
+# The rows other clients measure (Extras), where run: a trace's share meeting its SLOs and TTFT,
+# vLLM's client's throughput and TPOT.
+EXTRA_ROWS = (("trace", "slo_share"), ("trace", "ttft_p50_ms"), ("trace", "tbt_p99_ms"),
+              ("vllm_client", "tok_s"), ("vllm_client", "tpot_p50_ms"))  # fmt: skip
+HIGHER_WINS = {"tok_s", "slo_share"}
+
+
+def extras_report(results: dict[str, Any]) -> str:
+    """The extra rows of each stack (and vLLM configuration), as measured."""
+    servers = {name: res["extra"] for name, res in results["stacks"].items()}
+    servers |= {f"vLLM {cfg}": run["extra"] for cfg, run in results.get("vllm", {}).items()}
+    lines = []
+    for scen, what in (("trace", "Mooncake trace, open loop"), ("vllm_client", "vLLM's own client")):
+        measured = {name: extra[scen] for name, extra in servers.items() if scen in extra}
+        if not measured:
+            continue
+        figs = list(next(iter(measured.values())))
+        lines += [f"\n{what} ({scen}):", f"  {'server':<16}" + "".join(f"{f:>13}" for f in figs)]
+        lines += [f"  {name:<16}" + "".join(f"{v[f]:>13.2f}" for f in figs) for name, v in measured.items()]
+    return "\n".join(lines)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -394,17 +536,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure each stack this many times against the engine, alternating; print medians")  # fmt: skip
     p.add_argument("--vllm", default="off",
                    help="vLLM peer's python: 'auto' (loadtests/setup_vllm.sh's, if made), 'off' (default) or a path")  # fmt: skip
+    p.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+                   help="also replay this Mooncake trace's first requests through every server (the trace row)")  # fmt: skip
+    p.add_argument("--trace-requests", type=int, default=Extras.trace_requests,
+                   help="requests of the trace row (from its first line)")  # fmt: skip
+    p.add_argument("--trace-speed", type=float, default=Extras.trace_speed,
+                   help="the trace row's arrivals this many times faster than recorded")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--setup", default=None, help=argparse.SUPPRESS)  # EngineSetup's JSON, with --engine-only
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
-    if args.sequential < 1 or args.rounds < 1:
-        raise SystemExit("bench_serving: error: --sequential and --rounds must be >= 1")
+    if args.sequential < 1 or args.rounds < 1 or args.trace_requests < 1:
+        raise SystemExit("bench_serving: error: --sequential, --rounds and --trace-requests must be >= 1")
+    if args.trace_speed <= 0:
+        raise SystemExit("bench_serving: error: --trace-speed must be > 0")
+    if args.trace is not None:
+        try:  # a bad trace is told now, not after the first stack's run
+            read_trace(args.trace, 0, args.trace_requests)
+        except ValueError as exc:
+            raise SystemExit(f"bench_serving: error: --trace: {exc}") from None
     if args.shapes is not None:
         shapes = Shapes(**json.loads(args.shapes))
     elif args.quick:
         shapes = Shapes(sequential=2, prompt=128, out=6, cached_prefix=96, concurrent=4, concurrent_prompt=64,
-                        concurrent_out=6)  # fmt: skip
+                        concurrent_out=6, client_waves=2)  # fmt: skip
     else:
         shapes = Shapes(sequential=args.sequential)
     if args.engine_only is not None:
@@ -416,7 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
     vllm = vllm_python(args.vllm)
-    results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes), "rounds": args.rounds}
+    extras = Extras(args.trace, args.trace_requests, args.trace_speed, vllm)
+    results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes), "rounds": args.rounds,
+                               "extras": {"trace": None if args.trace is None else str(args.trace),
+                                          "trace_requests": args.trace_requests, "trace_speed": args.trace_speed,
+                                          "vllm_client": vllm is not None}}  # fmt: skip
     if vllm is not None:
         results |= {"vllm": {}, "timeline": []}
     model_dir, vocab = Path(), 0  # the served checkpoint, from the first stack (it runs first)
@@ -426,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "vllm":
                 assert vllm is not None
                 print(f"... {clock} vLLM {name}", flush=True)
-                results["vllm"][name] = through_vllm(vllm, name, model_dir, vocab, shapes, work)
+                results["vllm"][name] = through_vllm(vllm, name, model_dir, vocab, shapes, work, extras)
                 results["timeline"].append(
                     {"run": f"vllm {name}", "start": clock, "s": time.monotonic() - began}
                 )
@@ -444,15 +603,18 @@ def main(argv: list[str] | None = None) -> int:
                     stack_runs.append(asyncio.run(through_stack(stack, round_shapes)))
                     if r + 1 < len(rounds):
                         engine_runs.append(engine_only_subprocess(model_dir, setup, round_shapes))
+                extra = through_extras(extras, stack.url, stack.model, vocab, model_dir, shapes, work)
             engine_runs.append(engine_only_subprocess(model_dir, setup, rounds[-1]))
             engines = [best_of(a, b) for a, b in zip(engine_runs, engine_runs[1:], strict=False)]
             results["stacks"][name] = {"command": spec.command, "engine_setup": asdict(setup),
-                                       "stack": median_of(stack_runs), "engine_only": median_of(engines),
+                                       "stack": median_of(stack_runs), "engine_only": median_of(engines), "extra": extra,
                                        "rounds": [{"stack": a, "engine_only": b} for a, b in zip(stack_runs, engines,
                                                                                                strict=True)]}  # fmt: skip
             if vllm is not None:
                 results["timeline"].append({"run": name, "start": clock, "s": time.monotonic() - began})
     print(report(results), flush=True)
+    if extras.trace is not None or vllm is not None:
+        print(extras_report(results), flush=True)
     if vllm is not None:
         print(vllm_report(results), flush=True)
     if args.out is not None:

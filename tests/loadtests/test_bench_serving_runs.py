@@ -3,7 +3,8 @@
 A smoke test of the benchmark script itself (``--quick``: tiny shapes on a real ``yutu up --workers
 1 --store-nodes 0`` stack with the demo model, and the engine alone in a subprocess with the same
 shapes): the timings are not judged, only that every scenario and figure is measured on both sides,
-the ratios are the figures' quotients, the targets are reported, and nothing is left in /dev/shm.
+the ratios are the figures' quotients, the targets are reported, a small trace is replayed through
+the stack, and nothing is left in /dev/shm. And the trace row's rules, on given token times.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from yutu.engine.default_model import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "loadtests"))
+
+from bench_serving import trace_figures  # noqa: E402
+
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 FIGURES = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms"}
 
@@ -25,10 +31,15 @@ FIGURES = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_m
 def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_path: Path) -> None:
     ensure_default_model()  # built once per machine, outside the bench's own time
     out = tmp_path / "bench_serving.json"
+    trace = tmp_path / "trace.jsonl"  # five requests, two sharing a prefix; 512-token blocks become 64
+    lines = [(0, 700, 40, [0, 1]), (100, 900, 60, [0, 2]), (150, 300, 20, [3]), (400, 1100, 90, [4, 5, 6]),
+             (420, 520, 9, [7, 8])]  # fmt: skip
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": h}) + "\n"
+                             for t, n, o, h in lines))  # fmt: skip
     before = set(SHM_ROOT.glob("yutu-bench-*"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtests" / "bench_serving.py"), "--stacks", "mixed", "--quick",
-         "--rounds", "2", "--out", str(out)],
+         "--rounds", "2", "--trace", str(trace), "--trace-speed", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -64,4 +75,32 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
                  "throughput_met": tput >= 0.85}  # fmt: skip
     assert f"TPOT at batch 1 <= 1.15x the engine's: {tpot:.2f}x" in proc.stdout
     assert f"16-concurrent tok/s >= 0.85x the engine's: {tput:.2f}x" in proc.stdout
+    assert res["extras"] == {
+        "trace": str(trace),
+        "trace_requests": 200,
+        "trace_speed": 2.0,
+        "vllm_client": False,
+    }
+    figures = run["extra"]["trace"]  # and no vLLM client without --vllm
+    assert set(run["extra"]) == {"trace"}
+    assert figures["failed"] == 0 and 0 <= figures["slo_share"] <= 1
+    assert (
+        figures["ttft_p99_ms"] >= figures["ttft_p50_ms"] > 0
+        and figures["tbt_p99_ms"] >= figures["tbt_p50_ms"] > 0
+    )
+    row = "".join(f"{figures[f]:>13.2f}" for f in figures)
+    assert "Mooncake trace, open loop (trace):" in proc.stdout and f"  {'mixed':<16}{row}" in proc.stdout
     assert set(SHM_ROOT.glob("yutu-bench-*")) <= before  # its region-file folder is gone
+
+
+def test_the_trace_row_counts_a_request_meeting_both_slos_of_every_one_sent() -> None:
+    steady = [0.2 + 0.01 * i for i in range(50)]  # TTFT 200 ms, every gap 10 ms: meets both
+    slow_start = [1.5 + 0.01 * i for i in range(50)]  # TTFT 1.5 s: misses
+    stalled = [0.1 + 0.01 * i for i in range(40)] + [1.2 + 0.01 * i for i in range(10)]  # a 710 ms gap
+    single = [0.3]  # one token: no gaps, so no TBT; its TTFT meets
+    figures = trace_figures([steady, slow_start, stalled, single, None])  # None: failed
+    assert figures["slo_share"] == pytest.approx(2 / 5)
+    assert figures["failed"] == 1.0
+    assert figures["ttft_p50_ms"] == pytest.approx(300.0) and figures["ttft_p99_ms"] == pytest.approx(1500.0)
+    # TBT: the mean of a request's worst 10% of gaps (five of 49): 10 ms steady, (710 + 4 x 10) / 5 stalled
+    assert figures["tbt_p50_ms"] == pytest.approx(10.0) and figures["tbt_p99_ms"] == pytest.approx(150.0)

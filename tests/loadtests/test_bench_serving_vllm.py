@@ -5,8 +5,8 @@ stack / better, the order in which stacks and vLLM configurations take turns, wh
 configuration sets in vLLM's environment and what of the caller's it drops, and ``--vllm``'s
 choices. With the virtualenv of ``loadtests/setup_vllm.sh`` (skipped with the reason otherwise):
 ``bench_serving --quick --vllm auto`` measures every scenario and figure through both vLLM
-configurations beside the stack and stops every server, and a peer whose starter is SIGKILLed
-still goes away by itself.
+configurations beside the stack, runs vLLM's own client against all three, and stops every
+server, and a peer whose starter is SIGKILLed still goes away by itself.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from yutu.engine.default_model import ensure_default_model
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "loadtests"))
 
-from bench_serving import ROWS, compare_to_vllm, turns, vllm_python  # noqa: E402
+from bench_serving import EXTRA_ROWS, ROWS, compare_to_vllm, turns, vllm_python  # noqa: E402
 from vllm_peer import clean_environ, config_env, default_python, find_tcmalloc  # noqa: E402
 
 FIGURES = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms"}
@@ -62,6 +62,21 @@ def test_the_better_configuration_is_the_lower_time_and_the_higher_throughput() 
     ahead = compare_to_vllm(_figures(0.5), {"default": default, "tuned": tuned})
     assert all(r["ahead"] for k, r in ahead.items() if k != "concurrent/tok_s")
     assert ahead["sequential/ttft_p50_ms"]["ratio"] == 0.5
+
+
+def test_the_extra_rows_compare_where_every_side_measured_them_a_higher_share_winning() -> None:
+    stack, default, tuned = _figures(2.0), _figures(1.0), _figures(4.0)
+    stack["trace"] = {"slo_share": 0.9, "ttft_p50_ms": 400.0, "tbt_p99_ms": 50.0}
+    default["trace"] = {"slo_share": 0.2, "ttft_p50_ms": 900.0, "tbt_p99_ms": 300.0}
+    tuned["trace"] = {"slo_share": 0.6, "ttft_p50_ms": 500.0, "tbt_p99_ms": 150.0}
+    stack["vllm_client"] = {"tok_s": 1000.0, "tpot_p50_ms": 8.0}  # vLLM's client not run against tuned
+    default["vllm_client"] = {"tok_s": 900.0, "tpot_p50_ms": 9.0}
+    rows = compare_to_vllm(stack, {"default": default, "tuned": tuned})
+    assert list(rows) == [f"{s}/{f}" for s, f in ROWS] + [f"{s}/{f}" for s, f in EXTRA_ROWS if s == "trace"]
+    assert rows["trace/slo_share"] == {"stack": 0.9, "default": 0.2, "tuned": 0.6, "best": "tuned", "ratio": 1.5,
+                                       "ahead": True}  # fmt: skip
+    assert rows["trace/ttft_p50_ms"]["best"] == "tuned" and rows["trace/ttft_p50_ms"]["ahead"]
+    assert rows["trace/tbt_p99_ms"]["ratio"] == 50.0 / 150.0
 
 
 def test_stacks_and_vllm_configurations_take_turns_a_stack_first() -> None:
@@ -159,6 +174,10 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
     for run in res["vllm"].values():
         assert run["version"] == "0.32.0" and run["startup_s"] > 0
         assert set(run["server"]) == {"sequential", "cached", "concurrent"}
+        client = run["extra"]["vllm_client"]  # vLLM's own client against it too
+        assert set(client) == {"tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms"} and client["tok_s"] > 0, (
+            client
+        )
         for scenario, figures in run["server"].items():
             assert set(figures) == FIGURES | ({"tok_s"} if scenario == "concurrent" else set())
             # an ITL may be 0: vLLM's server sends the tokens it has in one event when the client lags
@@ -166,8 +185,10 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
             assert figures["itl_p99_ms"] >= figures["itl_p50_ms"] >= 0, (scenario, figures)
         assert _api_servers_on(int(run["url"].rsplit(":", 1)[1])) == []  # stopped again
     rows = res["vs_vllm"]["mixed"]
-    assert len(rows) == len(ROWS)
-    stack, peers = res["stacks"]["mixed"]["stack"], {c: r["server"] for c, r in res["vllm"].items()}
+    assert len(rows) == len(ROWS) + 2  # and vLLM's client's throughput and TPOT
+    assert set(res["stacks"]["mixed"]["extra"]["vllm_client"]) == set(client)
+    stack = res["stacks"]["mixed"]["stack"] | res["stacks"]["mixed"]["extra"]
+    peers = {c: r["server"] | r["extra"] for c, r in res["vllm"].items()}
     assert rows == compare_to_vllm(stack, peers)
     for key, row in rows.items():
         scen, fig = key.split("/")
@@ -177,7 +198,8 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
             in proc.stdout
         )
     ahead = sum(r["ahead"] for r in rows.values())
-    assert f"mixed ahead of the better vLLM configuration on {ahead} of {len(ROWS)} rows" in proc.stdout
+    assert f"mixed ahead of the better vLLM configuration on {ahead} of {len(rows)} rows" in proc.stdout
+    assert "vLLM's own client (vllm_client):" in proc.stdout
 
 
 @needs_vllm
