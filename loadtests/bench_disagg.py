@@ -3,7 +3,9 @@
     .venv/bin/python loadtests/bench_disagg.py [--only store-hit,handoff,trace,policies] [--out bench.json]
 
 Each scenario starts the ``yutu up`` stacks it needs (the demo model, 4096 positions), measures,
-and stops them; every number in a comparison comes from the same run. Scenarios:
+and stops them; every number in a comparison comes from the same run. The disaggregated stacks run
+with ``--no-prefill-stealing`` (``yutu up`` turns stealing on): every prefill on a prefill
+instance, the path these scenarios measure. Scenarios:
 
 1. ``store-hit``: ``--prefill 2 --decode 1 --policy round_robin --disagg-threshold 0`` (so a
    16-token remainder still goes to a prefill instance). TTFT of a cold prompt A against a prompt
@@ -78,7 +80,8 @@ SCENARIOS = ("store-hit", "handoff", "threshold", "trace", "policies", "sweep")
 DEFAULT = ("store-hit", "handoff", "threshold", "trace", "policies")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 WORK_PREFIX = "yutu-bench-disagg-"
-PROBE_STACK = StackSpec("probes", prefill=2, decode=1, policy="round_robin", disagg_threshold=0)
+PROBE_STACK = StackSpec("probes", prefill=2, decode=1, policy="round_robin", disagg_threshold=0,
+                        prefill_stealing=False)  # fmt: skip
 
 
 def _floats(text: str) -> tuple[float, ...]:

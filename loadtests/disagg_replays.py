@@ -11,6 +11,8 @@ and replayed by ``loadtests/replay.py`` (``block_tokens`` wire tokens per 512-to
 
 Before each replay, every engine is warmed with unrelated prompts (torch's first steps are slow).
 The replay's own seed synthesises the tokens; a stack is fresh for each replay of a comparison.
+The disaggregated stacks run without prefill stealing (``--no-prefill-stealing``; ``yutu up``
+turns it on): these scenarios measure disaggregation itself, every prefill on a prefill instance.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ RunStack = Callable[[StackSpec], Stack]
 
 def run_trace(cfg: TraceConfig, trace: Path, open_stack: RunStack) -> dict[str, Any]:
     """(a) 1P+1D, 1 torch thread each, and (b) one mixed worker with 2 threads: same slice, same load."""
-    specs = {"1P+1D": StackSpec("trace-1p1d", prefill=1, decode=1, torch_threads=1),
+    specs = {"1P+1D": StackSpec("trace-1p1d", prefill=1, decode=1, torch_threads=1, prefill_stealing=False),
              "mixed": StackSpec("trace-mixed", workers=1, torch_threads=2)}  # fmt: skip
     runs: dict[str, Any] = {}
     for label, spec in specs.items():
@@ -170,7 +172,7 @@ def run_policies(cfg: TraceConfig, trace: Path, open_stack: RunStack) -> dict[st
     for round_ in range(1, cfg.policy_rounds + 1):
         for policy in cfg.policies:
             spec = StackSpec(f"policy-{policy}-{round_}", prefill=2, decode=2, torch_threads=1, policy=policy,
-                             store_nodes=cfg.policy_store_nodes)  # fmt: skip
+                             store_nodes=cfg.policy_store_nodes, prefill_stealing=False)  # fmt: skip
             label = policy if cfg.policy_rounds == 1 else f"{policy} #{round_}"
             with open_stack(spec) as stack:
                 s = replay_on(stack, cfg, trace, cfg.time_scale, cfg.seed)
@@ -201,7 +203,7 @@ def format_policies(res: dict[str, Any], head: str) -> str:
 def run_sweep(cfg: TraceConfig, trace: Path, open_stack: RunStack) -> dict[str, Any]:
     """The trace stacks at each of ``sweep_scales`` (the first ``sweep_duration_s`` of the replay):
     where completed requests stop following the offered rate and TTFT climbs is saturation."""
-    specs = {"1P+1D": StackSpec("sweep-1p1d", prefill=1, decode=1, torch_threads=1),
+    specs = {"1P+1D": StackSpec("sweep-1p1d", prefill=1, decode=1, torch_threads=1, prefill_stealing=False),
              "mixed": StackSpec("sweep-mixed", workers=1, torch_threads=2)}  # fmt: skip
     points: dict[str, Any] = {}
     for label, spec in specs.items():

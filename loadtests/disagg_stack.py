@@ -61,6 +61,7 @@ class StackSpec:
     admin_token: str | None = None  # the conductor's: lets the bench change the policy at run time
     store_nodes: int | None = None  # None: yutu up's default
     engine_core: str | None = None  # None: yutu up's default (process)
+    prefill_stealing: bool | None = None  # None: yutu up's default (on); False measures disaggregation alone
 
     def argv(self, port: int, redis_url: str, log_dir: Path) -> list[str]:
         argv = [sys.executable, "-m", "yutu.cli", "up", "--port", str(port), "--redis-url", redis_url,
@@ -83,6 +84,8 @@ class StackSpec:
             argv += ["--disagg-threshold", str(self.disagg_threshold)]
         if self.admin_token is not None:
             argv += ["--admin-token", self.admin_token]
+        if self.prefill_stealing is not None:  # a flag without a value: last, after the pairs
+            argv.append("--prefill-stealing" if self.prefill_stealing else "--no-prefill-stealing")
         return argv
 
     @property
@@ -90,8 +93,10 @@ class StackSpec:
         """The yutu up options, as a user would type them (ports and paths left out)."""
         argv = self.argv(0, "-", Path("-"))
         skip = {"--port", "--redis-url", "--log-dir", "--ready-timeout", "--max-restarts", "--admin-token"}
-        shown = [f"{a} {b}" for a, b in zip(argv[4::2], argv[5::2], strict=True) if a not in skip]
-        return "yutu up " + " ".join(shown)
+        flag = argv[-1:] if self.prefill_stealing is not None and self.workers is None else []
+        pairs = argv[4 : len(argv) - len(flag)]
+        shown = [f"{a} {b}" for a, b in zip(pairs[::2], pairs[1::2], strict=True) if a not in skip]
+        return "yutu up " + " ".join(shown + flag)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from disagg_probes import Prompts, _block_size, _expect, _store_objects, _writte
 from disagg_stack import Stack, StackError, StackSpec, wait_for
 
 ADMIN_TOKEN = "bench-threshold"
-THRESHOLD_STACK = StackSpec("threshold", prefill=1, decode=1, torch_threads=1, admin_token=ADMIN_TOKEN)
+THRESHOLD_STACK = StackSpec("threshold", prefill=1, decode=1, torch_threads=1, admin_token=ADMIN_TOKEN,
+                            prefill_stealing=False)  # fmt: skip
 FAR_FUTURE_TOKENS = 3000  # background streams: long enough to outlive a measurement
 
 

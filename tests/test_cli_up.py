@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -72,7 +73,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         [sys.executable, "-m", "yutu.cli", "up", "--model", str(checkpoint), "--port", str(port),
          "--redis-url", redis_url, "--redis-dir", str(tmp_path / "redis"), "--log-dir", str(tmp_path / "logs"),
          "--kv-cache-memory-mib", "64", "--store-segment-size", "32MiB", "--api-key", "sekrit-key", "--log-format", "json",
-         "--prefill-stealing"],
+         "--no-prefill-stealing"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -132,7 +133,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         master = rows[("store-master", "store-master")]["load"]
         assert master["objects"] >= 1 and master["capacity"] == 32 * 2**20  # the round trip's object
         conductor = rows[("conductor", "conductor")]["load"]
-        assert conductor["policy"] == "kvcentric" and conductor["prefill_stealing"] is True  # passed on
+        assert conductor["policy"] == "kvcentric" and conductor["prefill_stealing"] is False  # passed on
         table = subprocess.run([sys.executable, "-m", "yutu.cli", "status", "--redis-url", redis_url],
                                capture_output=True, text=True, timeout=60).stdout  # fmt: skip
         assert table.splitlines()[0].split() == ["KIND", "INSTANCE", "READY", "ENDPOINT", "LOAD"]
@@ -265,3 +266,21 @@ def test_prefill_threads_per_engine_follow_the_documented_rule(
     from yutu.cli import prefill_threads
 
     assert prefill_threads(torch_threads, cpus) == threads
+
+
+def test_up_steals_prefills_by_default_and_the_conductor_does_not(tmp_path: Path) -> None:
+    """yutu up's instances share one host's cores, so its conductor lets a decode instance take a
+    prefill off a long queue (docs/architecture.md); a conductor on its own keeps it off."""
+    from yutu.cli import stack_specs, up_parser
+    from yutu.config import add_policy_options
+
+    def conductor_argv(*flags: str) -> tuple[str, ...]:
+        args = up_parser().parse_args(["--redis-url", "redis://127.0.0.1:1/0", *flags])
+        (spec,) = [s for s in stack_specs(args, tmp_path, "m") if s.name == "conductor"]
+        return spec.argv
+
+    assert "--prefill-stealing" in conductor_argv() and "--no-prefill-stealing" not in conductor_argv()
+    assert "--no-prefill-stealing" in conductor_argv("--no-prefill-stealing")
+    alone = argparse.ArgumentParser()
+    add_policy_options(alone, scope="conductor")
+    assert alone.parse_args([]).prefill_stealing is False

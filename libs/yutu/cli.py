@@ -170,7 +170,9 @@ def up_parser() -> argparse.ArgumentParser:
         help="where each instance's model runs: process (its own child process) or thread (inside the worker)",
     )
     conductor = parser.add_argument_group("conductor (disaggregated stack)")
-    add_policy_options(conductor, scope="")
+    # Prefill stealing on: one host's instances share its cores, and a decode instance that takes a
+    # prefill off a long queue puts its own core to work on it (docs/architecture.md, measured).
+    add_policy_options(conductor, scope="", prefill_stealing=True)
     option(
         conductor,
         "--admin-token",

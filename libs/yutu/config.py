@@ -252,8 +252,11 @@ DEFAULT_POLICY = "kvcentric"
 DEFAULT_DISAGG_THRESHOLD = 32
 
 
-def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str) -> None:
-    """The placement options ``yutu conductor`` takes and ``yutu up`` passes on (same names)."""
+def add_policy_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, scope: str, prefill_stealing: bool = False
+) -> None:
+    """The placement options ``yutu conductor`` takes and ``yutu up`` passes on (same names);
+    ``prefill_stealing``: that option's default (``yutu up``'s differs: docs/architecture.md)."""
     from yutu.sched import POLICIES  # local: yutu.sched is only needed by the commands that place
 
     opt = partial(option, scope=scope)
@@ -269,7 +272,7 @@ def add_policy_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         parser,
         "--prefill-stealing",
         type=bool,
-        default=False,
+        default=prefill_stealing,
         help="a decode instance takes a prefill off a prefill instance's queue when it would finish it "
         "sooner and that saves more time than it adds to the sequences decoding there",
     )

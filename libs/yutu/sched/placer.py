@@ -25,7 +25,8 @@
    time) and, under a TBT SLO, the stall fits the SLO as in "Overflow". Dynamo's disaggregated
    router makes the same call with a fixed bound (remote only while the prefill queue is short);
    here the cost models judge it. It trades the TBT tail (and work on a decode that may be the
-   bottleneck) for TTFT: measured in docs/architecture.md, hence off by default.
+   bottleneck) for TTFT: measured in docs/architecture.md, hence off by default (``yutu up``, whose
+   instances share one host's cores, turns it on).
 6. Early rejection: a predicted TTFT (what the request already waited before placement, then
    queue + transfer + prefill) above ``slo_ttft_s`` or TBT above ``slo_tbt_s`` rejects the
    request with a ``retry_after_s`` estimate -- once the cost model behind the prediction is
