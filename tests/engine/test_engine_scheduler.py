@@ -250,3 +250,31 @@ def test_resume_after_preemption_hits_prefix_cache() -> None:
     assert b.chunks[0].block_table[:2] == [1, 2]
     assert c.num_cached_tokens == 0  # num_cached_tokens is the first admission's figure
     step(sched, b)
+
+
+def test_a_handed_over_request_loads_while_a_long_prompt_takes_every_token_of_the_step() -> None:
+    """A decode instance that took a long prompt on (prefill stealing) spends each step's tokens on
+    its chunks; a request handed over by a prefill instance needs none of them to start its KV copy,
+    so it is admitted (passing a prompt that waits for tokens) and decodes as soon as it loaded."""
+    bm = BlockManager(32, BS)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=5)
+    sched.add(make_seq("p", 30))
+    b1 = sched.schedule()
+    assert layout(b1) == [("p", 0, 5, False)]
+    step(sched, b1)
+    sched.add(make_seq("q", 4, first=200))  # a prompt: waits for tokens
+    handed = make_seq("h", 8, first=100)
+    handed.append_token(42)  # its first token, sampled by the prefill instance
+    handed.kv_import_tokens = 8  # the prompt's KV comes from there
+    sched.add(handed)
+    b2 = sched.schedule()
+    assert layout(b2) == [("p", 5, 5, False)]  # p took every token of the step
+    (load,) = b2.loads
+    assert load.seq_id == "h" and len(load.block_ids) == 2 and "h" in sched.loading
+    assert [s.seq_id for s in sched.waiting] == ["q"]  # still first in line for tokens
+    step(sched, b2)
+    sched.finish_load(handed, 8)
+    b3 = sched.schedule()
+    assert layout(b3) == [("h", 8, 1, True), ("p", 10, 4, False)]  # h decodes; q still waits
+    assert [s.seq_id for s in sched.waiting] == ["q"]
+    step(sched, b3)

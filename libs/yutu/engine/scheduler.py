@@ -15,7 +15,10 @@ threads: 59 ms in one step against 68 in two of 512). Order of service:
    at admission, reusing the longest cached prefix). Skipped in a step that preempted. A sequence
    whose leading KV is to be imported (``kv_import_tokens`` past its cached prefix) is admitted into
    ``loading`` instead: it gets no chunk, and the batch lists a :class:`KVLoad` naming the blocks
-   to fill. ``finish_load`` moves it to ``running`` once the copy is done.
+   to fill. ``finish_load`` moves it to ``running`` once the copy is done. Such a sequence is
+   admitted even when the step's tokens are spent -- passing prompts that wait for tokens -- so
+   the copy of a request handed over by a prefill instance overlaps the long prompt chunks of a
+   busy decode instance instead of waiting for them to end.
 
 The result is a plain :class:`ScheduledBatch`. After the forward pass the engine calls
 ``update_after_step`` so the computed counters and the prefix cache follow what the model wrote.
@@ -175,14 +178,19 @@ class Scheduler:
                 batch.chunks.append(chunk)
                 budget -= chunk.num_tokens
 
-        # 3. Admit waiting sequences in order while they fit.
+        # 3. Admit waiting sequences in order while they fit. Once the step's tokens are spent, one
+        #    whose KV is imported is still admitted, passing the prompts that wait for tokens: its
+        #    load takes none of the step's tokens, and the copy overlaps the steps that follow.
+        passed: list[Sequence] = []
         while (
             self.waiting
-            and budget > 0
             and len(self.running) + len(self.loading) < self.max_num_seqs
             and not batch.preempted_seq_ids
         ):
             seq = self.waiting[0]
+            if budget == 0 and not seq.kv_import_tokens:
+                passed.append(self.waiting.popleft())
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
@@ -206,9 +214,11 @@ class Scheduler:
                 seq.kv_import_tokens = 0
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
-            chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
-            batch.chunks.append(chunk)
-            budget -= chunk.num_tokens
+            if budget:  # else its first chunk comes in the next step (2.)
+                chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
+                batch.chunks.append(chunk)
+                budget -= chunk.num_tokens
+        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
