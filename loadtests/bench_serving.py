@@ -459,12 +459,12 @@ def vllm_report(results: dict[str, Any]) -> str:
                                {cfg: {**run["server"], **run["extra"]} for cfg, run in peers.items()})  # fmt: skip
         results["vs_vllm"][name] = rows
         head = "".join(f"{'vLLM ' + cfg:>14}" for cfg in peers)
-        lines += [f"\n{name} against vLLM:", f"  {'scenario':<11}{'figure':<13}{name:>10}{head}"
+        lines += [f"\n{name} against vLLM:", f"  {'scenario':<12}{'figure':<13}{name:>10}{head}"
                   f"{'stack/best':>12}  ahead"]  # fmt: skip
         for key, row in rows.items():
             scen, fig = key.split("/")
             theirs = "".join(f"{row[cfg]:>14.2f}" for cfg in peers)
-            lines.append(f"  {scen:<11}{fig:<13}{row['stack']:>10.2f}{theirs}{row['ratio']:>11.2f}x  "
+            lines.append(f"  {scen:<12}{fig:<13}{row['stack']:>10.2f}{theirs}{row['ratio']:>11.2f}x  "
                          f"{'yes' if row['ahead'] else 'no'} (best: {row['best']})")  # fmt: skip
         ahead = sum(row["ahead"] for row in rows.values())
         lines.append(f"  {name} ahead of the better vLLM configuration on {ahead} of {len(rows)} rows")

@@ -192,7 +192,7 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
     assert rows == compare_to_vllm(stack, peers)
     for key, row in rows.items():
         scen, fig = key.split("/")
-        line = f"  {scen:<11}{fig:<13}{row['stack']:>10.2f}{row['default']:>14.2f}{row['tuned']:>14.2f}"
+        line = f"  {scen:<12}{fig:<13}{row['stack']:>10.2f}{row['default']:>14.2f}{row['tuned']:>14.2f}"
         assert (
             f"{line}{row['ratio']:>11.2f}x  {'yes' if row['ahead'] else 'no'} (best: {row['best']})"
             in proc.stdout
