@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_serving: error: --trace-speed must be > 0")
     if args.trace is not None:
         try:  # a bad trace is told now, not after the first stack's run
-            read_trace(args.trace, 0, args.trace_requests)
+            if not read_trace(args.trace, 0, args.trace_requests):
+                raise ValueError(f"{args.trace} holds no request")
         except ValueError as exc:
             raise SystemExit(f"bench_serving: error: --trace: {exc}") from None
     if args.shapes is not None:
