@@ -37,6 +37,7 @@ READY_TIMEOUT_S = 300.0
 BANNER_END = "Ctrl-C stops everything."
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 SHM_PREFIX = "yutu-bench-"
+VALUELESS = {"--prefill-stealing", "--no-prefill-stealing"}  # yutu up options that take no value
 
 
 class StackError(Exception):
@@ -84,7 +85,7 @@ class StackSpec:
             argv += ["--disagg-threshold", str(self.disagg_threshold)]
         if self.admin_token is not None:
             argv += ["--admin-token", self.admin_token]
-        if self.prefill_stealing is not None:  # a flag without a value: last, after the pairs
+        if self.prefill_stealing is not None:
             argv.append("--prefill-stealing" if self.prefill_stealing else "--no-prefill-stealing")
         return argv
 
@@ -93,10 +94,10 @@ class StackSpec:
         """The yutu up options, as a user would type them (ports and paths left out)."""
         argv = self.argv(0, "-", Path("-"))
         skip = {"--port", "--redis-url", "--log-dir", "--ready-timeout", "--max-restarts", "--admin-token"}
-        flag = argv[-1:] if self.prefill_stealing is not None and self.workers is None else []
-        pairs = argv[4 : len(argv) - len(flag)]
+        flags = [a for a in argv[4:] if a in VALUELESS]
+        pairs = [a for a in argv[4:] if a not in VALUELESS]
         shown = [f"{a} {b}" for a, b in zip(pairs[::2], pairs[1::2], strict=True) if a not in skip]
-        return "yutu up " + " ".join(shown + flag)
+        return "yutu up " + " ".join(shown + flags)
 
 
 @dataclass(frozen=True)
