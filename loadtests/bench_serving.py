@@ -25,6 +25,12 @@ scenarios; they have no engine-only counterpart (printed per server, and beside 
    TPOT, ITL p99. It tokenizes text and runs on the same cores: where a server's per-token cost
    shows when the CPU is contended.
 
+The bench's own client (``--client``, loadtests/sse_client.py) is the same for every server: by
+default a lean HTTP/1.1 client on asyncio streams (~50 us of CPU per streamed token), since the
+client shares the machine's cores with the server it measures; ``httpx`` (the reference, ~115-150
+us a token: a quarter of one of two cores in the 16-concurrent burst) measures as runs before
+2026-12-05 did.
+
 Each scenario runs through the gateway (OpenAI streaming API) of each stack in ``--stacks``:
 ``mixed`` (``yutu up --store-nodes 0 --workers 1``) and ``disagg`` (``yutu up --prefill 1
 --decode 1``, the default topology), and on the engine alone (an ``LLMEngine`` stepped in a loop
@@ -81,16 +87,17 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import httpx  # noqa: E402
 from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E402
 from medians import median_of  # noqa: E402
 from replay_report import tbt_ms  # noqa: E402
 from replay_trace import Synthesis, WireRequest, plan, read_trace  # noqa: E402
+from sse_client import CLIENTS, EventClient, HttpxClient, LeanClient  # noqa: E402
 from vllm_peer import CONFIGS as VLLM_CONFIGS  # noqa: E402
 from vllm_peer import VllmServer, clean_environ  # noqa: E402
 from vllm_peer import default_python as vllm_default_python  # noqa: E402
 
 WORK_PREFIX = "yutu-bench-serving-"
+REQUEST_TIMEOUT_S = 300.0  # the most one streamed request of the bench's own client may take
 MAX_MODEL_LEN = 4096  # every server's and the engine's (StackSpec's default, vllm_peer's)
 STACKS = {
     "mixed": StackSpec("mixed", workers=1, store_nodes=0),
@@ -219,36 +226,39 @@ def best_of(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 # -- through the stack -----------------------------------------------------------------------------
 
 
-async def _stream(http: httpx.AsyncClient, model: str, ids: list[int], max_tokens: int) -> list[float]:
+def open_client(kind: str, url: str, connections: int = 64) -> EventClient:
+    """The bench's own client of ``url`` (``--client``; loadtests/sse_client.py)."""
+    if kind == "httpx":
+        return HttpxClient(url, REQUEST_TIMEOUT_S, connections)
+    return LeanClient(url)
+
+
+async def _stream(client: EventClient, model: str, ids: list[int], max_tokens: int) -> list[float]:
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
     times: list[float] = []
     sent = time.perf_counter()
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"completion answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"error event: {event['error']}")
-                for choice in event.get("choices", ()):  # one logprobs entry per token (random weights
-                    lp = choice.get("logprobs") or {}  # rarely make whole characters: text lags behind)
-                    times += [time.perf_counter() - sent] * len(lp.get("tokens") or ())
+    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+        async for at, event in client.events("/v1/completions", body):
+            if "error" in event:
+                raise RuntimeError(f"error event: {event['error']}")
+            for choice in event.get("choices", ()):  # one logprobs entry per token (random weights
+                lp = choice.get("logprobs") or {}  # rarely make whole characters: text lags behind)
+                times += [at - sent] * len(lp.get("tokens") or ())
     if len(times) != max_tokens:
         raise RuntimeError(f"{len(times)} deltas for {max_tokens} tokens")
     return times
 
 
-async def through_stack(stack: Stack, shapes: Shapes) -> dict[str, Any]:
-    return await through_server(stack.url, stack.model, stack.vocab_size, shapes)
+async def through_stack(stack: Stack, shapes: Shapes, client: str) -> dict[str, Any]:
+    return await through_server(stack.url, stack.model, stack.vocab_size, shapes, client)
 
 
-async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> dict[str, Any]:
+async def through_server(url: str, model: str, vocab: int, shapes: Shapes, client: str) -> dict[str, Any]:
     """The three scenarios through an OpenAI completions server (a Yutu gateway, or vLLM's)."""
     prompts = scenario_prompts(shapes, vocab)
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as http:
+    http = open_client(client, url)
+    try:
         for ids in prompts["warmup"]:
             await _stream(http, model, ids, 8)
         results: dict[str, Any] = {}
@@ -264,6 +274,8 @@ async def through_server(url: str, model: str, vocab: int, shapes: Shapes) -> di
             *(_stream(http, model, ids, shapes.concurrent_out) for ids in prompts["concurrent"])
         )
         results["concurrent"] = summarize(list(runs), time.perf_counter() - start)
+    finally:
+        await http.aclose()
     return results
 
 
@@ -282,6 +294,7 @@ class Extras:
     trace_requests: int = 200
     trace_speed: float = 3.0
     vllm: Path | None = None  # the interpreter of vLLM's client
+    client: str = "lean"  # the bench's own client, of every server (--client)
 
 
 def trace_plan(extras: Extras, vocab: int, max_model_len: int) -> list[WireRequest]:
@@ -292,23 +305,25 @@ def trace_plan(extras: Extras, vocab: int, max_model_len: int) -> list[WireReque
     return plan(trace, synthesis, extras.trace_speed)
 
 
-async def through_trace(url: str, model: str, wire: list[WireRequest]) -> dict[str, float]:
+async def through_trace(url: str, model: str, wire: list[WireRequest], client: str) -> dict[str, float]:
     """Each request sent at its time whatever the others do; token times from the logprobs entries,
     as in the scenarios. ``slo_share``: requests with TTFT <= 1 s and TBT (replay.py's: the mean of
     each request's worst 10% of gaps) <= 100 ms, of all sent; a failed request meets neither."""
-    limits = httpx.Limits(max_connections=len(wire), max_keepalive_connections=len(wire))
-    async with httpx.AsyncClient(base_url=url, timeout=300.0, limits=limits) as http:
-        start = time.perf_counter()
+    http = open_client(client, url, len(wire))
+    start = time.perf_counter()
 
-        async def one(req: WireRequest) -> list[float] | None:
-            await asyncio.sleep(max(0.0, req.send_at_s - (time.perf_counter() - start)))
-            try:
-                return await _stream(http, model, list(req.prompt), req.max_tokens)
-            except (RuntimeError, httpx.HTTPError) as exc:
-                print(f"  trace line {req.trace.line + 1}: {type(exc).__name__}: {exc}", flush=True)
-                return None
+    async def one(req: WireRequest) -> list[float] | None:
+        await asyncio.sleep(max(0.0, req.send_at_s - (time.perf_counter() - start)))
+        try:
+            return await _stream(http, model, list(req.prompt), req.max_tokens)
+        except (RuntimeError, TimeoutError) as exc:  # StreamError is a RuntimeError
+            print(f"  trace line {req.trace.line + 1}: {type(exc).__name__}: {exc}", flush=True)
+            return None
 
+    try:
         runs = await asyncio.gather(*(one(req) for req in wire))
+    finally:
+        await http.aclose()
     return trace_figures(list(runs))
 
 
@@ -358,7 +373,8 @@ def through_extras(extras: Extras, url: str, model: str, vocab: int, model_dir: 
     """The extra rows on one server (after its scenarios)."""
     out: dict[str, dict[str, float]] = {}
     if extras.trace is not None:
-        out["trace"] = asyncio.run(through_trace(url, model, trace_plan(extras, vocab, MAX_MODEL_LEN)))
+        wire = trace_plan(extras, vocab, MAX_MODEL_LEN)
+        out["trace"] = asyncio.run(through_trace(url, model, wire, extras.client))
     if extras.vllm is not None:
         out["vllm_client"] = through_vllm_client(extras.vllm, url, model, model_dir, shapes, work)
     return out
@@ -412,7 +428,7 @@ def through_vllm(python: Path, config: str, model_dir: Path, vocab: int, shapes:
                  extras: Extras) -> dict[str, Any]:  # fmt: skip
     """One vLLM configuration: started, measured like a stack, stopped (``vllm_peer``)."""
     with VllmServer(python, model_dir, config, work / f"vllm-{config}.log") as server:
-        measured = asyncio.run(through_server(server.url, server.served_name, vocab, shapes))
+        measured = asyncio.run(through_server(server.url, server.served_name, vocab, shapes, extras.client))
         extra = through_extras(extras, server.url, server.served_name, vocab, model_dir, shapes, work)
         return {"command": server.command, "env": server.env, "version": server.version, "url": server.url,
                 "startup_s": server.startup_s, "server": measured, "extra": extra}  # fmt: skip
@@ -542,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests of the trace row (from its first line)")  # fmt: skip
     p.add_argument("--trace-speed", type=float, default=Extras.trace_speed,
                    help="the trace row's arrivals this many times faster than recorded")  # fmt: skip
+    p.add_argument("--client", choices=sorted(CLIENTS), default="lean",
+                   help="the bench's own client of every server: lean (default: HTTP/1.1 on asyncio streams, "
+                        "~50 us of CPU a token) or httpx (the reference, ~115-150 us a token)")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--setup", default=None, help=argparse.SUPPRESS)  # EngineSetup's JSON, with --engine-only
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
@@ -572,11 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
     vllm = vllm_python(args.vllm)
-    extras = Extras(args.trace, args.trace_requests, args.trace_speed, vllm)
+    extras = Extras(args.trace, args.trace_requests, args.trace_speed, vllm, args.client)
     results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes), "rounds": args.rounds,
                                "extras": {"trace": None if args.trace is None else str(args.trace),
                                           "trace_requests": args.trace_requests, "trace_speed": args.trace_speed,
-                                          "vllm_client": vllm is not None}}  # fmt: skip
+                                          "vllm_client": vllm is not None}, "client": args.client}  # fmt: skip
     if vllm is not None:
         results |= {"vllm": {}, "timeline": []}
     model_dir, vocab = Path(), 0  # the served checkpoint, from the first stack (it runs first)
@@ -601,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                 vocab = stack.vocab_size
                 engine_runs = [engine_only_subprocess(model_dir, setup, shapes)]  # the stack idles meanwhile
                 for r, round_shapes in enumerate(rounds):
-                    stack_runs.append(asyncio.run(through_stack(stack, round_shapes)))
+                    stack_runs.append(asyncio.run(through_stack(stack, round_shapes, extras.client)))
                     if r + 1 < len(rounds):
                         engine_runs.append(engine_only_subprocess(model_dir, setup, round_shapes))
                 extra = through_extras(extras, stack.url, stack.model, vocab, model_dir, shapes, work)
