@@ -91,13 +91,14 @@ from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E
 from medians import median_of  # noqa: E402
 from replay_report import tbt_ms  # noqa: E402
 from replay_trace import Synthesis, WireRequest, plan, read_trace  # noqa: E402
-from sse_client import CLIENTS, EventClient, HttpxClient, LeanClient  # noqa: E402
+from sse_client import EventClient, HttpxClient, LeanClient  # noqa: E402
 from vllm_peer import CONFIGS as VLLM_CONFIGS  # noqa: E402
 from vllm_peer import VllmServer, clean_environ  # noqa: E402
 from vllm_peer import default_python as vllm_default_python  # noqa: E402
 
 WORK_PREFIX = "yutu-bench-serving-"
 REQUEST_TIMEOUT_S = 300.0  # the most one streamed request of the bench's own client may take
+CLIENT_KINDS = ("lean", "httpx")  # --client: loadtests/sse_client.py's LeanClient, HttpxClient
 MAX_MODEL_LEN = 4096  # every server's and the engine's (StackSpec's default, vllm_peer's)
 STACKS = {
     "mixed": StackSpec("mixed", workers=1, store_nodes=0),
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests of the trace row (from its first line)")  # fmt: skip
     p.add_argument("--trace-speed", type=float, default=Extras.trace_speed,
                    help="the trace row's arrivals this many times faster than recorded")  # fmt: skip
-    p.add_argument("--client", choices=sorted(CLIENTS), default="lean",
+    p.add_argument("--client", choices=CLIENT_KINDS, default="lean",
                    help="the bench's own client of every server: lean (default: HTTP/1.1 on asyncio streams, "
                         "~50 us of CPU a token) or httpx (the reference, ~115-150 us a token)")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)

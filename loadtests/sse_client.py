@@ -223,6 +223,3 @@ class HttpxClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-
-CLIENTS = {"lean": LeanClient, "httpx": HttpxClient}
