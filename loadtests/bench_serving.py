@@ -229,9 +229,11 @@ def best_of(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def open_client(kind: str, url: str, connections: int = 64) -> EventClient:
     """The bench's own client of ``url`` (``--client``; loadtests/sse_client.py)."""
+    if kind == "lean":
+        return LeanClient(url)
     if kind == "httpx":
         return HttpxClient(url, REQUEST_TIMEOUT_S, connections)
-    return LeanClient(url)
+    raise ValueError(f"--client takes {' or '.join(CLIENT_KINDS)}, got {kind!r}")
 
 
 async def _stream(client: EventClient, model: str, ids: list[int], max_tokens: int) -> list[float]:
