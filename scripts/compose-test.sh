@@ -4,8 +4,9 @@
 # dockerd if none runs (and stop it at the end), build the image (base images made locally when no
 # registry answers), `up`, wait until every container is healthy and the gateway sees its engines,
 # a streamed /v1/chat/completions checked chunk by chunk, on x86-64 that the engines run on the
-# image's portable native kernels, `down -v`, then no container, volume or network of the project
-# may remain. On failure it prints the services' logs.
+# image's portable native kernels, that nothing was copied into the models volume (the demo model
+# stays in the image), `down -v`, then no container, volume or network of the project may remain.
+# On failure it prints the services' logs.
 # Env: YUTU_COMPOSE_PROJECT (default yutuci), YUTU_COMPOSE_UP_TIMEOUT (s, default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,15 @@ check_kernels() {  # the image's portable kernels (yutu.engine.native), loaded b
   done
 }
 phase kernels check_kernels
+check_models_volume() {  # nothing of the image is copied into the shared models volume (moby#43068)
+  local listing
+  listing=$(docker run --rm --entrypoint ls -v "${PROJECT}_models:/models" "${YUTU_IMAGE:-yutu:local}" -A /models)
+  if [[ -n "$listing" ]]; then
+    echo "compose-test: the models volume holds what no one put there: $listing" >&2
+    return 1
+  fi
+}
+phase models check_models_volume
 phase down compose down -v --remove-orphans
 phase leftovers check_nothing_left "label=com.docker.compose.project=$PROJECT"
 trap - EXIT
