@@ -210,6 +210,19 @@ def test_every_service_has_help(command: str) -> None:
     assert "--redis-url" in out.stdout and "YUTU_REDIS_URL" in out.stdout
 
 
+@pytest.mark.parametrize("command", ["gateway --port 0", "prefill", "decode"])
+def test_a_service_whose_model_is_missing_says_so_and_exits(command: str, tmp_path: Path) -> None:
+    """A wrong --model is the user's mistake, not a crash: one log line saying what to pass, exit 1."""
+    missing = tmp_path / "no-such-checkpoint"
+    out = subprocess.run(
+        [sys.executable, "-m", "yutu.cli", *command.split(), "--model", str(missing)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"cannot start: model directory {missing} does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_env_names_are_scoped_per_service() -> None:
     def help_of(command: str) -> str:
         out = subprocess.run(

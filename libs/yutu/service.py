@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, is_dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
 from yutu.config import advertised
+from yutu.engine.model_source import resolve_model
 from yutu.gcpauses import PAUSE_BUCKETS, freeze_startup_heap, process_pauses
 from yutu.logs import setup_logging
 from yutu.supervise import Supervisor
@@ -40,6 +42,20 @@ try:
     VERSION = version("yutu")
 except PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "unknown (not installed)"
+
+
+class StartupError(Exception):
+    """The service cannot start as configured (its --model cannot be found or read, ...): the
+    process logs the message alone, no traceback, and exits 1."""
+
+
+def model_to_serve(model: str | None) -> Path:
+    """The directory of a service's --model (``resolve_model``); one it cannot serve is a
+    StartupError."""
+    try:
+        return resolve_model(model)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 class Service(ABC):
@@ -248,7 +264,11 @@ def run_main(
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     setup_logging(args.log_level, getattr(args, "log_format", "text"))
-    return uvloop.run(main(settings))
+    try:
+        return uvloop.run(main(settings))
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
 
 
 async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.0) -> None:

@@ -14,11 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from yutu.engine.model_source import resolve_model, served_model_name
+from yutu.engine.model_source import served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.service import Service
+from yutu.service import Service, model_to_serve
 
 from services.gateway.conductor_client import ConductorClient
 from services.gateway.memory import MemoryReleaser, rss_bytes
@@ -67,7 +67,7 @@ class GatewayService(Service):
 
     async def startup(self) -> None:
         s = self.settings
-        model_dir = await asyncio.to_thread(resolve_model, s.model)
+        model_dir = await asyncio.to_thread(model_to_serve, s.model)
         self.model_dir = model_dir
         self._tokenizer = await asyncio.to_thread(Tokenizer.from_dir, model_dir)
         self._token_text = TokenText(self._tokenizer)

@@ -40,7 +40,7 @@ from fastapi import APIRouter, HTTPException
 from prometheus_client import Histogram
 from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from yutu.engine.model_source import resolve_model, served_model_name
+from yutu.engine.model_source import served_model_name
 from yutu.errors import ErrorKind, YutuError
 from yutu.gcpauses import PAUSE_BUCKETS
 from yutu.kv.block_manager import CacheEvent
@@ -49,7 +49,7 @@ from yutu.protocol import prefill as p
 from yutu.protocol.prefill import KVHandle
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcClient
-from yutu.service import Service
+from yutu.service import Service, model_to_serve
 from yutu.store.client import StoreClient, StoreClientConfig
 from yutu.transfer import SegmentDirectory, TransferEngine
 from yutu.worker.kv_region import KVRegion
@@ -102,7 +102,7 @@ class WorkerService(Service):
 
     async def startup(self) -> None:
         s = self.settings
-        self.model_dir = await asyncio.to_thread(resolve_model, s.model)
+        self.model_dir = await asyncio.to_thread(model_to_serve, s.model)
         self._redis = aioredis.from_url(s.redis_url)
         self._registry = Registry(self._redis, s.registry_prefix)
         self._transfer = TransferEngine(

@@ -292,6 +292,20 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_model(str(local / "config.json"))
 
 
+def test_resolve_unreadable_model_dir_says_how_to_fix_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint copied in as root with mode 0700 (the tests run as root, so the error is injected)."""
+    local = make_tiny_checkpoint(tmp_path / "local")
+
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(ValueError, match=r"cannot read model directory .*Permission denied.*chmod -R a\+rX"):
+        resolve_model(str(local))
+
+
 def test_resolve_unreachable_hub_id() -> None:
     """No network in tests (and the repo does not exist): the error says to pass a local directory."""
     with pytest.raises(ValueError, match="pass the local directory"):

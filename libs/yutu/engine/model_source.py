@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "yutu-demo-tiny"  # the built-in demo model's served name (kept torch-free here)
@@ -14,21 +15,28 @@ def resolve_model(path_or_id: str | None) -> Path:
 
     None -> the built-in demo model (created on first use); an existing directory -> itself; a
     string shaped like a hub id ("org/name") -> its snapshot via huggingface_hub (the local hub cache
-    first, then the network). Raises ValueError saying how to pass a local directory otherwise.
+    first, then the network). Raises ValueError saying how to pass a local directory otherwise, or
+    how to make one readable that this user cannot read.
     """
     if path_or_id is None:
         from yutu.engine.default_model import ensure_default_model  # imports torch: only when needed
 
         return ensure_default_model()
     path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"{path} is a directory but holds no config.json: pass a Hugging Face model directory"
-            )
-        return path
-    if path.exists():
-        raise ValueError(f"{path} is a file: pass a Hugging Face model directory (with config.json)")
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(
+                    f"{path} is a directory but holds no config.json: pass a Hugging Face model directory"
+                )
+            return path
+        if path.exists():
+            raise ValueError(f"{path} is a file: pass a Hugging Face model directory (with config.json)")
+    except PermissionError as exc:
+        raise ValueError(
+            f"cannot read model directory {path} ({exc.strerror}: {exc.filename}) as uid {os.getuid()}:"
+            f" make it readable, e.g. `chmod -R a+rX {path}`"
+        ) from exc
     if _looks_like_path(path_or_id):
         raise ValueError(f"model directory {path} does not exist: pass an existing local directory")
     return _from_hub(path_or_id)
