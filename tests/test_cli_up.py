@@ -8,6 +8,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -210,17 +211,51 @@ def test_every_service_has_help(command: str) -> None:
     assert "--redis-url" in out.stdout and "YUTU_REDIS_URL" in out.stdout
 
 
-@pytest.mark.parametrize("command", ["gateway --port 0", "prefill", "decode"])
-def test_a_service_whose_model_is_missing_says_so_and_exits(command: str, tmp_path: Path) -> None:
-    """A wrong --model is the user's mistake, not a crash: one log line saying what to pass, exit 1."""
-    missing = tmp_path / "no-such-checkpoint"
+def startup_failure(*argv: str) -> str:
+    """Run ``yutu <argv>``, which must fail to start as a user's mistake, not a crash: exit 1 and
+    one log line saying why (no traceback); returns its stderr."""
     out = subprocess.run(
-        [sys.executable, "-m", "yutu.cli", *command.split(), "--model", str(missing)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "yutu.cli", *argv], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1, out.stderr
-    assert f"cannot start: model directory {missing} does not exist" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stderr
+
+
+@pytest.mark.parametrize("command", [["gateway", "--port", "0"], ["prefill"], ["decode"]])
+def test_a_service_whose_model_is_missing_says_so_and_exits(command: list[str], tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    stderr = startup_failure(*command, "--model", str(missing))
+    assert f"cannot start: model directory {missing} does not exist" in stderr
+
+
+def test_a_worker_whose_checkpoint_the_engine_cannot_run_says_so_and_exits(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    stderr = startup_failure("prefill", "--model", str(tmp_path), "--kv-cache-memory-mib", "16")
+    assert (
+        f"cannot start: the engine cannot serve {tmp_path}: architecture 'GPT2LMHeadModel' is not supported"
+        in stderr
+    )
+
+
+@pytest.mark.parametrize("command", ["conductor", "store-master"])
+def test_a_service_without_redis_says_so_and_exits(command: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    stderr = startup_failure(command, "--redis-url", url, "--port", "0", "--admin-port", "0")
+    assert (
+        "cannot start: Redis does not answer (Error 111 connecting to" in stderr and "--redis-url" in stderr
+    )
+
+
+def test_a_service_whose_port_is_taken_says_so_and_exits() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stderr = startup_failure("gateway", "--port", str(port))
+    assert f"cannot start: cannot bind 127.0.0.1:{port}: Address already in use; pick another port" in stderr
 
 
 def test_env_names_are_scoped_per_service() -> None:

@@ -51,3 +51,13 @@ class OverloadedError(YutuError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = max(1.0, retry_after_s)
+
+
+class StartupError(Exception):
+    """A service cannot start as configured (its --model cannot be read, its port is taken, Redis
+    does not answer, ...): the process logs the message alone, no traceback, and exits 1."""
+
+
+class BindError(StartupError, OSError):
+    """A listening socket could not be bound (its port taken, its address not this host's); still
+    an OSError for callers that catch one."""

@@ -24,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis
 import uvicorn
 import uvloop
 from fastapi import APIRouter, FastAPI, Response
@@ -32,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 
 from yutu.config import advertised
 from yutu.engine.model_source import resolve_model
+from yutu.errors import BindError, StartupError
 from yutu.gcpauses import PAUSE_BUCKETS, freeze_startup_heap, process_pauses
 from yutu.logs import setup_logging
 from yutu.supervise import Supervisor
@@ -42,11 +44,6 @@ try:
     VERSION = version("yutu")
 except PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "unknown (not installed)"
-
-
-class StartupError(Exception):
-    """The service cannot start as configured (its --model cannot be found or read, ...): the
-    process logs the message alone, no traceback, and exits 1."""
 
 
 def model_to_serve(model: str | None) -> Path:
@@ -217,7 +214,7 @@ class HttpServer:
             self.sock.bind((host, port))
         except OSError as exc:
             self.sock.close()
-            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}; pick another port") from exc
+            raise BindError(f"cannot bind {host}:{port}: {exc.strerror}; pick another port") from exc
         self.sock.listen(2048)
         self.sock.setblocking(False)
         self.host = host
@@ -290,7 +287,12 @@ async def serve(service: Service, http: HttpServer, drain_timeout_s: float = 30.
         histogram.labels(str(generation)).observe(seconds)
 
     try:
-        await service.startup()
+        try:
+            await service.startup()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StartupError(
+                f"Redis does not answer ({exc}): start it, or point --redis-url at it"
+            ) from exc
         frozen = freeze_startup_heap()
         log.info(
             "%s: %d start-up objects frozen out of garbage collection (yutu.gcpauses)", service.kind, frozen

@@ -41,7 +41,7 @@ from prometheus_client import Histogram
 from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from yutu.engine.model_source import served_model_name
-from yutu.errors import ErrorKind, YutuError
+from yutu.errors import ErrorKind, StartupError, YutuError
 from yutu.gcpauses import PAUSE_BUCKETS
 from yutu.kv.block_manager import CacheEvent
 from yutu.logs import current_settings
@@ -184,7 +184,10 @@ class WorkerService(Service):
                 on_gc_pause=lambda generation, seconds: engine_pauses.labels(str(generation)).observe(seconds),
             )  # fmt: skip
             self._loop_engine = front = process
-            await process.start()
+            try:
+                await process.start()
+            except ValueError as exc:  # the checkpoint or the engine's options (UnsupportedModelError, ...)
+                raise StartupError(f"the engine cannot serve {self.model_dir}: {exc}") from exc
             assert process.task is not None and process.info is not None
             self.loops.watch("engine-events", process.task)
             self.engine_info = process.info
@@ -192,7 +195,10 @@ class WorkerService(Service):
             if s.torch_threads > 0:
                 torch.set_num_threads(s.torch_threads)
             config = dataclasses.replace(config, kv_cache_factory=self._region.factory)
-            self.engine = await asyncio.to_thread(LLMEngine, config)
+            try:
+                self.engine = await asyncio.to_thread(LLMEngine, config)
+            except ValueError as exc:
+                raise StartupError(f"the engine cannot serve {self.model_dir}: {exc}") from exc
             self.engine_info = EngineInfo.of(self.engine, torch.get_num_threads())
             thread = EngineLoop(
                 self.engine, asyncio.get_running_loop(), self._on_outputs, self._on_error,

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from yutu.errors import BindError
 from yutu.protocol.codec import Channel
 from yutu.pump import Pump
 
@@ -80,7 +81,7 @@ class Endpoint:
             self.endpoint = bind(self._sock, host, port)
         except zmq.ZMQError as exc:
             self._close_socket()
-            raise OSError(f"{self.name}: cannot bind {host}:{port}: {exc}; pick another port") from exc
+            raise BindError(f"{self.name}: cannot bind {host}:{port}: {exc}; pick another port") from exc
 
     def _connect(self, endpoint: str, on_connection: OnConnection | None) -> None:
         if on_connection is not None:

@@ -35,7 +35,7 @@ from typing import Any, cast
 import msgpack
 
 from yutu.busypoll import poll_until
-from yutu.errors import ErrorKind, YutuError
+from yutu.errors import BindError, ErrorKind, YutuError
 from yutu.logs import about
 from yutu.protocol.codec import Channel, ProtocolError
 from yutu.rpc.reqrep import RpcClient, settle_reply
@@ -167,7 +167,7 @@ class StreamRpcServer:
         try:
             self._server = await loop.create_server(lambda: _ServerConnection(self), self._host, self._port)
         except OSError as exc:
-            raise OSError(
+            raise BindError(
                 f"{self.name}: cannot bind {self._host}:{self._port}: {exc}; pick another port"
             ) from exc
         port = self._server.sockets[0].getsockname()[1]

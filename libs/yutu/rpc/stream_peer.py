@@ -28,6 +28,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from yutu.errors import BindError
 from yutu.logs import about
 from yutu.protocol.codec import Channel
 from yutu.rpc.peer import MessageHandler, check_handlers
@@ -142,7 +143,7 @@ class StreamPeer:
             sock.bind((host, port))
         except OSError as exc:
             sock.close()
-            raise OSError(
+            raise BindError(
                 f"{peer.name}: cannot bind {host}:{port}: {exc.strerror}; pick another port"
             ) from exc
         sock.listen(512)
