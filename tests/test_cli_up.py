@@ -229,11 +229,16 @@ def test_a_service_whose_model_is_missing_says_so_and_exits(command: list[str], 
     assert f"cannot start: model directory {missing} does not exist" in stderr
 
 
-def test_a_worker_whose_checkpoint_the_engine_cannot_run_says_so_and_exits(tmp_path: Path) -> None:
+def test_a_worker_whose_checkpoint_the_engine_cannot_run_says_so_and_exits(
+    tmp_path: Path, redis_url: str
+) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     )
-    stderr = startup_failure("prefill", "--model", str(tmp_path), "--kv-cache-memory-mib", "16")
+    stderr = startup_failure(
+        "prefill", "--model", str(tmp_path), "--kv-cache-memory-mib", "16", "--redis-url", redis_url,
+        "--registry-prefix", "bad-checkpoint",
+    )  # fmt: skip
     assert (
         f"cannot start: the engine cannot serve {tmp_path}: architecture 'GPT2LMHeadModel' is not supported"
         in stderr

@@ -104,6 +104,7 @@ class WorkerService(Service):
         s = self.settings
         self.model_dir = await asyncio.to_thread(model_to_serve, s.model)
         self._redis = aioredis.from_url(s.redis_url)
+        await self._redis.ping()  # before the engine and the KV cache: a wrong --redis-url fails at once
         self._registry = Registry(self._redis, s.registry_prefix)
         self._transfer = TransferEngine(
             s.instance_id, SegmentDirectory(self._redis, s.registry_prefix), s.host, s.transfer_port,
