@@ -21,7 +21,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, is_dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
@@ -32,7 +31,6 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
 from yutu.config import advertised
-from yutu.engine.model_source import resolve_model
 from yutu.errors import BindError, StartupError
 from yutu.gcpauses import PAUSE_BUCKETS, freeze_startup_heap, process_pauses
 from yutu.logs import setup_logging
@@ -44,15 +42,6 @@ try:
     VERSION = version("yutu")
 except PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "unknown (not installed)"
-
-
-def model_to_serve(model: str | None) -> Path:
-    """The directory of a service's --model (``resolve_model``); one it cannot serve is a
-    StartupError."""
-    try:
-        return resolve_model(model)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from exc
 
 
 class Service(ABC):

@@ -14,11 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from yutu.engine.model_source import served_model_name
+from yutu.engine.model_source import model_to_serve, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
 from yutu.registry import Registration, Registry, ServiceRecord
-from yutu.service import Service, model_to_serve
+from yutu.service import Service
 
 from services.gateway.conductor_client import ConductorClient
 from services.gateway.memory import MemoryReleaser, rss_bytes

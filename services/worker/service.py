@@ -40,7 +40,7 @@ from fastapi import APIRouter, HTTPException
 from prometheus_client import Histogram
 from redis.exceptions import RedisError
 from yutu.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from yutu.engine.model_source import served_model_name
+from yutu.engine.model_source import model_to_serve, served_model_name
 from yutu.errors import ErrorKind, StartupError, YutuError
 from yutu.gcpauses import PAUSE_BUCKETS
 from yutu.kv.block_manager import CacheEvent
@@ -49,7 +49,7 @@ from yutu.protocol import prefill as p
 from yutu.protocol.prefill import KVHandle
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.rpc import RpcClient
-from yutu.service import Service, model_to_serve
+from yutu.service import Service
 from yutu.store.client import StoreClient, StoreClientConfig
 from yutu.transfer import SegmentDirectory, TransferEngine
 from yutu.worker.kv_region import KVRegion

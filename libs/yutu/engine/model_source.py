@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from yutu.errors import StartupError
+
 DEFAULT_MODEL_NAME = "yutu-demo-tiny"  # the built-in demo model's served name (kept torch-free here)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 
@@ -40,6 +42,15 @@ def resolve_model(path_or_id: str | None) -> Path:
     if _looks_like_path(path_or_id):
         raise ValueError(f"model directory {path} does not exist: pass an existing local directory")
     return _from_hub(path_or_id)
+
+
+def model_to_serve(path_or_id: str | None) -> Path:
+    """:func:`resolve_model` for a service's --model: one it cannot serve is a StartupError (one
+    log line and exit 1, no traceback)."""
+    try:
+        return resolve_model(path_or_id)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 def served_model_name(path_or_id: str | None, model_dir: Path) -> str:
