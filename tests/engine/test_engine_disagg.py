@@ -207,3 +207,20 @@ def test_an_import_the_prefix_cache_covers_runs_at_once_and_says_so(ckpt: Path) 
     (load,) = engine.take_loads()
     assert not load.needed and load.block_ids == [] and load.num_cached_tokens == 32
     assert tokens(out) == tokens(reference(ckpt, ids, params))
+
+
+def test_prompts_computed_in_one_step_each_report_their_share_of_it(ckpt: Path) -> None:
+    """prefill_s feeds the conductor's prefill cost model, which adds an instance's queued prompts
+    one after another: prompts computed in one step each report their tokens' share of it, not all
+    of it (a decode in the same step is one token)."""
+    engine = make_engine(ckpt, num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("decoding", prompt(9, seed=1), params)
+    engine.step()  # its prompt and first token: it decodes in the next step
+    for i in range(3):
+        engine.add_request(f"p{i}", prompt(21, seed=10 + i), params)
+    outs = {out.request_id: out for out in engine.step()}
+    step = engine.last_step
+    assert step is not None and (step.num_decodes, step.num_prefill_tokens) == (1, 63)
+    for i in range(3):
+        assert outs[f"p{i}"].prefill_s == pytest.approx(step.seconds * 21 / 64)

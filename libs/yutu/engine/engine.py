@@ -540,8 +540,13 @@ class LLMEngine:
                 outputs.append(self._append(seq, token, logprobs))
 
     def _record(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Charge the step's time to the prompts it computed; remember what it did (load reports)."""
+        """Charge each prompt chunk its share of the step's time, by tokens (a decode is one), and
+        remember what the step did (load reports). Shares, not the whole step: four prompts
+        computed in one step would each report the four's time, and the conductor's cost model,
+        which adds the prompts queued on an instance one after another, would learn a prompt
+        costs four times what it does."""
         decodes = prefill_tokens = kv_tokens = 0
+        per_token = seconds / max(1, sum(chunk.num_tokens for chunk in batch.chunks))
         for chunk in batch.chunks:
             if chunk.num_tokens == 1 and chunk.sample and chunk.start > 0:
                 decodes += 1
@@ -550,7 +555,7 @@ class LLMEngine:
                 prefill_tokens += chunk.num_tokens
                 seq = self._seqs.get(chunk.seq_id) or self._held.get(chunk.seq_id)
                 if seq is not None:
-                    seq.prefill_compute_s += seconds
+                    seq.prefill_compute_s += per_token * chunk.num_tokens
         self.last_step = StepRecord(decodes, kv_tokens, prefill_tokens, seconds)
 
     def _fail_step(self, batch: ScheduledBatch | None, exc: Exception) -> list[RequestOutput]:

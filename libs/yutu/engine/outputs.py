@@ -66,7 +66,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
     error: str | None = None  # set iff the engine failed the request (then finished, no tokens)
     kv_held: HeldKV | None = None  # a prefill-only request's blocks, held for a peer to read
-    prefill_s: float | None = None  # with the first token: engine time of the steps that computed the prompt
+    prefill_s: float | None = None  # with the first token: the prompt's share (by tokens) of its steps' time
 
     @property
     def failed(self) -> bool:

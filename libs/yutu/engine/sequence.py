@@ -87,7 +87,9 @@ class Sequence:
         # the copy is done: a re-admission after preemption recomputes instead.
         self.kv_import_tokens = 0
         self.prefill_only = False  # stop after the first token and hold the blocks (prefill role)
-        self.prefill_compute_s = 0.0  # engine time of the steps that computed this sequence's prompt
+        self.prefill_compute_s = (
+            0.0  # its share (by tokens) of the time of the steps that computed its prompt
+        )
         self._root_key = root_key
         self.block_keys: list[bytes] = block_key_digests(root_key, self.token_ids, block_size)
 
