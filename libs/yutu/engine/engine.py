@@ -546,7 +546,7 @@ class LLMEngine:
         which adds the prompts queued on an instance one after another, would learn a prompt
         costs four times what it does."""
         decodes = prefill_tokens = kv_tokens = 0
-        per_token = seconds / max(1, sum(chunk.num_tokens for chunk in batch.chunks))
+        per_token = seconds / max(1, batch.num_tokens)
         for chunk in batch.chunks:
             if chunk.num_tokens == 1 and chunk.sample and chunk.start > 0:
                 decodes += 1
