@@ -23,7 +23,10 @@ scenarios; they have no engine-only counterpart (printed per server, and beside 
    ``loadtests/vllm_client.py`` and the vLLM virtualenv's interpreter): random text prompts of the
    concurrent scenario's shape, 16 at a time, 128 in all, ``ignore_eos``: output tokens/s, TTFT,
    TPOT, ITL p99. It tokenizes text and runs on the same cores: where a server's per-token cost
-   shows when the CPU is contended.
+   shows when the CPU is contended. It runs ``--client-runs`` (3) times on each server, run k with
+   seed k (every server gets the same prompts; no run finds another's cached), and each figure is
+   the median of the runs: one run's TPOT moves by 10-20% with the host (Yutu's mixed stack, six
+   runs in one hour: 6.5-8.4 ms; vLLM default's: 7.0-8.1 ms), more than the servers differ.
 
 The bench's own client (``--client``, loadtests/sse_client.py) is the same for every server: by
 default a lean HTTP/1.1 client on asyncio streams (~50 us of CPU per streamed token), since the
@@ -290,14 +293,16 @@ TRACE_BLOCK_TOKENS = 64  # wire tokens per 512-token trace block (replay.py's de
 
 @dataclass(frozen=True)
 class Extras:
-    """The rows beyond the three scenarios, each measured once per server: a Mooncake trace's
-    first requests replayed open loop (``--trace``), and vLLM's own benchmark client (with ``--vllm``)."""
+    """The rows beyond the three scenarios, measured per server after them: a Mooncake trace's
+    first requests replayed open loop once (``--trace``), and vLLM's own benchmark client
+    ``client_runs`` times (with ``--vllm``)."""
 
     trace: Path | None = None
     trace_requests: int = 200
     trace_speed: float = 3.0
     vllm: Path | None = None  # the interpreter of vLLM's client
     client: str = "lean"  # the bench's own client, of every server (--client)
+    client_runs: int = 3  # runs of vLLM's client per server, each figure their median (--client-runs)
 
 
 def trace_plan(extras: Extras, vocab: int, max_model_len: int) -> list[WireRequest]:
@@ -379,7 +384,10 @@ def through_extras(extras: Extras, url: str, model: str, vocab: int, model_dir: 
         wire = trace_plan(extras, vocab, MAX_MODEL_LEN)
         out["trace"] = asyncio.run(through_trace(url, model, wire, extras.client))
     if extras.vllm is not None:
-        out["vllm_client"] = through_vllm_client(extras.vllm, url, model, model_dir, shapes, work)
+        runs = [through_vllm_client(extras.vllm, url, model, model_dir, replace(shapes, seed=shapes.seed + k), work)
+                for k in range(extras.client_runs)]  # fmt: skip
+        out["vllm_client"] = median_of(runs)
+        out["vllm_client_runs"] = runs
     return out
 
 
@@ -512,7 +520,8 @@ def extras_report(results: dict[str, Any]) -> str:
         if not measured:
             continue
         figs = list(next(iter(measured.values())))
-        lines += [f"\n{what} ({scen}):", f"  {'server':<16}" + "".join(f"{f:>13}" for f in figs)]
+        runs = f", medians of {results['extras']['client_runs']} runs" if scen == "vllm_client" else ""
+        lines += [f"\n{what} ({scen}){runs}:", f"  {'server':<16}" + "".join(f"{f:>13}" for f in figs)]
         lines += [f"  {name:<16}" + "".join(f"{v[f]:>13.2f}" for f in figs) for name, v in measured.items()]
     return "\n".join(lines)
 
@@ -564,12 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=CLIENT_KINDS, default="lean",
                    help="the bench's own client of every server: lean (default: HTTP/1.1 on asyncio streams, "
                         "~50 us of CPU a token) or httpx (the reference, ~115-150 us a token)")  # fmt: skip
+    p.add_argument("--client-runs", type=int, default=Extras.client_runs,
+                   help="runs of vLLM's client on each server (with --vllm), each figure their median")  # fmt: skip
     p.add_argument("--engine-only", type=Path, default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--setup", default=None, help=argparse.SUPPRESS)  # EngineSetup's JSON, with --engine-only
     p.add_argument("--shapes", default=None, help=argparse.SUPPRESS)  # the parent's, for --engine-only
     args = p.parse_args(argv)
-    if args.sequential < 1 or args.rounds < 1 or args.trace_requests < 1:
-        raise SystemExit("bench_serving: error: --sequential, --rounds and --trace-requests must be >= 1")
+    if min(args.sequential, args.rounds, args.trace_requests, args.client_runs) < 1:
+        raise SystemExit(
+            "bench_serving: error: --sequential, --rounds, --trace-requests and --client-runs must be >= 1"
+        )
     if args.trace_speed <= 0:
         raise SystemExit("bench_serving: error: --trace-speed must be > 0")
     if args.trace is not None:
@@ -594,11 +607,12 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - set(STACKS):
         raise SystemExit(f"bench_serving: error: --stacks takes {', '.join(STACKS)}")
     vllm = vllm_python(args.vllm)
-    extras = Extras(args.trace, args.trace_requests, args.trace_speed, vllm, args.client)
+    extras = Extras(args.trace, args.trace_requests, args.trace_speed, vllm, args.client, args.client_runs)
     results: dict[str, Any] = {"stacks": {}, "shapes": asdict(shapes), "rounds": args.rounds,
                                "extras": {"trace": None if args.trace is None else str(args.trace),
                                           "trace_requests": args.trace_requests, "trace_speed": args.trace_speed,
-                                          "vllm_client": vllm is not None}, "client": args.client}  # fmt: skip
+                                          "vllm_client": vllm is not None, "client_runs": args.client_runs},
+                               "client": args.client}  # fmt: skip
     if vllm is not None:
         results |= {"vllm": {}, "timeline": []}
     model_dir, vocab = Path(), 0  # the served checkpoint, from the first stack (it runs first)

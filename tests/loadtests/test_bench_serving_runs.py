@@ -80,6 +80,7 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
         "trace_requests": 200,
         "trace_speed": 2.0,
         "vllm_client": False,
+        "client_runs": 3,
     }
     figures = run["extra"]["trace"]  # and no vLLM client without --vllm
     assert set(run["extra"]) == {"trace"}

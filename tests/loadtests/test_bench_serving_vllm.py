@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -160,7 +161,7 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
     out = tmp_path / "bench_serving.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtests" / "bench_serving.py"), "--stacks", "mixed", "--quick",
-         "--vllm", "auto", "--out", str(out)],
+         "--vllm", "auto", "--client-runs", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=1500, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -174,10 +175,13 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
     for run in res["vllm"].values():
         assert run["version"] == "0.32.0" and run["startup_s"] > 0
         assert set(run["server"]) == {"sequential", "cached", "concurrent"}
-        client = run["extra"]["vllm_client"]  # vLLM's own client against it too
+        client = run["extra"]["vllm_client"]  # vLLM's own client against it too, the median of two runs
         assert set(client) == {"tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms"} and client["tok_s"] > 0, (
             client
         )
+        runs = run["extra"]["vllm_client_runs"]
+        assert len(runs) == 2 and all(set(r) == set(client) for r in runs)
+        assert client == {f: statistics.median([r[f] for r in runs]) for f in client}
         for scenario, figures in run["server"].items():
             assert set(figures) == FIGURES | ({"tok_s"} if scenario == "concurrent" else set())
             # an ITL may be 0: vLLM's server sends the tokens it has in one event when the client lags
@@ -199,7 +203,7 @@ def test_the_quick_run_measures_both_vllm_configurations_beside_the_stack(tmp_pa
         )
     ahead = sum(r["ahead"] for r in rows.values())
     assert f"mixed ahead of the better vLLM configuration on {ahead} of {len(rows)} rows" in proc.stdout
-    assert "vLLM's own client (vllm_client):" in proc.stdout
+    assert "vLLM's own client (vllm_client), medians of 2 runs:" in proc.stdout
 
 
 @needs_vllm
