@@ -26,7 +26,7 @@ scenarios; they have no engine-only counterpart (printed per server, and beside 
    shows when the CPU is contended. It runs ``--client-runs`` (3) times on each server, run k with
    seed k (every server gets the same prompts; no run finds another's cached), and each figure is
    the median of the runs: one run's TPOT moves by 10-20% with the host (Yutu's mixed stack, six
-   runs in one hour: 6.5-8.4 ms; vLLM default's: 7.0-8.1 ms), more than the servers differ.
+   runs in one hour: 6.5-8.4 ms; vLLM default's: 6.7-7.5 ms), more than the servers differ.
 
 The bench's own client (``--client``, loadtests/sse_client.py) is the same for every server: by
 default a lean HTTP/1.1 client on asyncio streams (~50 us of CPU per streamed token), since the
