@@ -152,7 +152,10 @@ class Events(Protocol):
         ...
 
     def error(self, request_id: str, exc: BaseException) -> None: ...
-    def loads(self, loads: list[KVLoad]) -> None: ...
+    def loads(self, loads: list[KVLoad]) -> None:
+        """The imports a step admitted, from inside the step, before its forward pass (``on_loads``)."""
+        ...
+
     def cache(self, events: list[CacheEvent], pinned: list[tuple[bytes, int]]) -> None: ...
     def check(self, token: int, result: dict[str, Any] | str) -> None: ...
     def measured(self, load: LoadState, stats: EngineStats) -> None:
@@ -209,6 +212,8 @@ class EngineCore:
         self._pin_stored = pin_stored
         if record_cache:
             engine.block_manager.record_events = True
+        # A step's imports go to the worker before its forward pass: the KV copy overlaps the step.
+        engine.on_loads = events.loads
         self.load = load if load is not None else LoadState()
         self._snapshot_at = 0.0
         self.failure: BaseException | None = None  # set if even the broken mode failed
@@ -248,9 +253,6 @@ class EngineCore:
                 self._measure(outputs, stats)
                 self._deliver(outputs, stats)
                 self._publish_cache()
-                loads = engine.take_loads()
-                if loads:
-                    self._events.loads(loads)
                 failed = engine.consecutive_failed_steps
                 if failed >= self._max_failed_steps:
                     raise EngineBrokenError(

@@ -13,6 +13,7 @@ import pytest
 from yutu.engine.engine import LLMEngine, RequestOutput
 from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.scheduler import KVLoad
 from yutu.engine.sequence import RequestStatus
 
 from tests.engine.engine_support import make_engine, prompt
@@ -224,3 +225,32 @@ def test_prompts_computed_in_one_step_each_report_their_share_of_it(ckpt: Path) 
     assert step is not None and (step.num_decodes, step.num_prefill_tokens) == (1, 63)
     for i in range(3):
         assert outs[f"p{i}"].prefill_s == pytest.approx(step.seconds * 21 / 64)
+
+
+def test_on_loads_hands_a_steps_imports_over_before_its_forward_pass(ckpt: Path) -> None:
+    """On a decoder busy with another request, the import a step admits reaches ``on_loads`` before
+    that step computes (its copy can overlap the step), and the request then runs as one engine."""
+    ids = prompt(40, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt)
+    first = prefill(prefiller, "x", ids, params)
+    assert first.kv_held is not None
+    decoder.add_request("busy", prompt(20, seed=4), params)
+    decoder.step()  # "busy" prefilled: it decodes in the next steps
+    seen: list[tuple[list[KVLoad], int]] = []
+    decoder.on_loads = lambda loads: seen.append((loads, decoder.stats().generation_tokens_total))
+    decoder.add_request("x", ids, params, generated=first.new_token_ids, import_tokens=len(ids))
+    before = decoder.stats().generation_tokens_total
+    (out,) = decoder.step()  # admits "x" into loading while "busy" decodes
+    assert out.request_id == "busy" and len(out.new_token_ids) == 1
+    ((load,), generated_then) = seen[0]
+    assert len(seen) == 1 and generated_then == before  # handed over before the step's token
+    assert load.seq_id == "x" and load.num_tokens == len(ids)
+    assert decoder.take_loads() == []  # on_loads had them
+    copy_blocks(prefiller, first.kv_held.block_ids[load.first_block : load.first_block + len(load.block_ids)],
+                decoder, load.block_ids)  # fmt: skip
+    prefiller.release("x")
+    decoder.finish_load("x", len(ids))
+    rest = drain(decoder)["x"]
+    assert tokens([first, *rest]) == tokens(reference(ckpt, ids, params))
+    assert len(seen) == 1  # no further imports

@@ -13,8 +13,10 @@ Disaggregation (the prefill and decode roles build on three additions to ``add_r
 - ``import_tokens``: the KV of the first ``import_tokens`` tokens comes from outside (a peer's cache,
   the KV store). At admission the engine takes blocks for the whole sequence, reuses its own prefix
   cache, and lists the blocks still to fill as a :class:`~yutu.engine.scheduler.KVLoad`
-  (``take_loads``); the caller copies the KV in and calls ``finish_load`` with how many tokens arrived.
-  The request is not scheduled in between. Fewer tokens than asked are fine: the rest is computed.
+  (``take_loads``, or ``on_loads`` as soon as the step that admitted it is scheduled, before its
+  forward pass, so the copy overlaps that pass); the caller copies the KV in and calls
+  ``finish_load`` with how many tokens arrived. The request is not scheduled in between. Fewer
+  tokens than asked are fine: the rest is computed.
 - ``generated``: tokens already sampled (the prefill's first token; those streamed before a decode
   instance died), appended as output before the request runs; only new tokens are output.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +269,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id (loading ones included)
         self._held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept until release
         self._loads: list[KVLoad] = []  # admitted imports not yet taken by the caller
+        # Given a step's admitted imports once it is scheduled, before its forward pass (instead of
+        # leaving them to take_loads after it): a caller that fills them on another thread or process
+        # copies while the step computes, and the request can join the next step rather than the one
+        # after (on a decode instance busy with a long prompt chunk, a whole step sooner).
+        self.on_loads: Callable[[list[KVLoad]], None] | None = None
         self.last_step: StepRecord | None = None  # what the last step that ran did, and how long it took
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -495,6 +502,8 @@ class LLMEngine:
                 self._load_blocks.update(
                     (load.seq_id, load.block_ids) for load in batch.loads if load.block_ids
                 )
+            if self.on_loads is not None and self._loads:
+                self.on_loads(self.take_loads())
             if batch.is_empty:
                 return []
             self._run(batch, outputs)
