@@ -254,3 +254,20 @@ def test_on_loads_hands_a_steps_imports_over_before_its_forward_pass(ckpt: Path)
     rest = drain(decoder)["x"]
     assert tokens([first, *rest]) == tokens(reference(ckpt, ids, params))
     assert len(seen) == 1  # no further imports
+
+
+def test_what_on_loads_raises_is_the_callers_and_not_contained_as_a_failed_step(ckpt: Path) -> None:
+    """A caller that cannot take the imports is broken itself: the step does not swallow it (the
+    worker's core then goes to its broken mode, as when sending the loads after the step failed)."""
+    ids = prompt(40, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decoder = make_engine(ckpt)
+
+    def gone(loads: list[KVLoad]) -> None:
+        raise ConnectionError("the worker is gone")
+
+    decoder.on_loads = gone
+    decoder.add_request("x", ids, params, generated=[5], import_tokens=len(ids))
+    with pytest.raises(ConnectionError, match="the worker is gone"):
+        decoder.step()
+    assert decoder.consecutive_failed_steps == 0 and decoder.stats().failed_requests_total == 0

@@ -492,6 +492,7 @@ class LLMEngine:
         If anything raises inside the step, the outputs produced before the failure are returned,
         followed by a failed output for every request of the step that had not finished (see the
         module docstring). Raises EngineBrokenError if the block pool is inconsistent afterwards.
+        What ``on_loads`` raises is the caller's failure, not the step's: it is not contained.
         """
         outputs: list[RequestOutput] = []
         batch: ScheduledBatch | None = None
@@ -502,12 +503,15 @@ class LLMEngine:
                 self._load_blocks.update(
                     (load.seq_id, load.block_ids) for load in batch.loads if load.block_ids
                 )
-            if self.on_loads is not None and self._loads:
-                self.on_loads(self.take_loads())
-            if batch.is_empty:
-                return []
-            self._run(batch, outputs)
         except Exception as exc:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            return self._fail_step(batch, exc)
+        if self.on_loads is not None and self._loads:
+            self.on_loads(self.take_loads())
+        if batch.is_empty:
+            return []
+        try:
+            self._run(batch, outputs)
+        except Exception as exc:  # noqa: BLE001 - contained, as above
             outputs += self._fail_step(batch, exc)
             return outputs
         if outputs and all(out.failed for out in outputs):
