@@ -271,3 +271,159 @@ def test_what_on_loads_raises_is_the_callers_and_not_contained_as_a_failed_step(
     with pytest.raises(ConnectionError, match="the worker is gone"):
         decoder.step()
     assert decoder.consecutive_failed_steps == 0 and decoder.stats().failed_requests_total == 0
+
+
+def awaited_handoff(
+    prefiller: LLMEngine,
+    decoder: LLMEngine,
+    rid: str,
+    ids: list[int],
+    params: SamplingParams,
+    copied: int | None = None,
+) -> list[RequestOutput]:
+    """A decoder told before the prefill: it admits the request (blocks taken, load listed) while the
+    prefiller computes, then gets the KV and the first token together. ``copied``: leading tokens that
+    arrive (a partial copy; default all)."""
+    decoder.add_request(rid, ids, params, import_tokens=len(ids), await_token=True)
+    assert drain(decoder) == {}  # admitted into loading, before the prefill even started
+    (load,) = decoder.take_loads()
+    assert (load.seq_id, load.first_block, load.num_tokens) == (rid, 0, len(ids))
+    assert len(load.block_ids) == -(-len(ids) // BS)  # the prompt's blocks: the token has no KV yet
+    first = prefill(prefiller, rid, ids, params)
+    assert first.kv_held is not None and first.finish_reason is None
+    copied = len(ids) if copied is None else copied
+    n = -(-copied // BS)
+    copy_blocks(prefiller, first.kv_held.block_ids[:n], decoder, load.block_ids[:n])
+    assert prefiller.release(rid)
+    decoder.finish_load(rid, copied, token=first.new_token_ids[0])
+    return [first, *drain(decoder)[rid]]
+
+
+@pytest.mark.parametrize(
+    "length", [40, 48, 1]
+)  # the awaited token in a partial block, starting one, a 1-token prompt
+def test_a_request_admitted_before_its_first_token_equals_one_engine(ckpt: Path, length: int) -> None:
+    ids = prompt(length, seed=20 + length)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = reference(ckpt, ids, params)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt)
+    outs = awaited_handoff(prefiller, decoder, "w", ids, params)
+    assert tokens(outs) == tokens(ref)
+    assert logprobs(outs) == pytest.approx(logprobs(ref), abs=1e-5)
+    assert outs[-1].finished and outs[-1].num_cached_tokens == length
+    for engine in (prefiller, decoder):
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_seeded_request_admitted_before_its_first_token_continues_the_same_stream(ckpt: Path) -> None:
+    ids = prompt(37, seed=5)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    ref = reference(ckpt, ids, params)
+    outs = awaited_handoff(make_engine(ckpt), make_engine(ckpt), "s", ids, params)
+    assert tokens(outs) == tokens(ref)
+
+
+@pytest.mark.parametrize("copied", [16, 0])  # one block of three came, none did
+def test_a_partial_copy_of_an_awaited_request_computes_the_rest(ckpt: Path, copied: int) -> None:
+    ids = prompt(48, seed=6)  # the awaited token starts block 3: the step computing it needs that block
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = reference(ckpt, ids, params)
+    decoder = make_engine(ckpt)
+    assert tokens(awaited_handoff(make_engine(ckpt), decoder, "p", ids, params, copied)) == tokens(ref)
+    decoder.block_manager.check_integrity()
+    assert decoder.block_manager.num_used_blocks == 0
+
+
+def test_an_awaited_token_with_no_block_free_for_it_is_recomputed_once_there_is_room(ckpt: Path) -> None:
+    """48 prompt tokens fill 3 blocks; the awaited token needs a 4th. With none free when it arrives,
+    the request goes back to the waiting queue and runs once another request has freed blocks."""
+    ids = prompt(48, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = reference(ckpt, ids, params)
+    prefiller, decoder = make_engine(ckpt), make_engine(ckpt, num_kv_blocks=5, max_model_len=64)
+    decoder.add_request(
+        "busy", prompt(20, seed=8), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
+    decoder.step()  # "busy": 2 blocks (20 prompt tokens + its tokens stay within them)
+    decoder.add_request("w", ids, params, import_tokens=len(ids), await_token=True)
+    decoder.step()  # admits "w" into loading: its 3 blocks; nothing is left
+    (load,) = decoder.take_loads()
+    assert decoder.block_manager.num_free_blocks == 0
+    first = prefill(prefiller, "w", ids, params)
+    assert first.kv_held is not None
+    copy_blocks(prefiller, first.kv_held.block_ids, decoder, load.block_ids)
+    prefiller.release("w")
+    decoder.finish_load("w", len(ids), token=first.new_token_ids[0])
+    assert decoder.scheduler.waiting[0].seq_id == "w" and decoder.scheduler.num_preemptions == 1
+    outs = drain(decoder)
+    assert tokens([first, *outs["w"]]) == tokens(ref)
+    decoder.block_manager.check_integrity()
+    assert decoder.block_manager.num_used_blocks == 0
+
+
+def test_an_awaited_request_aborted_while_loading_frees_its_blocks_once_the_copy_ended(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    engine.add_request("a", prompt(40, seed=1), SamplingParams(temperature=0, max_tokens=3),
+                       import_tokens=40, await_token=True)  # fmt: skip
+    drain(engine)
+    (load,) = engine.take_loads()
+    engine.abort_request("a")
+    assert engine.block_manager.num_used_blocks == 3
+    engine.finish_load("a", 0)  # the worker's answer for a copy that never started: no token needed
+    assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.abandoned
+    assert load.seq_id == "a"
+
+
+def test_awaited_tokens_come_with_the_requests_that_await_them_only(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    ids = prompt(10, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    for kwargs, match in [
+        ({"import_tokens": 9}, "imports its whole prompt's KV"),
+        ({"import_tokens": 10, "generated": [5]}, "has nothing generated"),
+        ({"import_tokens": 10, "prefill_only": True}, "is not prefill-only"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match):
+            engine.add_request("x", ids, params, await_token=True, **kwargs)
+    with pytest.raises(InvalidRequestError, match=r"max_tokens >= 2, got 1"):
+        engine.add_request(
+            "x", ids, SamplingParams(temperature=0, max_tokens=1), import_tokens=10, await_token=True
+        )
+    engine.add_request("w", ids, params, import_tokens=10, await_token=True)
+    engine.add_request("i", ids, params, import_tokens=9)
+    drain(engine)
+    assert sorted(load.seq_id for load in engine.take_loads()) == ["i", "w"]
+    with pytest.raises(InvalidRequestError, match="awaits its first token: finish_load must bring it"):
+        engine.finish_load("w", 10)
+    with pytest.raises(InvalidRequestError, match="awaits no token: finish_load must not bring one"):
+        engine.finish_load("i", 9, token=5)
+    with pytest.raises(InvalidRequestError, match=r"the awaited token ids must be integers in \[0, 512\)"):
+        engine.finish_load("w", 10, token=512)
+    engine.finish_load("w", 10, token=5)
+    engine.finish_load("i", 9)
+    outs = drain(engine)
+    assert len(tokens(outs["w"])) == 2 and len(tokens(outs["i"])) == 3  # "w" had its first token already
+    engine.block_manager.check_integrity()
+
+
+def test_requests_awaiting_their_first_token_hold_at_most_half_the_pool(ckpt: Path) -> None:
+    """Blocks reserved for prompts still prefilled elsewhere must not crowd out what decodes here:
+    past half the pool an awaiting request waits, and the requests behind it are admitted."""
+    engine = make_engine(ckpt, num_kv_blocks=10, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("w1", prompt(48, seed=1), params, import_tokens=48, await_token=True)  # 3 blocks
+    engine.add_request("w2", prompt(48, seed=2), params, import_tokens=48, await_token=True)  # 3 more: > 5
+    engine.add_request("plain", prompt(20, seed=3), params)
+    outs = engine.step()
+    assert [load.seq_id for load in engine.take_loads()] == ["w1"]
+    assert [s.seq_id for s in engine.scheduler.waiting] == ["w2"]  # passed over; "plain" runs
+    assert [s.seq_id for s in engine.scheduler.running] == ["plain"]
+    engine.finish_load("w1", 0, token=7)  # w1's KV came (none copied here: computed) with its token
+    outs += engine.step()
+    assert [load.seq_id for load in engine.take_loads()] == ["w2"]  # w1 awaits no more: room for w2
+    engine.finish_load("w2", 0, token=9)
+    outs += [out for outs_ in drain(engine).values() for out in outs_]
+    assert sorted(out.request_id for out in outs for _ in out.new_token_ids) == ["plain", "plain", "w1", "w2"]
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0

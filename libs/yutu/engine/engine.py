@@ -19,6 +19,10 @@ Disaggregation (the prefill and decode roles build on three additions to ``add_r
   tokens than asked are fine: the rest is computed.
 - ``generated``: tokens already sampled (the prefill's first token; those streamed before a decode
   instance died), appended as output before the request runs; only new tokens are output.
+- ``await_token``: a request admitted while its prompt is still being prefilled elsewhere (a
+  decode instance the gateway told early): it imports its whole prompt's KV and its first token
+  comes with ``finish_load(..., token=)``, so its blocks are in place when the prefill ends and
+  the copy starts at once, without a round trip through this engine first.
 
 Failure contract: one request never takes the engine down. ``step()`` contains whatever raises inside
 it (scheduler, model, sampler, postprocessing): the requests of that step are aborted, their blocks
@@ -339,10 +343,12 @@ class LLMEngine:
         generated: Seq[int] = (),
         import_tokens: int = 0,
         prefill_only: bool = False,
+        await_token: bool = False,
     ) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input.
 
-        ``generated``, ``import_tokens`` and ``prefill_only``: see the module docstring.
+        ``generated``, ``import_tokens``, ``prefill_only`` and ``await_token``: see the module
+        docstring (``await_token`` takes ``import_tokens`` = the prompt's length, nothing generated).
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -360,6 +366,14 @@ class LLMEngine:
         if prefill_only and generated:
             raise InvalidRequestError("a prefill-only request cannot carry generated tokens")
         num_tokens = len(prompt_token_ids) + len(generated)
+        if await_token:
+            if generated or prefill_only or import_tokens != len(prompt_token_ids) or params.max_tokens < 2:
+                raise InvalidRequestError(
+                    "a request awaiting its first token imports its whole prompt's KV (import_tokens ="
+                    f" {len(prompt_token_ids)}, got {import_tokens!r}), has nothing generated, is not"
+                    f" prefill-only and has tokens left after the first (max_tokens >= 2, got {params.max_tokens})"
+                )
+            num_tokens += 1  # the awaited token is the one computed
         if type(import_tokens) is not int or not 0 <= import_tokens < num_tokens:
             raise InvalidRequestError(
                 f"import_tokens must be an integer in [0, {num_tokens - 1}] (one token is always computed),"
@@ -385,6 +399,7 @@ class LLMEngine:
             Sampler.skip_draws(generator, len(generated))
         seq.kv_import_tokens = import_tokens
         seq.prefill_only = prefill_only
+        seq.awaiting_token = await_token
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -405,14 +420,33 @@ class LLMEngine:
         loads, self._loads = self._loads, []
         return loads
 
-    def finish_load(self, request_id: str, num_tokens: int) -> None:
+    def finish_load(self, request_id: str, num_tokens: int, token: int | None = None) -> None:
         """The KV of the first ``num_tokens`` tokens of a loading request is in its blocks.
 
         ``num_tokens`` lies between the tokens its own prefix cache covered and ``import_tokens``
-        (a failed copy: pass how far it got; the rest is computed). For a request aborted while it
-        was loading, this frees its blocks. Unknown ids are ignored.
+        (a failed copy: pass how far it got; the rest is computed). ``token``: the first token of
+        a request admitted with ``await_token`` (required there, refused elsewhere: raises
+        InvalidRequestError). For a request aborted while it was loading, this frees its blocks.
+        Unknown ids are ignored.
         """
-        seq = self._seqs.get(request_id) or self.scheduler.abandoned.get(request_id)
+        live = self._seqs.get(request_id)
+        if live is not None and live.status is RequestStatus.LOADING:
+            if live.awaiting_token != (token is not None):
+                raise InvalidRequestError(
+                    f"request {request_id!r} "
+                    + (
+                        "awaits its first token: finish_load must bring it"
+                        if live.awaiting_token
+                        else "awaits no token: finish_load must not bring one"
+                    )  # fmt: skip
+                )
+            if token is not None:
+                self._check_token_ids([token], "the awaited")
+                live.append_token(token)
+                live.awaiting_token = False
+                if live.generator is not None and not live.params.is_greedy:
+                    Sampler.skip_draws(live.generator, 1)
+        seq = live or self.scheduler.abandoned.get(request_id)
         blocks = self._load_blocks.pop(request_id, None)
         if blocks and self.mirror is not None and request_id in self._seqs:
             self.mirror.from_host(blocks)  # the blocks a copy may have reached (the rest is computed)

@@ -18,7 +18,10 @@ threads: 59 ms in one step against 68 in two of 512). Order of service:
    to fill. ``finish_load`` moves it to ``running`` once the copy is done. Such a sequence is
    admitted even when the step's tokens are spent -- passing prompts that wait for tokens -- so
    the copy of a request handed over by a prefill instance overlaps the long prompt chunks of a
-   busy decode instance instead of waiting for them to end.
+   busy decode instance instead of waiting for them to end. A sequence awaiting its first token (its
+   prompt still prefilled elsewhere) is admitted only while such sequences hold at most
+   ``AWAITING_SHARE`` of the pool (or none does); past it, it is passed over and waits: blocks
+   reserved for prefills still running must not preempt the sequences decoding here.
 
 The result is a plain :class:`ScheduledBatch`. After the forward pass the engine calls
 ``update_after_step`` so the computed counters and the prefix cache follow what the model wrote.
@@ -32,6 +35,8 @@ from dataclasses import dataclass, field
 
 from yutu.engine.sequence import RequestStatus, Sequence
 from yutu.kv.block_manager import BlockManager
+
+AWAITING_SHARE = 0.5  # of the block pool, at most, held by sequences awaiting their first token
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,9 @@ class Scheduler:
             and not batch.preempted_seq_ids
         ):
             seq = self.waiting[0]
-            if budget == 0 and not seq.kv_import_tokens:
+            if (budget == 0 and not seq.kv_import_tokens) or (
+                seq.awaiting_token and not self._may_reserve(seq)
+            ):
                 passed.append(self.waiting.popleft())
                 continue
             if not self.block_manager.can_allocate(seq):
@@ -247,9 +254,13 @@ class Scheduler:
         del self.loading[seq.seq_id]
         seq.kv_import_tokens = 0  # consumed: a preempted sequence recomputes
         seq.num_computed_tokens = num_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        if not self.block_manager.can_append(seq):  # an awaited token that starts a block, none free:
+            self._preempt(seq)  # recomputed once there is room (its imported blocks stay cached)
+            return
+        self.block_manager.append_slots(seq)  # a no-op unless an awaited token starts a block
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
-        self.block_manager.cache_computed_blocks(seq)
 
     def hold(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch but keep its blocks (``HELD``): its KV is to be
@@ -289,6 +300,13 @@ class Scheduler:
         elif seq.seq_id not in self.abandoned:
             self.block_manager.free(seq)
         seq.status = RequestStatus.FINISHED_ABORTED
+
+    def _may_reserve(self, seq: Sequence) -> bool:
+        """Whether ``seq``, awaiting its first token, may take blocks now (``AWAITING_SHARE``; the
+        first one always may, however large: nothing else would ever let it in)."""
+        bm = self.block_manager
+        held = sum(len(bm.block_table(s.seq_id)) for s in self.loading.values() if s.awaiting_token)
+        return held == 0 or held + -(-seq.num_tokens // bm.block_size) <= bm.num_blocks * AWAITING_SHARE
 
     def _load(self, seq: Sequence, num_cached: int) -> KVLoad:
         # blocks [num_cached / bs, ceil(kv_import_tokens / bs)) of the table get the imported KV
