@@ -98,6 +98,7 @@ class Add:
     generated: tuple[int, ...] = ()
     import_tokens: int = 0
     prefill_only: bool = False
+    await_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Abort:
 class FinishLoad:
     request_id: str
     num_tokens: int
+    token: int | None = None  # the first token of a request admitted awaiting it
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,12 @@ class EngineCore:
         if isinstance(command, Abort):
             engine.abort_request(command.request_id)
         elif isinstance(command, FinishLoad):
-            engine.finish_load(command.request_id, command.num_tokens)
+            try:
+                engine.finish_load(command.request_id, command.num_tokens, command.token)
+            except ValueError as exc:  # a load the engine cannot take: that request fails, not the engine
+                engine.abort_request(command.request_id)
+                engine.finish_load(command.request_id, 0)  # aborted while loading: frees its blocks
+                self._events.error(command.request_id, exc)
         elif isinstance(command, Release):
             engine.release(command.request_id)
         elif isinstance(command, Unpin):
@@ -308,6 +315,7 @@ class EngineCore:
                     generated=command.generated,
                     import_tokens=command.import_tokens,
                     prefill_only=command.prefill_only,
+                    await_token=command.await_token,
                 )
             except ValueError as exc:  # the engine's typed input errors are ValueErrors
                 self._events.error(command.request_id, exc)

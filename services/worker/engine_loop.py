@@ -127,6 +127,7 @@ class EngineFront:
         generated: tuple[int, ...] = (),
         import_tokens: int = 0,
         prefill_only: bool = False,
+        await_token: bool = False,
     ) -> None:
         """Queue a request (the keywords: see ``LLMEngine.add_request``); once the engine is broken,
         fail it (soon, via ``on_error``) instead."""
@@ -136,13 +137,15 @@ class EngineFront:
             )
             self._fail_soon(request_id, exc)
             return
-        self._send(Add(request_id, prompt_token_ids, params, generated, import_tokens, prefill_only))
+        self._send(
+            Add(request_id, prompt_token_ids, params, generated, import_tokens, prefill_only, await_token)
+        )
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
-    def finish_load(self, request_id: str, num_tokens: int) -> None:
-        self._send(FinishLoad(request_id, num_tokens))
+    def finish_load(self, request_id: str, num_tokens: int, token: int | None = None) -> None:
+        self._send(FinishLoad(request_id, num_tokens, token))
 
     def release(self, request_id: str) -> None:
         self._send(Release(request_id))

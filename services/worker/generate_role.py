@@ -4,7 +4,9 @@ Front ends (gateways) connect a dealer to our router (:class:`~yutu.rpc.StreamPe
 multiplex requests by id; every reply goes back to the connection that sent the request. A request may carry work done elsewhere (see
 :mod:`yutu.protocol.generate`): tokens already ``generated`` (streamed to the client), the ``kv``
 handle of a prefill instance holding its prompt's KV (pulled, then released), or ``store_blocks``
-to try from the KV store. Only new tokens are sent back.
+to try from the KV store. Only new tokens are sent back. A request sent with ``await_kv`` (its
+prompt still being prefilled elsewhere) is admitted at once and waits, its blocks taken, for the
+KVReady that brings the first token and the prefill's handle: the pull starts on that message.
 
 A front end that is gone (its connection closed), or that pinged and then went quiet past the
 window its Pings declare (frozen: its TCP connection stays up), has its requests aborted so their
@@ -27,6 +29,7 @@ from yutu.protocol.generate import (
     CHANNEL,
     AbortRequest,
     GenerateRequest,
+    KVReady,
     Ping,
     Pong,
     RequestFailed,
@@ -38,7 +41,7 @@ from yutu.rpc import Sent, StreamPeer
 from yutu.supervise import Supervisor
 
 from services.worker.engine_loop import EngineFront
-from services.worker.imports import FromPeer, FromStore, KVImports
+from services.worker.imports import Awaiting, FromPeer, FromStore, KVImports
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,12 @@ class GenerateRole:
         self._front_ends = Liveness[bytes](timeout_s=3.0)  # front ends that ping, by identity
         self._peer = StreamPeer.router(
             CHANNEL,
-            {GenerateRequest: self._admit, AbortRequest: self._on_abort, Ping: self._on_ping},
+            {
+                GenerateRequest: self._admit,
+                KVReady: self._on_kv_ready,
+                AbortRequest: self._on_abort,
+                Ping: self._on_ping,
+            },  # fmt: skip
             host,
             port,
             name="generate",
@@ -109,6 +117,22 @@ class GenerateRole:
         except (TypeError, ValueError) as exc:
             self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"invalid sampling parameters: {exc}")
             return
+        if msg.await_kv is True:
+            if msg.generated or msg.kv is not None:
+                self._fail(
+                    identity, rid, ErrorKind.INVALID_REQUEST, "await_kv comes with no generated tokens or kv"
+                )
+                return
+            prompt = msg.prompt_token_ids
+            keys = (
+                self._keys(prompt, len(prompt) // self.block_size)
+                if self.imports.write_behind is not None
+                else []
+            )
+            self.imports.expect(rid, Awaiting(len(prompt), keys))
+            self._routes[rid] = identity
+            self.engine_loop.add(rid, prompt, params, import_tokens=len(prompt), await_token=True)
+            return
         try:
             import_tokens = self._plan_import(rid, msg)
         except ProtocolError as exc:
@@ -118,6 +142,34 @@ class GenerateRole:
         self.engine_loop.add(
             rid, msg.prompt_token_ids, params, generated=tuple(msg.generated), import_tokens=import_tokens
         )
+
+    def _on_kv_ready(self, identity: bytes, msg: KVReady) -> None:
+        """The prefill of a request admitted with ``await_kv`` ended: pull its KV now."""
+        rid = msg.request_id
+        try:
+            handle = KVHandle.from_wire(msg.kv)
+        except ProtocolError as exc:
+            if self._routes.get(rid) == identity:
+                self._abort(rid)
+                self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"malformed KV handle: {exc}")
+            return
+        if self._routes.get(rid) != identity:  # aborted meanwhile (or not this front end's request)
+            self.imports.release(handle, rid)
+            return
+        awaited = self.imports.awaited_tokens(rid)
+        problem = None
+        if type(msg.token) is not int or self._check_prompt([msg.token]) is not None:
+            problem = f"token {msg.token!r} is not a token id of this model"
+        elif awaited is None:
+            problem = "the request awaits no KV (it was not sent with await_kv, or KVReady came twice)"
+        elif handle.num_tokens != awaited:
+            problem = f"the KV handle holds {handle.num_tokens} tokens, the prompt has {awaited}"
+        if problem is not None:
+            self._abort(rid)
+            self.imports.release(handle, rid)
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"KVReady for {rid}: {problem}")
+            return
+        self.imports.ready(rid, handle, msg.token)
 
     def _plan_import(self, rid: str, msg: GenerateRequest) -> int:
         """Where the request's leading KV comes from (told to the importer); returns its tokens."""
@@ -156,6 +208,7 @@ class GenerateRole:
     def _abort(self, request_id: str) -> None:
         if self._routes.pop(request_id, None) is not None:
             self.engine_loop.abort(request_id)
+            self.imports.drop(request_id)
 
     # -- from the engine -------------------------------------------------------------------------
 

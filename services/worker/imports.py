@@ -6,6 +6,9 @@ how many tokens arrived, whatever happened (a failed copy means those tokens are
 
     decode:   FromPeer(handle)  -> one batched READ from the prefill's KV region -> release its hold
               (the prefill instance writes those blocks into the store: not written again here)
+              Awaiting          -> told before the prefill ended: the load waits here, admitted,
+                                   until ``ready`` brings the handle and the first token; the READ
+                                   starts then, with no round trip through the engine first
     prefill:  FromStore(keys)   -> one batched get_into from the KV store (the planned prefix)
     (a decode prefilling locally, or taking over a migrated request, imports FromStore too)
 
@@ -42,6 +45,16 @@ class FromPeer:
 
     handle: KVHandle
     keys: list[str] = field(default_factory=list)
+    token: int | None = None  # the first token, for a request admitted awaiting it (Awaiting)
+
+
+@dataclass
+class Awaiting:
+    """The prompt's KV comes from a prefill instance still computing it; ``keys``: as FromPeer's."""
+
+    num_tokens: int  # the prompt's tokens, whose KV the prefill instance will hold
+    keys: list[str] = field(default_factory=list)
+    load: KVLoad | None = None  # the engine admitted the request: these blocks wait for the KV
 
 
 @dataclass(frozen=True)
@@ -51,8 +64,9 @@ class FromStore:
     keys: list[str]
 
 
-Source = FromPeer | FromStore
+Source = FromPeer | FromStore | Awaiting
 TRANSFERS_KEPT = 512
+DROPPED_KEPT = 4096  # ids of requests dropped before their import started (their loads may still come)
 
 
 class KVImports:
@@ -81,11 +95,14 @@ class KVImports:
         self.timeout_s = timeout_s
         self.kv_salt = kv_salt
         self._sources: dict[str, Source] = {}
+        self._dropped: dict[str, None] = {}  # oldest first, at most DROPPED_KEPT
         self._tasks: set[asyncio.Task[None]] = set()
         self.transfers: list[list[float]] = []  # [bytes, seconds] since the last load report
         self.pulled_blocks = 0
         self.fetched_blocks = 0
         self.failed = 0  # imports that brought less than planned
+        self.awaited = 0  # requests admitted while their prompt was prefilled elsewhere (Awaiting)
+        self.awaits_dropped = 0  # of those, ended before their KV came (prefill failed, aborted)
         self.mismatched = 0  # handles refused: the prefill's KV blocks are not laid out as ours
         self.transfer_bytes = (
             0  # KV bytes imported, since start (pulled from peers or fetched from the store)
@@ -95,17 +112,62 @@ class KVImports:
     def expect(self, request_id: str, source: Source) -> None:
         """Say where ``request_id``'s KV comes from; its KVLoad arrives once the engine admits it."""
         self._sources[request_id] = source
+        if isinstance(source, Awaiting):
+            self.awaited += 1
 
     def forget(self, request_id: str) -> Source | None:
         """The engine refused the request: drop its source (returned, so a peer's hold can be released)."""
         return self._sources.pop(request_id, None)
 
+    def awaited_tokens(self, request_id: str) -> int | None:
+        """The prompt tokens whose KV an Awaiting request waits for (None: it awaits nothing)."""
+        source = self._sources.get(request_id)
+        return source.num_tokens if isinstance(source, Awaiting) else None
+
+    def ready(self, request_id: str, handle: KVHandle, token: int) -> None:
+        """The prefill of an Awaiting request ended with ``token``: pull its KV now (or as soon as
+        the engine has admitted it)."""
+        source = self._sources[request_id]
+        assert isinstance(source, Awaiting), f"{request_id} awaits no KV"
+        self._sources[request_id] = FromPeer(handle, source.keys, token)
+        if source.load is not None:
+            self._start(source.load)
+
+    def release(self, handle: KVHandle, request_id: str) -> None:
+        """Let a prefill instance's hold go unread (the request is not here to pull it)."""
+        self._release_remote(handle, request_id)
+
+    def drop(self, request_id: str) -> None:
+        """The request was aborted: nothing is imported for it any more. An awaiting load the engine
+        admitted is answered now (the engine frees its blocks on that answer); a load still on its
+        way is answered when it comes."""
+        source = self._sources.pop(request_id, None)
+        if isinstance(source, Awaiting):
+            self.awaits_dropped += 1
+            if source.load is not None:
+                self.engine_loop.finish_load(request_id, source.load.num_cached_tokens)
+                return
+        if isinstance(source, FromPeer):
+            self._release_remote(source.handle, request_id)
+        if source is not None:
+            self._dropped[request_id] = None
+            while len(self._dropped) > DROPPED_KEPT:
+                del self._dropped[next(iter(self._dropped))]
+
     def on_loads(self, loads: list[KVLoad]) -> None:
-        """Engine front callback (on the event loop): start copying each admitted load."""
+        """Engine front callback (on the event loop): start copying each admitted load (an awaiting
+        one waits for ``ready``)."""
         for load in loads:
-            task = asyncio.create_task(self._load(load), name=f"kv-import-{load.seq_id}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            source = self._sources.get(load.seq_id)
+            if isinstance(source, Awaiting) and load.needed:
+                source.load = load
+            else:
+                self._start(load)
+
+    def _start(self, load: KVLoad) -> None:
+        task = asyncio.create_task(self._load(load), name=f"kv-import-{load.seq_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _load(self, load: KVLoad) -> None:
         source = self._sources.pop(load.seq_id, None)
@@ -113,6 +175,11 @@ class KVImports:
             if isinstance(source, FromPeer):
                 self._release_remote(source.handle, load.seq_id)
             return
+        if source is None and load.seq_id in self._dropped:  # aborted before its copy started
+            del self._dropped[load.seq_id]
+            self.engine_loop.finish_load(load.seq_id, load.num_cached_tokens)  # frees its blocks
+            return
+        token = source.token if isinstance(source, FromPeer) else None
         loaded = load.num_cached_tokens
         started = time.perf_counter()
         try:
@@ -125,7 +192,7 @@ class KVImports:
         except Exception:  # noqa: BLE001 - whatever went wrong, the engine must hear back
             log.exception("importing KV for %s failed; computing it instead", load.seq_id)
         finally:
-            self.engine_loop.finish_load(load.seq_id, loaded)
+            self.engine_loop.finish_load(load.seq_id, loaded, token)
         moved = loaded - load.num_cached_tokens
         if moved > 0:
             blocks = -(-moved // self.block_size)

@@ -54,6 +54,10 @@ class EngineCollector(Collector):
                 "yutu_worker_kv_import_seconds": ("Seconds the KV imports took", imports.transfer_seconds),
                 "yutu_worker_kv_pulled_blocks": ("KV blocks pulled from prefill instances", imports.pulled_blocks),
                 "yutu_worker_kv_fetched_blocks": ("KV blocks fetched from the store", imports.fetched_blocks),
+                "yutu_worker_kv_awaited": ("Requests admitted while their prompt was prefilled elsewhere",
+                                           imports.awaited),
+                "yutu_worker_kv_awaits_dropped": ("Requests admitted awaiting KV that ended before it came",
+                                                  imports.awaits_dropped),
             }  # fmt: skip
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -492,6 +492,8 @@ class WorkerService(Service):
                     "fetched_blocks": self.imports.fetched_blocks,
                     "short": self.imports.failed,
                     "mismatched": self.imports.mismatched,  # handles of another KV layout, computed here
+                    "awaited": self.imports.awaited,  # admitted while their prompt was prefilled elsewhere
+                    "awaits_dropped": self.imports.awaits_dropped,  # of those, ended before their KV came
                 }
             if self.prefill is not None:
                 holds = self.prefill.holds

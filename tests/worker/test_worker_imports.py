@@ -1,7 +1,9 @@
-"""KV imports refuse a prefill's blocks laid out unlike their own (control logic, fakes for I/O)."""
+"""KV imports refuse a prefill's blocks laid out unlike their own, and a request told before its
+prefill ended waits for it, or frees its blocks when aborted (control logic, fakes for I/O)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -10,17 +12,17 @@ import pytest
 from yutu.engine.scheduler import KVLoad
 from yutu.protocol.prefill import KVHandle
 
-from services.worker.imports import FromPeer, KVImports
+from services.worker.imports import Awaiting, FromPeer, KVImports
 
 BLOCK_SIZE = 16
 
 
 class FakeFront:
     def __init__(self) -> None:
-        self.finished: list[tuple[str, int]] = []
+        self.finished: list[tuple[str, int, int | None]] = []
 
-    def finish_load(self, request_id: str, num_tokens: int) -> None:
-        self.finished.append((request_id, num_tokens))
+    def finish_load(self, request_id: str, num_tokens: int, token: int | None = None) -> None:
+        self.finished.append((request_id, num_tokens, token))
 
 
 class NoTransfer:
@@ -54,7 +56,62 @@ async def test_a_handle_of_another_kv_layout_is_released_and_the_prompt_computed
         await imports._load(
             KVLoad("r1", first_block=0, block_ids=[1, 2, 3], num_cached_tokens=0, num_tokens=40)
         )
-    assert front.finished == [("r1", 0)]  # nothing imported: the engine computes all 40 tokens
+    assert front.finished == [("r1", 0, None)]  # nothing imported: the engine computes all 40 tokens
     assert released == [("prefill-0", "r1")]  # the prefill's hold is let go at once
     assert imports.mismatched == 1 and imports.failed == 1
     assert needle in caplog.text and "start them alike" in caplog.text
+
+
+def awaiting_imports(released: list[tuple[str, str]]) -> tuple[FakeFront, KVImports]:
+    """Imports whose peer's handles never match (so a started pull ends at once, transferring nothing)."""
+    front = FakeFront()
+    imports = KVImports(
+        front, NoTransfer(), SimpleNamespace(name="kv-d", block_bytes=32768), None, None, BLOCK_SIZE,  # type: ignore[arg-type]
+        lambda h, seq_id: released.append((h.instance_id, seq_id)), kv_salt="tiny",
+    )  # fmt: skip
+    return front, imports
+
+
+LOAD = KVLoad("r1", first_block=0, block_ids=[1, 2, 3], num_cached_tokens=0, num_tokens=40)
+
+
+@pytest.mark.parametrize("order", ["admitted-first", "ready-first"])
+async def test_an_awaiting_load_starts_when_both_the_engine_and_the_prefill_are_done(order: str) -> None:
+    released: list[tuple[str, str]] = []
+    front, imports = awaiting_imports(released)
+    imports.expect("r1", Awaiting(40))
+    steps = [lambda: imports.on_loads([LOAD]), lambda: imports.ready("r1", handle(16384, "tiny"), 77)]
+    first, second = steps if order == "admitted-first" else steps[::-1]
+    first()
+    await asyncio.sleep(0)
+    assert front.finished == [] and imports.awaited_tokens("r1") == (
+        40 if order == "admitted-first" else None
+    )
+    second()
+    await asyncio.gather(*imports._tasks)
+    assert front.finished == [("r1", 0, 77)]  # the first token goes with the load's answer
+    assert released == [("prefill-0", "r1")]
+
+
+async def test_an_awaiting_request_aborted_after_its_admission_frees_its_blocks_at_once() -> None:
+    released: list[tuple[str, str]] = []
+    front, imports = awaiting_imports(released)
+    imports.expect("r1", Awaiting(40))
+    imports.on_loads([LOAD])
+    imports.drop("r1")
+    assert front.finished == [("r1", 0, None)] and not imports._tasks  # no copy, no token: freed
+    assert imports.awaited_tokens("r1") is None and released == []  # no hold was ever named
+
+
+async def test_a_load_that_comes_after_its_request_was_dropped_is_answered_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    released: list[tuple[str, str]] = []
+    front, imports = awaiting_imports(released)
+    imports.expect("r1", FromPeer(handle(32768, "tiny")))
+    imports.drop("r1")  # aborted while the engine was admitting it
+    assert released == [("prefill-0", "r1")]  # the hold goes at once, unread
+    with caplog.at_level(logging.INFO, logger="services.worker.imports"):
+        imports.on_loads([LOAD])
+        await asyncio.gather(*imports._tasks)
+    assert front.finished == [("r1", 0, None)] and caplog.text == ""

@@ -21,10 +21,12 @@ from yutu.engine.testing import make_tiny_checkpoint
 from yutu.protocol.generate import (
     AbortRequest,
     GenerateRequest,
+    KVReady,
     RequestFailed,
     TokenDelta,
     TokenDeltas,
 )
+from yutu.protocol.prefill import KVHandle
 from yutu.registry import Registry
 from yutu.transfer.region import sweep_stale_region_files
 
@@ -206,6 +208,40 @@ async def test_abort_and_vanished_front_end_free_blocks(worker: dict[str, str], 
     await _wait_idle(worker["admin"])
     async with httpx.AsyncClient() as http:
         assert (await http.post(worker["admin"] + "/debug/check_integrity")).json()["ok"] is True
+
+
+async def test_a_request_told_early_waits_for_its_kv_and_a_kv_ready_it_cannot_use_fails_it(
+    worker: dict[str, str], dealer: Dealer
+) -> None:
+    """``await_kv``: admitted at once, its blocks taken, nothing computed until KVReady. A KVReady
+    that does not fit the request fails it (invalid_request_error) and frees its blocks; one for a request
+    that is not there is ignored."""
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    handle = KVHandle("p-0", "tcp://127.0.0.1:9", "seg", "kv", [1, 2, 3], 10, 1024, 5.0, "tiny")
+    async with httpx.AsyncClient() as http:
+        for rid, ready, needle in [
+            ("early-1", KVReady("early-1", 5, ["not", "a", "handle"]), "malformed KV handle"),
+            ("early-2", KVReady("early-2", 5, handle.to_wire()), "the KV handle holds 10 tokens, the prompt has 18"),
+            ("early-3", KVReady("early-3", -1, handle.to_wire()), "token -1 is not a token id of this model"),
+        ]:  # fmt: skip
+            dealer.send(GenerateRequest(rid, PROMPT, params, time.time(), await_kv=True))
+            deadline = time.monotonic() + 30
+            while (await http.get(worker["admin"] + "/info")).json()["engine"]["num_loading"] != 1:
+                assert time.monotonic() < deadline, "the request told early was not admitted"
+                await asyncio.sleep(0.05)
+            assert await dealer.recv_within(0.2) is None  # it waits for its KV: no token
+            dealer.send(KVReady("nobody", 5, handle.to_wire()))  # not here: ignored
+            dealer.send(ready)
+            (msg,) = await collect(dealer, rid)
+            assert (
+                isinstance(msg, RequestFailed)
+                and msg.kind == "invalid_request_error"
+                and needle in msg.message
+            )
+            await _wait_idle(worker["admin"])
+            info = (await http.get(worker["admin"] + "/info")).json()
+            assert info["engine"]["num_loading"] == 0 and info["imports"]["awaits_dropped"] >= 1
+            assert (await http.post(worker["admin"] + "/debug/check_integrity")).json()["used_blocks"] == 0
 
 
 async def _wait_idle(admin: str) -> None:

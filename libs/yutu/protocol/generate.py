@@ -22,6 +22,16 @@ holding the prompt's KV (:class:`yutu.protocol.prefill.KVHandle`, wire form): th
 blocks and releases the hold; ``store_blocks`` says how many leading blocks the KV store may hold
 (fetched past the worker's own prefix cache). Only new tokens come back as deltas.
 
+Told early (version 6). A decode instance may get a request while its prompt is still being
+prefilled elsewhere (``await_kv``): it admits it at once (blocks taken for the prompt's KV), and
+the prefill's end comes as :class:`KVReady` (the first token and the KV handle), upon which it
+pulls the blocks without first going through its engine; or as AbortRequest, when the prefill
+failed or its first token ended the request::
+
+    GenerateRequest(await_kv=True) -->   admitted, blocks taken, waiting
+    KVReady(token, kv)             -->   pull now, release the prefill's hold, decode
+                     <-------------   TokenDelta*  (the tokens after ``token``)
+
 Liveness, both ways. The front end counts any message from a worker as a sign of life; a worker
 silent for longer than the front end's window (a frozen or wedged process keeps its TCP connection
 up) gets no new requests and its in-flight ones fail UNAVAILABLE, until it answers again. Each Ping
@@ -37,8 +47,8 @@ from typing import Any
 
 from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=5)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
-# 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt
+CHANNEL = Channel("generate", version=6)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
+# 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt; 6: await_kv, KVReady
 
 
 @CHANNEL.message("generate")
@@ -51,6 +61,18 @@ class GenerateRequest:
     generated: list[int] = field(default_factory=list)  # tokens already streamed (count as output)
     kv: list[Any] | None = None  # KVHandle.to_wire() of the prefill holding the prompt's KV
     store_blocks: int = 0  # leading blocks to try from the KV store (when kv is None)
+    await_kv: bool = False  # the prompt is being prefilled elsewhere: KVReady follows (no generated, kv)
+
+
+@CHANNEL.message("kv_ready")
+@dataclass
+class KVReady:
+    """The prefill of a request sent with ``await_kv`` ended with its first token (already streamed
+    to the client); ``kv``: the KV handle of the prefill instance holding the prompt's KV."""
+
+    request_id: str
+    token: int
+    kv: list[Any]
 
 
 @CHANNEL.message("abort")
