@@ -11,8 +11,13 @@ a response starts) and ``start`` (run it; the returned handle yields TokenDeltas
 
       place ----> conductor: Placement (prefill p | none, decode d, store_blocks)
       prefill --> p: PrefillRequest            <- PrefillResult (first token, KV handle)
+      decode ---> d: GenerateRequest(await_kv)    (at the same time: d admits it, takes its blocks)
       first token to the client
-      decode ---> d: GenerateRequest(generated=[first], kv=handle)  <- TokenDelta* (d releases p's hold)
+      decode ---> d: KVReady(first, handle)    <- TokenDelta* (d pulls at once, releases p's hold)
+
+  Telling the decode instance while the prefill runs takes the decode's admission (a round trip
+  through its engine, a step on a busy instance) off the path from the first token to the second.
+  A prefill that fails or whose first token ends the request aborts the decode's admission.
 
   Failures: a prefill instance lost mid-prefill -> the request is placed again without it (or
   fails with a clear 503 when none is left). A decode instance lost mid-stream -> the request moves
@@ -221,7 +226,7 @@ class DisaggHandle:
         """Run the prefill; returns (the first token ended the request, the KV handle in wire form
         -- None when there was no prefill instance: the decode prefills)."""
         route, exclude = self.route, set[str]()
-        for _ in range(MAX_PREFILL_ATTEMPTS):
+        for attempt in range(MAX_PREFILL_ATTEMPTS):
             prefill_id = route.prefill
             if prefill_id is None:
                 self.route = route  # the decode instance prefills (perhaps after a re-placement)
@@ -236,11 +241,13 @@ class DisaggHandle:
                 req.request_id, req.prompt_token_ids, req.sampling, route.store_blocks, req.arrival_time
             )
             self._prefill = client
+            self._tell_decode(route.decode, attempt)
             try:
                 result: p.PrefillResult = await client.call(msg)
             except YutuError as exc:
                 self._prefill = None
                 client.release(req.request_id)  # a frozen instance that wakes up drops it (best effort)
+                self._untell_decode()
                 if exc.kind is not ErrorKind.UNAVAILABLE:
                     raise
                 log.warning(
@@ -253,12 +260,35 @@ class DisaggHandle:
             self._first_token(result)
             if result.finish_reason is not None:
                 self._prefill = None
+                self._untell_decode()
                 return True, None
             return False, result.kv
         raise YutuError(
             f"request {self.request.request_id} failed on {MAX_PREFILL_ATTEMPTS} prefill instances: retry later",
             ErrorKind.UNAVAILABLE,
         )
+
+    def _tell_decode(self, decode: str, attempt: int) -> None:
+        """Admit the request on its decode instance now, while the prefill runs (``await_kv``), so
+        its blocks are taken when the first token comes and the pull starts on KVReady. Not where
+        the first token is the last, nor on a decode instance not usable now (the decode phase
+        picks one then, as without this). Each prefill attempt tells the decode under its own id
+        (the one an earlier attempt aborted may still be on its way out there)."""
+        worker = self.router.decodes.workers.get(decode)
+        if int(self.request.sampling.get("max_tokens", 16)) < 2 or worker is None or not worker.usable:
+            return
+        request_id = self.request.request_id + ("" if attempt == 0 else f"-p{attempt}")
+        try:
+            self._decode = worker.submit(
+                replace(self.request, request_id=request_id, await_kv=True, store_blocks=0)
+            )
+        except YutuError:
+            log.info("could not tell decode instance %s of %s early", decode, self.request.request_id)
+
+    def _untell_decode(self) -> None:
+        if self._decode is not None:
+            self._decode.close()
+            self._decode = None
 
     def _first_token(self, result: p.PrefillResult) -> None:
         self._handed_at = time.monotonic()
@@ -288,29 +318,19 @@ class DisaggHandle:
     async def _decode_phase(self, kv: list[Any] | None) -> None:
         route, dead = self.route, set[str]()
         for attempt in range(MAX_MIGRATIONS + 1):
-            worker = self.router.decodes.workers.get(route.decode)
-            if worker is None or not worker.usable or route.decode in dead:
-                worker = self.router.decodes.pick()  # raises 503 when none is left
-            suffix = "" if attempt == 0 else f"-m{attempt}"
-            store_blocks = (
-                route.store_blocks
-                if attempt == 0
-                else len(self.router.keys(self.request.prompt_token_ids + self.tokens))
-            )
-            request = replace(
-                self.request,
-                request_id=self.request.request_id + suffix,
-                generated=list(self.tokens),
-                kv=kv,
-                store_blocks=0 if kv is not None else store_blocks,
-            )
-            self._decode = worker.submit(request)
+            decode = self._decode if attempt == 0 else None
+            if decode is not None and kv is not None:  # admitted while the prefill ran: hand it the KV
+                decode.kv_ready(self.tokens[0], kv)
+            else:
+                self._untell_decode()  # the decode instance prefills after all: told of nothing
+                decode = self._decode = self._submit_decode(attempt, route, dead, kv)
+            worker = decode.worker
             self.route = replace(self.route, decode=worker.info.instance_id)
             self._prefill = None  # the decode releases the hold it pulls; a hold it never pulls expires
             kv = None  # a migrated request takes its KV from the store
             try:
                 while True:
-                    delta = await self._decode.next()
+                    delta = await decode.next()
                     self._deliver(delta)
                     if delta.finish_reason is not None:
                         return
@@ -325,8 +345,31 @@ class DisaggHandle:
                 )  # fmt: skip
                 route = Route(None, worker.info.instance_id)  # not that one again
             finally:
-                self._decode.close()
+                decode.close()
                 self._decode = None
+
+    def _submit_decode(
+        self, attempt: int, route: Route, dead: set[str], kv: list[Any] | None
+    ) -> GenerationHandle:
+        """Send the request, with every token so far, to ``route``'s decode instance (another when
+        that one is unusable or lost it before)."""
+        worker = self.router.decodes.workers.get(route.decode)
+        if worker is None or not worker.usable or route.decode in dead:
+            worker = self.router.decodes.pick()  # raises 503 when none is left
+        suffix = "" if attempt == 0 else f"-m{attempt}"
+        store_blocks = (
+            route.store_blocks
+            if attempt == 0
+            else len(self.router.keys(self.request.prompt_token_ids + self.tokens))
+        )
+        request = replace(
+            self.request,
+            request_id=self.request.request_id + suffix,
+            generated=list(self.tokens),
+            kv=kv,
+            store_blocks=0 if kv is not None else store_blocks,
+        )
+        return worker.submit(request)
 
     def _deliver(self, delta: TokenDelta) -> None:
         if self._handed_at is not None and delta.token_ids:

@@ -10,7 +10,8 @@ been silent past the window (frozen: its TCP connection stays up).
 
 A request is a :class:`GenerationHandle`: ``await handle.next()`` returns the worker's next
 :class:`TokenDelta` or raises :class:`YutuError`; ``handle.close()`` (sync, idempotent) aborts it on
-the worker unless it already finished. Whoever submits a request must close its handle.
+the worker unless it already finished; ``handle.kv_ready()`` ends the wait of a request sent with
+``await_kv``. Whoever submits a request must close its handle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from yutu.protocol.generate import (
     CHANNEL,
     AbortRequest,
     GenerateRequest,
+    KVReady,
     Ping,
     Pong,
     RequestFailed,
@@ -111,6 +113,18 @@ class GenerationHandle:
                 kind = ErrorKind.INTERNAL
             raise YutuError(reply.message, kind)
         raise reply
+
+    def kv_ready(self, token: int, kv: list[Any]) -> None:
+        """A request sent with ``await_kv``: its prefill ended with ``token``, its KV held as ``kv``.
+        A worker that cannot be told fails the request here (UNAVAILABLE, as a lost worker does)."""
+        sent = self.worker._peer.send(KVReady(self.request_id, token, kv))
+        if sent is not Sent.SENT:
+            self._deliver(
+                YutuError(
+                    f"cannot reach worker {self.worker.info.instance_id} ({sent.value})",
+                    ErrorKind.UNAVAILABLE,
+                )
+            )
 
     def close(self) -> None:
         """Abort the request on the worker unless it finished; safe to call more than once."""

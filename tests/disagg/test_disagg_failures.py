@@ -83,6 +83,10 @@ def test_prefill_instances_killed_or_frozen_have_their_requests_placed_again(
         s.wait_for(
             lambda: s.get("prefill", "prefill-0", "/info")["in_flight"] == 0, 40, "prefill-0 to drop its work"
         )
+        # The decode instance, told of those requests while prefill-0 held them, dropped them (their
+        # blocks freed: the stack's closing check) and took them again for prefill-1's attempt.
+        imports = s.get("decode", "decode-0", "/info")["imports"]
+        assert imports["awaits_dropped"] >= 1 and imports["awaited"] == 4 + imports["awaits_dropped"]
 
         s.kill("prefill-1")  # and now outright: its requests go to prefill-0
         replies = [s.complete(ids, max_tokens=6) for ids in prompts]

@@ -82,6 +82,24 @@ def test_disaggregated_output_equals_the_mixed_worker(
     assert disagg.get("prefill", "prefill-0", "/info")["holds"]["held"] == 0
 
 
+def test_the_decode_instance_is_told_while_the_prefill_runs_unless_the_first_token_is_the_last(
+    disagg: DisaggStack,
+) -> None:
+    """A handed-over request is admitted on its decode instance while its prompt is prefilled
+    (``await_kv``: its blocks taken, the pull started by KVReady); one whose first token is its last
+    is not sent there at all."""
+    before = disagg.get("decode", "decode-0", "/info")["imports"]
+    ids = prompt(90, seed=7)
+    two = disagg.complete(ids, max_tokens=6, stream=True)
+    one = disagg.complete(prompt(91, seed=8), max_tokens=1)
+    after = disagg.get("decode", "decode-0", "/info")["imports"]
+    assert two.status == one.status == 200, (two.body, one.body)
+    assert two.headers["x-yutu-prefill"] == one.headers["x-yutu-prefill"] == "prefill-0"
+    assert two.tokens == disagg.reference(ids, 6) and len(one.tokens) == 1
+    assert after["awaited"] - before["awaited"] == 1 and after["awaits_dropped"] == before["awaits_dropped"]
+    assert after["pulled_blocks"] - before["pulled_blocks"] == -(-90 // 16)
+
+
 def test_a_client_request_id_is_echoed(disagg: DisaggStack) -> None:
     resp = httpx.post(
         f"{disagg.url}/v1/completions",
