@@ -75,7 +75,7 @@ class GenerateRole:
                 KVReady: self._on_kv_ready,
                 AbortRequest: self._on_abort,
                 Ping: self._on_ping,
-            },  # fmt: skip
+            },
             host,
             port,
             name="generate",
@@ -124,12 +124,7 @@ class GenerateRole:
                 )
                 return
             prompt = msg.prompt_token_ids
-            keys = (
-                self._keys(prompt, len(prompt) // self.block_size)
-                if self.imports.write_behind is not None
-                else []
-            )
-            self.imports.expect(rid, Awaiting(len(prompt), keys))
+            self.imports.expect(rid, Awaiting(len(prompt), self._pulled_keys(prompt, len(prompt))))
             self._routes[rid] = identity
             self.engine_loop.add(rid, prompt, params, import_tokens=len(prompt), await_token=True)
             return
@@ -177,12 +172,7 @@ class GenerateRole:
         if msg.kv is not None:
             handle = KVHandle.from_wire(msg.kv)
             num_tokens = min(handle.num_tokens, len(tokens) - 1)
-            keys = (
-                self._keys(tokens, num_tokens // self.block_size)
-                if self.imports.write_behind is not None
-                else []
-            )
-            self.imports.expect(rid, FromPeer(handle, keys))
+            self.imports.expect(rid, FromPeer(handle, self._pulled_keys(tokens, num_tokens)))
             return num_tokens
         usable = (
             min(msg.store_blocks, (len(tokens) - 1) // self.block_size)
@@ -193,6 +183,13 @@ class GenerateRole:
             return 0
         self.imports.expect(rid, FromStore(self._keys(tokens, usable)))
         return usable * self.block_size
+
+    def _pulled_keys(self, tokens: list[int], num_tokens: int) -> list[str]:
+        """The keys of the full blocks of ``tokens[:num_tokens]`` pulled from a prefill instance,
+        which write-behind must not write again (none without write-behind)."""
+        if self.imports.write_behind is None:
+            return []
+        return self._keys(tokens, num_tokens // self.block_size)
 
     def _keys(self, tokens: list[int], blocks: int) -> list[str]:
         """The hex keys of the first ``blocks`` full blocks of ``tokens``."""

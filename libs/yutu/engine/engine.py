@@ -432,14 +432,12 @@ class LLMEngine:
         live = self._seqs.get(request_id)
         if live is not None and live.status is RequestStatus.LOADING:
             if live.awaiting_token != (token is not None):
-                raise InvalidRequestError(
-                    f"request {request_id!r} "
-                    + (
-                        "awaits its first token: finish_load must bring it"
-                        if live.awaiting_token
-                        else "awaits no token: finish_load must not bring one"
-                    )  # fmt: skip
+                wanted = (
+                    "its first token: finish_load must bring it"
+                    if live.awaiting_token
+                    else "no token: finish_load must not bring one"
                 )
+                raise InvalidRequestError(f"request {request_id!r} awaits {wanted}")
             if token is not None:
                 self._check_token_ids([token], "the awaited")
                 live.append_token(token)
