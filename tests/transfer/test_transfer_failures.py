@@ -19,6 +19,7 @@ from yutu.transfer.tcp_wire import (
     WireStatus,
     decode_reply_header,
     encode_request,
+    encode_vector_request,
     recv_exact,
 )
 from yutu.transfer.transport import COMPLETED, Outcome
@@ -68,6 +69,22 @@ async def test_server_refuses_out_of_range_and_touches_nothing(
             s.sendall(encode_request(WireOp.READ, 4, b"data", 100, 50))
             assert reply(s) == (WireStatus.OK, "")
             assert recv_exact(s, 50) == pattern(61, size)[100:150].tobytes()
+            # a vector request with one bad range is refused as a whole, naming that range
+            bad = [(0, 100), (size - 10, 20), (200, 30)]
+            s.sendall(encode_vector_request(WireOp.WRITEV, 5, b"data", bad) + junk[:150])
+            assert reply(s) == (WireStatus.OUT_OF_RANGE, f"range 1 of 3: range [{size - 10}, {size + 10}) "
+                                                         f"is outside region 'data' of {size} bytes")  # fmt: skip
+            s.sendall(encode_vector_request(WireOp.READV, 6, b"data", bad))
+            assert reply(s)[0] == WireStatus.OUT_OF_RANGE
+            s.sendall(encode_vector_request(WireOp.READV, 7, b"nope", [(0, 1), (1, 1)]))
+            assert reply(s)[0] == WireStatus.UNKNOWN_REGION
+            # and a valid one moves its ranges back to back
+            s.sendall(encode_vector_request(WireOp.READV, 8, b"data", [(300, 7), (10, 5), (300, 2)]))
+            assert reply(s) == (WireStatus.OK, "")
+            data = pattern(61, size)
+            assert recv_exact(s, 14) == b"".join(
+                data[a : a + n].tobytes() for a, n in [(300, 7), (10, 5), (300, 2)]
+            )
 
     await asyncio.to_thread(talk)
     assert await peer.adigest("data", 0, size) == before

@@ -101,3 +101,49 @@ async def test_a_killed_peer_fails_both_paths_alike(
         # the peer was re-read from the directory and found dead, not retried or left hanging
         assert all(f"segment 'inl-peer' (pid {peer.pid} on " in (r.error or "") for r in results)
         assert all("is unreachable" in (r.error or "") for r in results)
+
+
+async def test_small_items_move_as_vector_requests_and_a_refused_range_fails_only_its_item(
+    spawn_peer: Callable[..., PeerProcess], make_engine: Callable[..., TransferEngine]
+) -> None:
+    """64 reads of 32 KiB (a demo-model KV block each) from scattered offsets are one READV, 64
+    writes one WRITEV, on both paths; with one range out of bounds the vector is refused and asked
+    again range by range, so only that item fails and every other lands."""
+    peer = spawn_peer("vec-peer", [f"source:{SIZE}:75", f"sink-a:{SIZE}:76", f"sink-b:{SIZE}:76"], "tcp")
+    fast = make_engine("vec-fast", transports=("tcp",))
+    plain = make_engine("vec-plain", transports=("tcp",), tcp_inline_bytes=0)
+    block, source = 32 * KiB, pattern(75, SIZE)
+    remote = [(k * 37 % 64) * (48 * KiB) + k for k in range(64)]  # out of order, unaligned
+
+    def reads(bad: int | None) -> list[TransferRequest]:
+        return [TransferRequest(READ, "buf", k * block, "vec-peer", "source",
+                                SIZE - 100 if k == bad else remote[k], block) for k in range(64)]  # fmt: skip
+
+    for engine, sink in ((fast, "sink-a"), (plain, "sink-b")):
+        engine.register_region("buf", SIZE).view_numpy()[SIZE // 2 :] = pattern(77, SIZE // 2)
+        await engine.start()
+        assert (await engine.transfer(reads(None)[:1]))[0].ok  # a warm pooled connection
+        writes = [TransferRequest(WRITE, "buf", SIZE // 2 + k * block, "vec-peer", sink, remote[k], block)
+                  for k in range(64)]  # fmt: skip
+        for batch in (reads(None), writes):
+            first = next(engine._tcp._ids)
+            assert all(r.ok for r in await engine.transfer(batch))
+            assert next(engine._tcp._ids) - first - 1 == 1  # one request for 64 items
+        landed = engine.regions["buf"].view_numpy()
+        for k in range(64):
+            assert np.array_equal(landed[k * block : (k + 1) * block], source[remote[k] : remote[k] + block])
+        engine.regions["buf"].view_numpy()[: SIZE // 2] = 0
+        results = await engine.transfer(reads(20))
+        assert [r.status for r in results] == [TransferStatus.COMPLETED] * 20 + [TransferStatus.FAILED] + [
+            TransferStatus.COMPLETED
+        ] * 43
+        assert "outside region 'source'" in (results[20].error or "")
+        assert not landed[20 * block : 21 * block].any()
+        for k in (*range(20), *range(21, 64)):
+            assert np.array_equal(landed[k * block : (k + 1) * block], source[remote[k] : remote[k] + block])
+    assert fast._tcp.inline_batches == 3 and plain._tcp.inline_batches == 0
+    sink = pattern(76, SIZE).copy()
+    written = pattern(77, SIZE // 2)
+    for k in range(64):
+        sink[remote[k] : remote[k] + block] = written[k * block : (k + 1) * block]
+    assert await peer.adigest("sink-a", 0, SIZE) == await peer.adigest("sink-b", 0, SIZE) == digest(sink)

@@ -22,17 +22,25 @@ from yutu.transfer import (
     sweep_stale_region_files,
 )
 from yutu.transfer.tcp_wire import (
+    MAX_RANGES,
+    RANGE,
     REPLY,
     REQUEST,
     ProtocolError,
+    TcpItem,
     WireOp,
     WireStatus,
+    cut_slices,
+    decode_ranges,
     decode_reply_header,
     decode_request_header,
     encode_reply,
     encode_request,
+    encode_vector_request,
 )
 from yutu.transfer.transport import validate_transports
+
+KiB = 1 << 10
 
 
 def test_region_is_a_shared_file_with_numpy_and_torch_views() -> None:
@@ -132,6 +140,61 @@ def test_wire_headers_round_trip() -> None:
         decode_request_header(b"XXXX" + raw[4 : REQUEST.size])
     with pytest.raises(ValueError):
         encode_request(WireOp.READ, 1, b"pool", -1, 10)
+
+
+def test_vector_requests_round_trip_and_refuse_what_they_cannot_carry() -> None:
+    raw = encode_vector_request(WireOp.READV, 9, b"pool", [(0, 4096), (1 << 40, 100), (8192, 1)])
+    assert len(raw) == REQUEST.size + 4 + 3 * RANGE.size
+    assert decode_request_header(raw[: REQUEST.size]) == (WireOp.READV, 4, 9, 3, 4197)
+    body = raw[REQUEST.size + 4 :]
+    assert decode_ranges(body, 4197) == [(0, 4096), (1 << 40, 100), (8192, 1)]
+    with pytest.raises(ProtocolError, match="add up"):
+        decode_ranges(body, 4196)
+    with pytest.raises(ValueError, match="2 to"):  # one range is a plain READ
+        encode_vector_request(WireOp.READV, 1, b"pool", [(0, 10)])
+    with pytest.raises(ValueError, match="2 to"):
+        encode_vector_request(WireOp.WRITEV, 1, b"pool", [(0, 10)] * (MAX_RANGES + 1))
+    with pytest.raises(ValueError):
+        encode_vector_request(WireOp.READV, 1, b"pool", [(0, 10), (-1, 10)])
+    too_many = encode_request(WireOp.WRITEV, 1, b"pool", MAX_RANGES + 1, 10)
+    with pytest.raises(ProtocolError, match="ranges"):  # a server never reads that many
+        decode_request_header(too_many[: REQUEST.size])
+
+
+def test_items_become_slices_and_vectors() -> None:
+    buf = memoryview(bytearray(32 * KiB))
+    R, W = WireOp.READ, WireOp.WRITE
+    items = (
+        [
+            TcpItem(R, buf[0:1024], b"a", 0),
+            TcpItem(R, buf[1024:2048], b"a", 5000),  # same op, same region: joins the first
+            TcpItem(R, buf[2048:3072], b"b", 0),  # another region: a new request
+            TcpItem(W, buf[3072:4096], b"b", 0),  # another op: a new request
+            TcpItem(W, buf[4096:13312], b"b", 9000),  # 9 KiB, larger than a slice: cut 8 + 1
+            TcpItem(W, buf[13312:14336], b"b", 0),  # joins the small last piece of the one before
+            TcpItem(W, buf[14336:16384], b"b", 7),  # 2 KiB, not under a quarter slice: alone
+        ]
+        + [TcpItem(W, buf[16384 + k * 1024 : 17408 + k * 1024], b"b", k) for k in range(9)]
+    )
+    slices = list(cut_slices(items, 8 * KiB))
+    shape = [(s.op, s.region, [(p.item, p.offset, len(p.local)) for p in s.pieces]) for s in slices]
+    assert shape == [
+        (R, b"a", [(0, 0, 1024), (1, 5000, 1024)]),
+        (R, b"b", [(2, 0, 1024)]),
+        (W, b"b", [(3, 0, 1024)]),  # the next piece is not small
+        (W, b"b", [(4, 9000, 8192)]),
+        (W, b"b", [(4, 17192, 1024), (5, 0, 1024)]),
+        (W, b"b", [(6, 7, 2048)]),
+        (W, b"b", [(7 + k, k, 1024) for k in range(8)]),  # a vector holds at most a slice's bytes
+        (W, b"b", [(15, 8, 1024)]),
+    ]
+    assert [s.nbytes for s in slices] == [2048, 1024, 1024, 8192, 2048, 2048, 8192, 1024]
+    assert decode_request_header(slices[1].request(3)[: REQUEST.size])[0] == WireOp.READ
+    assert decode_request_header(slices[4].request(3)[: REQUEST.size])[0] == WireOp.WRITEV
+    assert [(s.nbytes, s.pieces[0].item) for s in slices[4].singles()] == [(1024, 4), (1024, 5)]
+    # one request carries at most MAX_RANGES ranges
+    many = [TcpItem(R, buf[k : k + 1], b"a", k) for k in range(MAX_RANGES + 3)]
+    assert [len(s.pieces) for s in cut_slices(many, 8 * KiB)] == [MAX_RANGES, 3]
 
 
 def test_transport_registry_reserves_rdma_without_offering_it() -> None:

@@ -1,6 +1,9 @@
 """The TCP transport's client side: pooled connections per peer, sliced and pipelined transfers.
 
-A batch's requests to one peer are cut into slices of at most ``slice_bytes`` (2 MiB), which
+A batch's requests to one peer are cut into slices of at most ``slice_bytes`` (2 MiB) -- a larger
+item into several, and a run of smaller items of one op and remote region into one vector request
+(READV/WRITEV, ``yutu.transfer.tcp_wire``: a batch of 64 blocks of 32 KiB is one exchange, not 64)
+--, which
 ``lanes`` lanes (min(connections, CPUs): on two cores, two streams beat four) take from one queue
 as they go, so a lane whose thread gets less CPU takes fewer (dealt round-robin instead, one lane
 of a 32 x 1 MiB batch often ended 1-2 ms after the other). Each lane runs in a worker thread on one
@@ -12,7 +15,8 @@ payload while we push WRITE payload would deadlock both sides.
 Payload is never copied into ``bytes``: WRITE sends a memoryview slice of the local region, READ
 receives with ``recv_into`` a memoryview slice of the local region.
 
-Failure semantics per slice: a refused request (server error reply) fails only that slice; a
+Failure semantics per slice: a refused request (server error reply) fails only that slice (a
+refused vector request's items are asked again one by one, so only the item refused fails); a
 timeout fails the lane's slices in flight TIMED_OUT, a connection error FAILED, and the lane
 stops; the other lanes go on with the rest (what is left when every lane has stopped fails as the
 last lane did). The connection is dropped in both cases, and after a connection error the peer's
@@ -44,12 +48,15 @@ from yutu.transfer.tcp_server import DRAIN_LIMIT
 from yutu.transfer.tcp_wire import (
     REPLY,
     ProtocolError,
+    Slice,
+    TcpItem,
     WireOp,
     WireStatus,
+    cut_slices,
     decode_reply_header,
     encode_request,
     recv_exact,
-    send_all,
+    send_parts,
     tune_socket,
 )
 from yutu.transfer.transport import COMPLETED, Outcome, Progress
@@ -72,25 +79,6 @@ class PeerAddress:
     port: int
     segment: str
     incarnation: int
-
-
-@dataclass(slots=True)
-class TcpItem:
-    """One request as the TCP transport sees it: ``local`` is exactly the bytes to move."""
-
-    op: WireOp  # READ or WRITE
-    local: memoryview  # local region slice, len == transfer length
-    region: bytes  # remote region name, UTF-8
-    offset: int  # remote offset
-
-
-@dataclass(slots=True)
-class _Slice:
-    item: int  # index into the items list
-    op: WireOp
-    local: memoryview
-    region: bytes
-    offset: int
 
 
 def _remaining(deadline: float) -> float:
@@ -269,16 +257,15 @@ class TcpClient:
             sock = pool.try_acquire()
             if sock is not None:
                 self.inline_batches += 1
-                await run_inline(pool, sock, items, deadline, on_done, self._ids, self.spin_s)
+                await run_inline(
+                    pool, sock, items, self.slice_bytes, deadline, on_done, self._ids, self.spin_s
+                )
                 return
-        slices: deque[_Slice] = deque()
+        slices = cut_slices(items, self.slice_bytes)
         parts = [0] * len(items)
-        step = self.slice_bytes
-        for index, it in enumerate(items):
-            for start in range(0, len(it.local), step):  # [start, start + step) of this item
-                part = it.local[start : start + step]
-                slices.append(_Slice(index, it.op, part, it.region, it.offset + start))
-                parts[index] += 1
+        for s in slices:
+            for piece in s.pieces:
+                parts[piece.item] += 1
         loop = asyncio.get_running_loop()
         progress = Progress(loop, parts, on_done)
         work = _Work(slices)
@@ -366,14 +353,13 @@ class TcpClient:
                 if s is None:
                     break
                 rid = next(self._ids)
-                header = encode_request(s.op, rid, s.region, s.offset, len(s.local))
                 if s.op == WireOp.READ:
-                    headers.append(header)
+                    headers.append(s.request(rid))
                 else:
                     sock.settimeout(_remaining(deadline))
-                    send_all(sock, header, s.local)
+                    send_parts(sock, [s.request(rid), *(p.local for p in s.pieces)])
                 in_flight.append((rid, s))
-                in_flight_bytes += len(s.local)
+                in_flight_bytes += s.nbytes
             if headers:
                 sock.settimeout(_remaining(deadline))
                 sock.sendall(b"".join(headers))
@@ -386,34 +372,47 @@ class TcpClient:
                 raise ProtocolError(f"reply for request {got_id}, expected {rid}")
             if status != WireStatus.OK:
                 msg = recv_exact(sock, msg_len).decode("utf-8", "replace")
+                in_flight.popleft()
+                in_flight_bytes -= s.nbytes
+                if len(s.pieces) > 1:  # which range was refused: each is asked again on its own
+                    work.put_back(s.singles())
+                    continue
                 kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-                outcome, moved = Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0
-            else:
-                if length != len(s.local):
-                    raise ProtocolError(f"reply announces {length} bytes, expected {len(s.local)}")
-                if s.op == WireOp.READ:
-                    _recv_into_by(sock, s.local, deadline)
-                outcome, moved = COMPLETED, length
-            in_flight.popleft()
-            in_flight_bytes -= len(s.local)
-            lane.done(s.item, outcome, moved)
+                lane.done(
+                    s.pieces[0].item, Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0
+                )
+                continue
+            if length != s.nbytes:
+                raise ProtocolError(f"reply announces {length} bytes, expected {s.nbytes}")
+            if s.op == WireOp.READ:
+                for p in s.pieces:
+                    _recv_into_by(sock, p.local, deadline)
+            in_flight.popleft()  # only now: a connection lost on the way fails the slice in flight
+            in_flight_bytes -= s.nbytes
+            for p in s.pieces:
+                lane.done(p.item, COMPLETED, len(p.local))
 
 
 class _Work:
     """The slices of one batch to one peer, taken by its lanes as they go, so a lane that gets
     less CPU takes fewer of them. Thread-safe."""
 
-    def __init__(self, slices: deque[_Slice]) -> None:
+    def __init__(self, slices: deque[Slice]) -> None:
         self._slices = slices
         self._lock = threading.Lock()
         self._failure = Outcome(TransferStatus.FAILED, "no connection to the peer ran it")
 
-    def take(self, op: WireOp | None) -> _Slice | None:
+    def take(self, op: WireOp | None) -> Slice | None:
         """The next slice, if there is one and it is of ``op`` (None: any op)."""
         with self._lock:
             if self._slices and (op is None or self._slices[0].op == op):
                 return self._slices.popleft()
             return None
+
+    def put_back(self, slices: list[Slice]) -> None:
+        """``slices`` go first again (a refused vector request's ranges, to be asked one by one)."""
+        with self._lock:
+            self._slices.extendleft(reversed(slices))
 
     def failed(self, outcome: Outcome) -> None:
         """A lane failed with ``outcome``: the slices no lane takes any more end with it."""
@@ -422,7 +421,7 @@ class _Work:
     def fail_rest(self) -> list[tuple[int, Outcome]]:
         """Once every lane has stopped: the slices left, each with the last lane failure."""
         with self._lock:
-            rest = [(s.item, self._failure) for s in self._slices]
+            rest = [(p.item, self._failure) for s in self._slices for p in s.pieces]
             self._slices.clear()
         return rest
 
@@ -437,7 +436,7 @@ class _Lane:
         self._progress = progress
         self._pending: list[tuple[int, Outcome]] = []
         self._bytes = 0
-        self.in_flight: deque[tuple[int, _Slice]] = deque()  # (request id, slice), oldest first
+        self.in_flight: deque[tuple[int, Slice]] = deque()  # (request id, slice), oldest first
         self.replies = 0
 
     def done(self, item: int, outcome: Outcome, nbytes: int) -> None:
@@ -450,7 +449,7 @@ class _Lane:
     def fail_in_flight(self, work: _Work, outcome: Outcome) -> None:
         """The lane's connection failed: its slices in flight end with ``outcome``, and so do the
         slices left once every lane has stopped."""
-        self._pending += [(s.item, outcome) for _, s in self.in_flight]
+        self._pending += [(p.item, outcome) for _, s in self.in_flight for p in s.pieces]
         self.in_flight.clear()
         work.failed(outcome)
 

@@ -4,8 +4,8 @@ A worker thread costs a small transfer more than its bytes do: ``run_in_executor
 the thread takes the GIL back from the loop, and every outcome comes back through
 ``call_soon_threadsafe`` (a self-pipe write and another wake-up). For a batch of at most
 ``TcpClient.inline_bytes`` whose peer has an idle pooled connection, ``run_inline`` does the same
-exchange as ``TcpClient._run_window`` -- same wire format, same windows, same per-slice outcomes --
-on that connection, switched to non-blocking, from the loop itself: ``sendmsg``/``recv_into`` are
+exchange as ``TcpClient._run_lane`` -- the same requests (``cut_slices``), same windows, same
+per-item outcomes -- on that connection, switched to non-blocking, from the loop itself: ``sendmsg``/``recv_into`` are
 tried first and the loop waits for readiness only when the socket would block, so a reply that is
 already there costs one syscall. A reply not there yet is polled for, awake, for up to ``spin_s``
 before the loop sleeps on the socket (``yutu.busypoll``: on a VM, being woken costs more than a
@@ -30,15 +30,17 @@ from yutu.transfer.request import TransferStatus
 from yutu.transfer.tcp_wire import (
     REPLY,
     ProtocolError,
+    Slice,
+    TcpItem,
     WireOp,
     WireStatus,
+    cut_slices,
     decode_reply_header,
-    encode_request,
 )
 from yutu.transfer.transport import COMPLETED, Outcome
 
 if TYPE_CHECKING:
-    from yutu.transfer.tcp_client import PeerConnections, TcpItem
+    from yutu.transfer.tcp_client import PeerConnections
 
 PIPELINE_WINDOW = 32  # slices in flight per connection (both paths)
 
@@ -114,25 +116,26 @@ def windows(ops: list[WireOp], limit: int) -> Iterator[tuple[int, int]]:
 async def run_window(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
-    window: list[tuple[WireOp, memoryview, bytes, int]],
+    window: list[Slice],
     ids: list[int],
-    done: list[tuple[bool, str, int]],
+    done: list[tuple[int, Outcome]],
+    again: list[Slice],
     spin_s: float = 0.0,
 ) -> None:
-    """One window of ``(op, local, region, offset)`` slices; appends ``(ok, error, nbytes)`` per slice
-    to ``done`` as its reply arrives. Raises on a broken connection (the caller fails the rest)."""
-    op = window[0][0]
+    """One window of requests of one op; appends ``(item, outcome)`` per piece to ``done`` as its
+    reply arrives, and the pieces of a refused vector request to ``again``, each a request of its
+    own. Raises on a broken connection (the caller fails the rest)."""
+    op = window[0].op
     if op == WireOp.READ:
-        await send(loop, sock, [encode_request(op, rid, region, offset, len(local))
-                                for rid, (_, local, region, offset) in zip(ids, window, strict=True)])  # fmt: skip
+        await send(loop, sock, [s.request(rid) for rid, s in zip(ids, window, strict=True)])
     else:
         parts: list[bytes | memoryview] = []
-        for rid, (_, local, region, offset) in zip(ids, window, strict=True):
-            parts += [encode_request(op, rid, region, offset, len(local)), local]
+        for rid, s in zip(ids, window, strict=True):
+            parts += [s.request(rid), *(p.local for p in s.pieces)]
         await send(loop, sock, parts)
     reply = bytearray(REPLY.size)
     reply_view = memoryview(reply)
-    for rid, (_, local, _, _) in zip(ids, window, strict=True):
+    for rid, s in zip(ids, window, strict=True):
         await recv_into(loop, sock, reply_view, spin_s)
         status, msg_len, got_id, length = decode_reply_header(reply)
         if got_id != rid:
@@ -140,51 +143,65 @@ async def run_window(
         if status != WireStatus.OK:
             msg = bytearray(msg_len)
             await recv_into(loop, sock, memoryview(msg))
+            if len(s.pieces) > 1:
+                again += s.singles()
+                continue
             kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-            done.append((False, f"refused by peer ({kind}): {msg.decode('utf-8', 'replace')}", 0))
+            error = f"refused by peer ({kind}): {msg.decode('utf-8', 'replace')}"
+            done.append((s.pieces[0].item, Outcome(TransferStatus.FAILED, error)))
             continue
-        if length != len(local):
-            raise ProtocolError(f"reply announces {length} bytes, expected {len(local)}")
+        if length != s.nbytes:
+            raise ProtocolError(f"reply announces {length} bytes, expected {s.nbytes}")
         if op == WireOp.READ:
-            await recv_into(loop, sock, local, spin_s)
-        done.append((True, "", length))
+            for p in s.pieces:
+                await recv_into(loop, sock, p.local, spin_s)
+        done += [(p.item, COMPLETED) for p in s.pieces]
 
 
 async def run_inline(
     pool: PeerConnections,
     sock: socket.socket,
     items: list[TcpItem],
+    step: int,
     deadline: float,
     on_done: Callable[[int, Outcome], None],
     ids: Iterator[int],
     spin_s: float = 0.0,
 ) -> None:
-    """``items`` (each at most one slice) on ``sock``, from the event loop; the same outcomes as
-    ``TcpClient._run_lane`` would report; ``sock`` goes back to ``pool``. ``spin_s``: see
-    :func:`recv_into`."""
+    """``items`` (``step`` bytes at most in all, so each is one piece) on ``sock``, from the event
+    loop, as requests of up to ``step`` bytes; the same outcomes as ``TcpClient._run_lane`` would
+    report; ``sock`` goes back to ``pool``. ``spin_s``: see :func:`recv_into`."""
     loop = asyncio.get_running_loop()
-    count, healthy = 0, False
+    reported, heard, healthy = [False] * len(items), False, False
+
+    def report(done: list[tuple[int, Outcome]]) -> None:
+        for item, outcome in done:
+            on_done(item, outcome)
+            reported[item] = True
+
     try:
         sock.setblocking(False)
         async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
-            for start, end in windows([it.op for it in items], PIPELINE_WINDOW):
-                window = [(it.op, it.local, it.region, it.offset) for it in items[start:end]]
-                done: list[tuple[bool, str, int]] = []
-                try:
-                    await run_window(loop, sock, window, [next(ids) for _ in window], done, spin_s)
-                finally:
-                    for ok, error, _ in done:
-                        on_done(count, COMPLETED if ok else Outcome(TransferStatus.FAILED, error))
-                        count += 1
+            todo = list(cut_slices(items, step))
+            while todo:
+                again: list[Slice] = []
+                for start, end in windows([s.op for s in todo], PIPELINE_WINDOW):
+                    done: list[tuple[int, Outcome]] = []
+                    try:
+                        ids_ = [next(ids) for _ in range(start, end)]
+                        await run_window(loop, sock, todo[start:end], ids_, done, again, spin_s)
+                    finally:
+                        heard = heard or bool(done or again)
+                        report(done)
+                todo = again
         healthy = True
     except (TransferTimeoutError, TimeoutError):
-        for k in range(count, len(items)):
-            on_done(k, Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer"))
+        report([(k, Outcome(TransferStatus.TIMED_OUT, "deadline passed during the transfer"))
+                for k in range(len(items)) if not reported[k]])  # fmt: skip
     except (OSError, ProtocolError) as exc:
         pool.drop_idle()
         reason = f"segment {pool.peer.segment!r} failed mid-transfer: {type(exc).__name__}: {exc}"
-        failed = Outcome(TransferStatus.FAILED, reason, unreachable=count == 0, peer_failed=True)
-        for k in range(count, len(items)):
-            on_done(k, failed)
+        failed = Outcome(TransferStatus.FAILED, reason, unreachable=not heard, peer_failed=True)
+        report([(k, failed) for k in range(len(items)) if not reported[k]])
     finally:
         pool.release(sock, healthy)

@@ -8,7 +8,10 @@ of the owning process stays responsive.
 Every request is bounds-checked against the live region table before any byte of a region is
 touched: unknown region or ``offset + length > size`` gets an error reply and the region is left
 unchanged (the payload of a refused WRITE is read into a scratch buffer and dropped, so the stream
-stays in step; a refused WRITE longer than ``DRAIN_LIMIT`` closes the connection instead).
+stays in step; a refused WRITE longer than ``DRAIN_LIMIT`` closes the connection instead). A vector
+request (READV, WRITEV: several ranges of one region) is checked range by range first and served
+or refused as a whole; its payload moves with one ``sendmsg`` / ``recvmsg_into`` over the ranges
+as far as the socket takes it.
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ from collections.abc import Callable
 from yutu.transfer.errors import RegionError
 from yutu.transfer.region import Region
 from yutu.transfer.tcp_wire import (
+    RANGE,
     REQUEST,
     ProtocolError,
     WireOp,
     WireStatus,
+    decode_ranges,
     decode_request_header,
     discard,
     encode_reply,
     recv_exact,
     recv_exact_into,
-    send_all,
+    recv_into_parts,
+    send_parts,
     tune_socket,
 )
 
@@ -126,25 +132,42 @@ class DataServer:
                 if not greeted:
                     return
                 continue
-            if not greeted or op not in (WireOp.READ, WireOp.WRITE):
+            if not greeted or op not in (WireOp.READ, WireOp.WRITE, WireOp.READV, WireOp.WRITEV):
                 conn.sendall(encode_reply(WireStatus.BAD_REQUEST, rid, 0, f"unexpected op {op} here"))
                 return
-            view, status, msg = self._locate(name, offset, length)
-            if op == WireOp.READ:
-                if view is None:
-                    conn.sendall(encode_reply(status, rid, 0, msg))
-                    continue
-                send_all(conn, encode_reply(WireStatus.OK, rid, length), view)
+            if op in (WireOp.READV, WireOp.WRITEV):
+                ranges = decode_ranges(recv_exact(conn, offset * RANGE.size), length)
+                views, status, msg = self._locate_all(name, ranges)
             else:
-                if view is None:
-                    if length > DRAIN_LIMIT:
-                        conn.sendall(encode_reply(status, rid, 0, msg + "; connection closed"))
-                        return
-                    discard(conn, length, memoryview(bytearray(min(length, SCRATCH_BYTES))))
+                view, status, msg = self._locate(name, offset, length)
+                views = None if view is None else [view]
+            if op in (WireOp.READ, WireOp.READV):
+                if views is None:
                     conn.sendall(encode_reply(status, rid, 0, msg))
-                    continue
-                recv_exact_into(conn, view)
-                conn.sendall(encode_reply(WireStatus.OK, rid, length))
+                else:
+                    send_parts(conn, [encode_reply(WireStatus.OK, rid, length), *views])
+                continue
+            if views is None:
+                if length > DRAIN_LIMIT:
+                    conn.sendall(encode_reply(status, rid, 0, msg + "; connection closed"))
+                    return
+                discard(conn, length, memoryview(bytearray(min(length, SCRATCH_BYTES))))
+                conn.sendall(encode_reply(status, rid, 0, msg))
+                continue
+            recv_into_parts(conn, views)
+            conn.sendall(encode_reply(WireStatus.OK, rid, length))
+
+    def _locate_all(
+        self, name: bytes, ranges: list[tuple[int, int]]
+    ) -> tuple[list[memoryview] | None, WireStatus, str]:
+        """The region slices of a vector request's ranges, or ``None`` with the first refusal."""
+        views = []
+        for k, (offset, length) in enumerate(ranges):
+            view, status, msg = self._locate(name, offset, length)
+            if view is None:
+                return None, status, f"range {k} of {len(ranges)}: {msg}"
+            views.append(view)
+        return views, WireStatus.OK, ""
 
     def _locate(self, name: bytes, offset: int, length: int) -> tuple[memoryview | None, WireStatus, str]:
         """The region slice for a request, or ``None`` with the refusal status and reason."""

@@ -10,6 +10,12 @@ Request  (client -> server), 32 bytes then ``name_len`` bytes of UTF-8 region na
     op HELLO: first message on a connection; name = segment name, offset = incarnation. The server
               answers OK only if it is that very segment, so a reused port never receives writes
               meant for a dead peer.
+    op READV, WRITEV: several ranges of one region in one request (a batch of small objects moves
+              as a few large messages, not one exchange per object): ``offset`` is the number of
+              ranges (2 to ``MAX_RANGES``), ``length`` their total, and the name is followed by
+              that many ``offset u64 | length u64`` pairs. The payload is the ranges' bytes back to
+              back, both ways. The server refuses the whole request if any range is out of bounds
+              (a refused WRITEV's payload is read and dropped, as for WRITE).
 
 Reply    (server -> client), 24 bytes then ``msg_len`` bytes of UTF-8 error text::
 
@@ -24,12 +30,16 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+from collections import deque
+from dataclasses import dataclass
 
 MAGIC = b"YUTU"
 VERSION = 1
 REQUEST = struct.Struct("!4sBBHQQQ")
 REPLY = struct.Struct("!4sBBHQQ")
+RANGE = struct.Struct("!QQ")
 MAX_NAME_BYTES = 1024
+MAX_RANGES = 256
 MAX_U64 = (1 << 64) - 1
 
 
@@ -37,6 +47,11 @@ class WireOp(enum.IntEnum):
     READ = 1
     WRITE = 2
     HELLO = 3
+    READV = 4
+    WRITEV = 5
+
+
+VECTOR_OF = {WireOp.READ: WireOp.READV, WireOp.WRITE: WireOp.WRITEV}
 
 
 class WireStatus(enum.IntEnum):
@@ -57,6 +72,99 @@ def encode_request(op: WireOp, request_id: int, name: bytes, offset: int, length
     return REQUEST.pack(MAGIC, VERSION, op, len(name), request_id, offset, length) + name
 
 
+def encode_vector_request(op: WireOp, request_id: int, name: bytes, ranges: list[tuple[int, int]]) -> bytes:
+    """A READV or WRITEV request for ``ranges`` = [(offset, length), ...] of region ``name``."""
+    if not 2 <= len(ranges) <= MAX_RANGES:
+        raise ValueError(f"a vector request carries 2 to {MAX_RANGES} ranges, not {len(ranges)}")
+    head = encode_request(op, request_id, name, len(ranges), sum(length for _, length in ranges))
+    try:
+        return head + b"".join(RANGE.pack(offset, length) for offset, length in ranges)
+    except struct.error as exc:
+        raise ValueError(f"cannot encode ranges {ranges}: {exc}") from exc
+
+
+def decode_ranges(body: bytes, total: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` pairs of a vector request's ``body``; ``ProtocolError`` unless their
+    lengths add up to the header's ``total``."""
+    ranges = [RANGE.unpack_from(body, k) for k in range(0, len(body), RANGE.size)]
+    if sum(length for _, length in ranges) != total:
+        raise ProtocolError(f"vector request's ranges do not add up to its length {total}")
+    return ranges
+
+
+# -- requests: what a batch's items become on the wire -------------------------------------
+
+
+@dataclass(slots=True)
+class TcpItem:
+    """One request as the TCP transport sees it: ``local`` is exactly the bytes to move."""
+
+    op: WireOp  # READ or WRITE
+    local: memoryview  # local region slice, len == transfer length
+    region: bytes  # remote region name, UTF-8
+    offset: int  # remote offset
+
+
+@dataclass(slots=True)
+class Piece:
+    """One range of one item: ``local`` to or from the peer's region at ``offset``."""
+
+    item: int  # index into the items list
+    local: memoryview
+    offset: int
+
+
+@dataclass(slots=True)
+class Slice:
+    """What one request moves: one piece (READ/WRITE), or several of one region (READV/WRITEV)."""
+
+    op: WireOp  # READ or WRITE
+    region: bytes
+    pieces: list[Piece]
+    nbytes: int
+
+    def request(self, rid: int) -> bytes:
+        if len(self.pieces) == 1:
+            p = self.pieces[0]
+            return encode_request(self.op, rid, self.region, p.offset, self.nbytes)
+        ranges = [(p.offset, len(p.local)) for p in self.pieces]
+        return encode_vector_request(VECTOR_OF[self.op], rid, self.region, ranges)
+
+    def singles(self) -> list[Slice]:
+        """Each piece as a request of its own (a refused vector request's ranges are asked again
+        one by one, so a refusal fails only the item it is about)."""
+        return [Slice(self.op, self.region, [p], len(p.local)) for p in self.pieces]
+
+
+def cut_slices(items: list[TcpItem], step: int) -> deque[Slice]:
+    """``items`` as requests of at most ``step`` bytes each: an item larger than ``step`` is cut into
+    pieces, and consecutive small pieces (under ``step // 4``) of one op and region join one vector
+    request while they fit in ``step`` -- a batch of many small items costs a few exchanges, not one
+    per item. Larger pieces go alone: their exchange costs little next to their bytes, and a batch
+    of fewer, larger requests spreads less evenly over the lanes (32 x 1 MiB gets went 4-11% slower
+    as 16 vectors of two)."""
+    small = step // 4
+    slices: deque[Slice] = deque()
+    for index, it in enumerate(items):
+        for start in range(0, len(it.local), step):  # [start, start + step) of this item
+            piece = Piece(index, it.local[start : start + step], it.offset + start)
+            last = slices[-1] if slices else None
+            if (
+                last is not None
+                and len(piece.local) < small
+                and len(last.pieces[0].local) < small
+                and last.op == it.op
+                and last.region == it.region
+                and last.nbytes + len(piece.local) <= step
+                and len(last.pieces) < MAX_RANGES
+            ):
+                last.pieces.append(piece)
+                last.nbytes += len(piece.local)
+            else:
+                slices.append(Slice(it.op, it.region, [piece], len(piece.local)))
+    return slices
+
+
 def encode_reply(status: WireStatus, request_id: int, length: int, message: str = "") -> bytes:
     msg = message.encode("utf-8")[:4096]
     return REPLY.pack(MAGIC, VERSION, status, len(msg), request_id, length) + msg
@@ -69,6 +177,8 @@ def decode_request_header(header: bytes | bytearray | memoryview) -> tuple[int, 
         raise ProtocolError(f"bad request header magic={magic!r} version={version}")
     if name_len > MAX_NAME_BYTES:
         raise ProtocolError(f"region name of {name_len} bytes exceeds {MAX_NAME_BYTES}")
+    if op in (WireOp.READV, WireOp.WRITEV) and not 2 <= offset <= MAX_RANGES:
+        raise ProtocolError(f"vector request of {offset} ranges (2 to {MAX_RANGES})")
     return op, name_len, request_id, offset, length
 
 
@@ -98,6 +208,23 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def recv_into_parts(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view of ``views`` in order from ``sock`` (``recvmsg_into`` over those not yet
+    full); raise ``ConnectionError`` on EOF."""
+    left, k = sum(len(v) for v in views), 0
+    views = list(views)
+    while left:
+        n = sock.recvmsg_into(views[k:])[0]
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection with {left} bytes of a vector left")
+        left -= n
+        while k < len(views) and n >= len(views[k]):
+            n -= len(views[k])
+            k += 1
+        if n:
+            views[k] = views[k][n:]
+
+
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
     """Read and drop ``n`` bytes using ``scratch`` as the landing buffer."""
     while n > 0:
@@ -116,6 +243,18 @@ def send_all(sock: socket.socket, head: bytes, payload: memoryview) -> None:
         sock.sendall(head[sent:])
         sent = len(head)
     sock.sendall(payload[sent - len(head) :])
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send ``parts`` in order with as few ``sendmsg`` calls as the socket buffer allows."""
+    views, k = [memoryview(p).cast("B") for p in parts], 0
+    while k < len(views):
+        sent = sock.sendmsg(views[k:])
+        while k < len(views) and sent >= len(views[k]):
+            sent -= len(views[k])
+            k += 1
+        if sent:
+            views[k] = views[k][sent:]
 
 
 def tune_socket(sock: socket.socket) -> None:
