@@ -11,7 +11,9 @@ decode instance makes to pull a prefill's hold, in three shapes per block count:
   two fresh workers: what the stack on one host does);
 - ``shm_per_block``: shared memory, adjacent on neither side (one request per block: the worst
   case of fragmented caches);
-- ``tcp_contiguous``: one request over TCP (what two hosts would use), for reference.
+- ``tcp_contiguous``: one request over TCP (what two hosts would use), for reference;
+- ``tcp_per_block``: over TCP, adjacent on neither side (the ranges travel as vector requests,
+  READV: up to 2 MiB of blocks per exchange, ``yutu.transfer.tcp_wire``).
 
 Rounds interleave the shapes, so drift and neighbours hit each alike; every page is touched before
 timing. Segments live under their own registry prefix, so they never meet the stack's.
@@ -36,7 +38,7 @@ from yutu.worker.kv_io import pull_blocks
 PREFIX = "yutu-bench-transfer"
 PEER = "bench-peer"
 REGION = "kv"
-SHAPES = ("shm_contiguous", "shm_per_block", "tcp_contiguous")
+SHAPES = ("shm_contiguous", "shm_per_block", "tcp_contiguous", "tcp_per_block")
 
 
 async def serve(redis_url: str, size: int) -> None:
