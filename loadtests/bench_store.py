@@ -15,7 +15,8 @@ Starts what it needs itself (redis-server on a free port, a store master, one st
   -- so the ``redis`` baseline the targets are judged on is, per operation, the faster of the two;
 - a raw loopback TCP stream (``sendall``/``recv_into`` between two processes) and a plain memcpy
   (``numpy.copyto``) of blocks of the same size; for 1 MiB and up also as many streams side by side
-  as the store client's TCP transfers spread a batch over (``socket-lanes``: a batch's bound).
+  as the store client's TCP transfers spread a batch over (``socket-lanes``: a batch's bound,
+  measured in every round next to the store and the Mooncake peer, its median reported).
 
 Every measurement cycles over a working set of ``--working-set`` bytes (default 128 MiB, past the
 CPU caches) so no number is a cache artefact. Throughput is object bytes per second; latency is per
@@ -417,9 +418,6 @@ def main() -> int:
             baselines[str(size)] = {
                 "memcpy": bench_memcpy(size, working_set, args.seconds),
                 "socket": bench_socket(size, working_set, args.seconds),
-                **({"socket-lanes": bench_socket_streams(size, working_set, args.seconds,
-                                                          default_lanes(StoreClientConfig.tcp_connections))}
-                   if size >= MiB else {}),
                 "redis-hiredis": hi,
                 "redis-py": py,
                 "redis": {op: {**max(hi[op], py[op], key=lambda b: b["gbps"]),
@@ -429,18 +427,25 @@ def main() -> int:
         floors = bench_floors(r, args.seconds)
         r.close()
         r_py.close()
-        peers, stores = [], []
+        peers, stores, lanes = [], [], []
         for round_ in range(args.rounds):  # alternating, so a change in the machine's load hits both
             if args.rounds > 1:
                 print(f"round {round_ + 1} of {args.rounds}", flush=True)
             if mooncake is not None:
                 print("Mooncake Store...", flush=True)
                 peers.append(run_peer(mooncake, args.seconds, args.working_set, workdir / "mooncake.log"))
+            # the loopback's bound for batches, each round between the peer and the store: a busy
+            # host moves it as much as it moves them (the report takes the median over the rounds)
+            lanes.append({size: bench_socket_streams(size, working_set, args.seconds,
+                                                     default_lanes(StoreClientConfig.tcp_connections))
+                          for size in SIZES if size >= MiB})  # fmt: skip
             print("store...", flush=True)
             # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
             stores.append(
                 uvloop.run(run_store(store, working_set, args.seconds, args.reserve_bytes, args.spin_us))
             )
+        for size, bound in median_of(lanes).items():
+            baselines[str(size)]["socket-lanes"] = {**bound, "streams": lanes[-1][size]["streams"]}
         res = {"baselines": baselines, "floors": floors, "store": median_of(stores)}
         if peers:
             res["mooncake"] = median_of(peers)
