@@ -141,8 +141,8 @@ def cut_slices(items: list[TcpItem], step: int) -> deque[Slice]:
     pieces, and consecutive small pieces (under ``step // 4``) of one op and region join one vector
     request while they fit in ``step`` -- a batch of many small items costs a few exchanges, not one
     per item. Larger pieces go alone: their exchange costs little next to their bytes, and a batch
-    of fewer, larger requests spreads less evenly over the lanes (32 x 1 MiB gets went 4-11% slower
-    as 16 vectors of two)."""
+    of fewer, larger requests spreads less evenly over the lanes (32 x 1 MiB gets as 16 vectors of
+    two were no faster: 4-11% slower in three pairs, within noise in two alternating runs)."""
     small = step // 4
     slices: deque[Slice] = deque()
     for index, it in enumerate(items):
