@@ -137,10 +137,9 @@ class DataServer:
                 return
             if op in (WireOp.READV, WireOp.WRITEV):
                 ranges = decode_ranges(recv_exact(conn, offset * RANGE.size), length)
-                views, status, msg = self._locate_all(name, ranges)
             else:
-                view, status, msg = self._locate(name, offset, length)
-                views = None if view is None else [view]
+                ranges = [(offset, length)]
+            views, status, msg = self._locate(name, ranges)
             if op in (WireOp.READ, WireOp.READV):
                 if views is None:
                     conn.sendall(encode_reply(status, rid, 0, msg))
@@ -157,20 +156,11 @@ class DataServer:
             recv_into_parts(conn, views)
             conn.sendall(encode_reply(WireStatus.OK, rid, length))
 
-    def _locate_all(
+    def _locate(
         self, name: bytes, ranges: list[tuple[int, int]]
     ) -> tuple[list[memoryview] | None, WireStatus, str]:
-        """The region slices of a vector request's ranges, or ``None`` with the first refusal."""
-        views = []
-        for k, (offset, length) in enumerate(ranges):
-            view, status, msg = self._locate(name, offset, length)
-            if view is None:
-                return None, status, f"range {k} of {len(ranges)}: {msg}"
-            views.append(view)
-        return views, WireStatus.OK, ""
-
-    def _locate(self, name: bytes, offset: int, length: int) -> tuple[memoryview | None, WireStatus, str]:
-        """The region slice for a request, or ``None`` with the refusal status and reason."""
+        """The region slices of a request's ranges (one for READ and WRITE), or ``None`` with the
+        refusal status and reason (for a vector request, naming the first range refused)."""
         try:
             region_name = name.decode("utf-8")
         except UnicodeDecodeError:
@@ -178,14 +168,17 @@ class DataServer:
         region = self._resolve(region_name)
         if region is None:
             return None, WireStatus.UNKNOWN_REGION, f"unknown region {region_name!r}"
-        if length == 0 or offset + length > region.size:
-            return (
-                None,
-                WireStatus.OUT_OF_RANGE,
-                f"range [{offset}, {offset + length}) is outside region {region_name!r} of {region.size} bytes",
-            )
+        for k, (offset, length) in enumerate(ranges):
+            if length == 0 or offset + length > region.size:
+                which = f"range {k} of {len(ranges)}: " if len(ranges) > 1 else ""
+                return (
+                    None,
+                    WireStatus.OUT_OF_RANGE,
+                    f"{which}range [{offset}, {offset + length}) is outside region {region_name!r} of "
+                    f"{region.size} bytes",
+                )
         try:
             buffer = region.buffer
         except RegionError:
             return None, WireStatus.UNKNOWN_REGION, f"region {region_name!r} was unregistered"
-        return buffer[offset : offset + length], WireStatus.OK, ""
+        return [buffer[offset : offset + length] for offset, length in ranges], WireStatus.OK, ""
