@@ -30,6 +30,7 @@ from yutu.transfer.tcp_wire import (
     TcpItem,
     WireOp,
     WireStatus,
+    advance,
     cut_slices,
     decode_ranges,
     decode_reply_header,
@@ -195,6 +196,14 @@ def test_items_become_slices_and_vectors() -> None:
     # one request carries at most MAX_RANGES ranges
     many = [TcpItem(R, buf[k : k + 1], b"a", k) for k in range(MAX_RANGES + 3)]
     assert [len(s.pieces) for s in cut_slices(many, 8 * KiB)] == [MAX_RANGES, 3]
+
+
+def test_advance_moves_past_whole_views_and_cuts_a_partial_one() -> None:
+    views = [memoryview(b"abc"), memoryview(b"de"), memoryview(b"fghi")]
+    assert advance(views, 0, 2) == 0 and bytes(views[0]) == b"c"
+    assert advance(views, 0, 1) == 1  # exactly the rest of the first
+    assert advance(views, 1, 3) == 2 and bytes(views[2]) == b"ghi"
+    assert advance(views, 2, 3) == 3  # all done
 
 
 def test_transport_registry_reserves_rdma_without_offering_it() -> None:

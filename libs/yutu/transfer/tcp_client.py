@@ -56,6 +56,7 @@ from yutu.transfer.tcp_wire import (
     decode_reply_header,
     encode_request,
     recv_exact,
+    refusal,
     send_parts,
     tune_socket,
 )
@@ -377,10 +378,7 @@ class TcpClient:
                 if len(s.pieces) > 1:  # which range was refused: each is asked again on its own
                     work.put_back(s.singles())
                     continue
-                kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-                lane.done(
-                    s.pieces[0].item, Outcome(TransferStatus.FAILED, f"refused by peer ({kind}): {msg}"), 0
-                )
+                lane.done(s.pieces[0].item, Outcome(TransferStatus.FAILED, refusal(status, msg)), 0)
                 continue
             if length != s.nbytes:
                 raise ProtocolError(f"reply announces {length} bytes, expected {s.nbytes}")

@@ -34,8 +34,10 @@ from yutu.transfer.tcp_wire import (
     TcpItem,
     WireOp,
     WireStatus,
+    advance,
     cut_slices,
     decode_reply_header,
+    refusal,
 )
 from yutu.transfer.transport import COMPLETED, Outcome
 
@@ -88,18 +90,14 @@ async def recv_into(
 
 async def send(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Send ``parts`` in order from non-blocking ``sock``, one ``sendmsg`` when the buffer takes them."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
+    views, k = [memoryview(p).cast("B") for p in parts], 0
+    while k < len(views):
         try:
-            sent = sock.sendmsg(views)
+            sent = sock.sendmsg(views[k:])
         except (BlockingIOError, InterruptedError):
             await _wait(loop, sock, True)
             continue
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        k = advance(views, k, sent)
 
 
 def windows(ops: list[WireOp], limit: int) -> Iterator[tuple[int, int]]:
@@ -146,8 +144,7 @@ async def run_window(
             if len(s.pieces) > 1:
                 again += s.singles()
                 continue
-            kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
-            error = f"refused by peer ({kind}): {msg.decode('utf-8', 'replace')}"
+            error = refusal(status, msg.decode("utf-8", "replace"))
             done.append((s.pieces[0].item, Outcome(TransferStatus.FAILED, error)))
             continue
         if length != s.nbytes:

@@ -218,11 +218,7 @@ def recv_into_parts(sock: socket.socket, views: list[memoryview]) -> None:
         if n == 0:
             raise ConnectionError(f"peer closed the connection with {left} bytes of a vector left")
         left -= n
-        while k < len(views) and n >= len(views[k]):
-            n -= len(views[k])
-            k += 1
-        if n:
-            views[k] = views[k][n:]
+        k = advance(views, k, n)
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
@@ -235,26 +231,28 @@ def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
         n -= got
 
 
-def send_all(sock: socket.socket, head: bytes, payload: memoryview) -> None:
-    """Send ``head`` then ``payload`` with as few syscalls as possible (one ``sendmsg`` when the
-    socket buffer takes it all), so a header never travels alone ahead of its payload."""
-    sent = sock.sendmsg([head, payload])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    sock.sendall(payload[sent - len(head) :])
-
-
 def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Send ``parts`` in order with as few ``sendmsg`` calls as the socket buffer allows."""
     views, k = [memoryview(p).cast("B") for p in parts], 0
     while k < len(views):
-        sent = sock.sendmsg(views[k:])
-        while k < len(views) and sent >= len(views[k]):
-            sent -= len(views[k])
-            k += 1
-        if sent:
-            views[k] = views[k][sent:]
+        k = advance(views, k, sock.sendmsg(views[k:]))
+
+
+def advance(views: list[memoryview], k: int, n: int) -> int:
+    """``n`` more bytes of ``views[k:]`` went through a scatter/gather call: the index of the first
+    view not done, whose slice in ``views`` is cut to what is left of it."""
+    while k < len(views) and n >= len(views[k]):
+        n -= len(views[k])
+        k += 1
+    if n:
+        views[k] = views[k][n:]
+    return k
+
+
+def refusal(status: int, message: str) -> str:
+    """A refused request's reason, as its outcome reports it."""
+    kind = WireStatus(status).name if status in WireStatus._value2member_map_ else str(status)
+    return f"refused by peer ({kind}): {message}"
 
 
 def tune_socket(sock: socket.socket) -> None:
