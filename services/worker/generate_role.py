@@ -149,7 +149,7 @@ class GenerateRole:
                 self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"malformed KV handle: {exc}")
             return
         if self._routes.get(rid) != identity:  # aborted meanwhile (or not this front end's request)
-            self.imports.release(handle, rid)
+            self.imports.release(handle)
             return
         awaited = self.imports.awaited_tokens(rid)
         problem = None
@@ -161,7 +161,7 @@ class GenerateRole:
             problem = f"the KV handle holds {handle.num_tokens} tokens, the prompt has {awaited}"
         if problem is not None:
             self._abort(rid)
-            self.imports.release(handle, rid)
+            self.imports.release(handle)
             self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"KVReady for {rid}: {problem}")
             return
         self.imports.ready(rid, handle, msg.token)

@@ -78,7 +78,7 @@ class KVImports:
         store: StoreClient | None,
         write_behind: WriteBehind | None,
         block_size: int,
-        release_remote: Callable[[KVHandle, str], None],
+        release_remote: Callable[[KVHandle], None],  # ReleaseKV of the handle's hold
         timeout_s: float = 10.0,
         *,
         kv_salt: str,
@@ -133,9 +133,9 @@ class KVImports:
         if source.load is not None:
             self._start(source.load)
 
-    def release(self, handle: KVHandle, request_id: str) -> None:
+    def release(self, handle: KVHandle) -> None:
         """Let a prefill instance's hold go unread (the request is not here to pull it)."""
-        self._release_remote(handle, request_id)
+        self._release_remote(handle)
 
     def drop(self, request_id: str) -> None:
         """The request was aborted: nothing is imported for it any more. An awaiting load the engine
@@ -148,7 +148,7 @@ class KVImports:
                 self.engine_loop.finish_load(request_id, source.load.num_cached_tokens)
                 return
         if isinstance(source, FromPeer):
-            self._release_remote(source.handle, request_id)
+            self._release_remote(source.handle)
         if source is not None:
             self._dropped[request_id] = None
             while len(self._dropped) > DROPPED_KEPT:
@@ -173,7 +173,7 @@ class KVImports:
         source = self._sources.pop(load.seq_id, None)
         if not load.needed:  # the prefix cache covered it: the request runs already
             if isinstance(source, FromPeer):
-                self._release_remote(source.handle, load.seq_id)
+                self._release_remote(source.handle)
             return
         if source is None and load.seq_id in self._dropped:  # aborted before its copy started
             del self._dropped[load.seq_id]
@@ -226,7 +226,7 @@ class KVImports:
                 timeout,
             )
         finally:
-            self._release_remote(handle, load.seq_id)
+            self._release_remote(handle)
         if self.write_behind is not None:  # their writer is the prefill instance (FromPeer)
             self.write_behind.remember(source.keys[load.first_block : load.first_block + got])
         self.pulled_blocks += got

@@ -152,8 +152,8 @@ class PrefillRole:
                 out.request_id, out.kv_held.block_ids, out.kv_held.num_tokens, time.monotonic()
             )
             handle = p.KVHandle(
-                self.instance_id, self.endpoint, self.imports.transfer.segment_name, self.region.name,
-                hold.block_ids, hold.num_tokens, self.region.block_bytes, self.holds.lease_s,
+                self.instance_id, out.request_id, self.endpoint, self.imports.transfer.segment_name,
+                self.region.name, hold.block_ids, hold.num_tokens, self.region.block_bytes, self.holds.lease_s,
                 self.imports.kv_salt,
             ).to_wire()  # fmt: skip
         self.prefilled += 1

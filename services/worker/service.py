@@ -359,7 +359,7 @@ class WorkerService(Service):
             return
         source = self.imports.forget(request_id) if self.imports is not None else None
         if isinstance(source, FromPeer):
-            self._release_remote(source.handle, request_id)
+            self._release_remote(source.handle)
         if self.prefill is not None:
             self.prefill.on_error(request_id, _as_yutu(exc))
         elif self.generate is not None:
@@ -377,12 +377,13 @@ class WorkerService(Service):
             pinned = []
         self.cache_events.on_cache(events, pinned)
 
-    def _release_remote(self, handle: KVHandle, request_id: str) -> None:
-        """Tell a prefill instance we are done with its hold (best effort: its lease ends it anyway)."""
+    def _release_remote(self, handle: KVHandle) -> None:
+        """Tell a prefill instance we are done with its hold (best effort: its lease ends it anyway).
+        The hold is named by the handle: this instance may run the request under another id."""
         client = self._release_clients.get(handle.control)
         if client is None:
             client = self._release_clients[handle.control] = RpcClient(p.CHANNEL, handle.control, 5.0)
-        task = asyncio.ensure_future(client.call(p.ReleaseKV(request_id)))
+        task = asyncio.ensure_future(client.call(p.ReleaseKV(handle.hold_id)))
         task.add_done_callback(_log_release_failure)
 
     def _check_prompt(self, ids: Any) -> str | None:

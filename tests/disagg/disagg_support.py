@@ -257,12 +257,18 @@ class DisaggStack:
                 continue  # killed by the test
             admin = self.admin(kind, name)
 
-            def idle(admin: str = admin) -> bool:
+            last: dict[str, Any] = {}
+
+            def idle(admin: str = admin, last: dict[str, Any] = last) -> bool:
                 info = httpx.get(admin + "/info", timeout=10).json()
+                last["info"] = info
                 wb = info.get("write_behind") or {"in_flight": 0}
                 return info["in_flight"] == 0 and wb["in_flight"] == 0 and info["engine"]["num_loading"] == 0
 
-            self.wait_for(idle, 30, f"{name} to be idle")
+            try:
+                self.wait_for(idle, 30, f"{name} to be idle")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; its last /info: {last.get('info')}") from None
             check = httpx.post(admin + "/debug/check_integrity", timeout=10)
             assert check.status_code == 200, f"{name}: block pool integrity: {check.text}"
             assert check.json()["held"] == 0, f"{name}: prefill holds left: {check.json()}"

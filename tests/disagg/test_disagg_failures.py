@@ -87,6 +87,15 @@ def test_prefill_instances_killed_or_frozen_have_their_requests_placed_again(
         # blocks freed: the stack's closing check) and took them again for prefill-1's attempt.
         imports = s.get("decode", "decode-0", "/info")["imports"]
         assert imports["awaits_dropped"] >= 1 and imports["awaited"] == 4 + imports["awaits_dropped"]
+        # prefill-1's holds of the requests placed again went when the decode pulled them, though
+        # the decode ran those under other ids (<id>-p1): a handle names its hold (not the lease,
+        # 30 s here, ending them).
+        s.wait_for(
+            lambda: s.get("prefill", "prefill-1", "/info")["holds"]["held"] == 0,
+            10,
+            "prefill-1's holds to go",
+        )
+        assert s.get("prefill", "prefill-1", "/info")["holds"]["expired"] == 0
 
         s.kill("prefill-1")  # and now outright: its requests go to prefill-0
         replies = [s.complete(ids, max_tokens=6) for ids in prompts]

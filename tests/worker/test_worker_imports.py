@@ -31,7 +31,10 @@ class NoTransfer:
 
 
 def handle(block_bytes: int, kv_salt: str) -> KVHandle:
-    return KVHandle("prefill-0", "tcp://p:1", "seg-p", "kv-p", [7, 8, 9], 40, block_bytes, 5.0, kv_salt)
+    # held under the prefill's id, which need not be the decode's (a re-placed prefill: r1-p1 there)
+    return KVHandle(
+        "prefill-0", "r1-held", "tcp://p:1", "seg-p", "kv-p", [7, 8, 9], 40, block_bytes, 5.0, kv_salt
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,7 +52,7 @@ async def test_a_handle_of_another_kv_layout_is_released_and_the_prompt_computed
     front, released = FakeFront(), []
     imports = KVImports(
         front, NoTransfer(), SimpleNamespace(name="kv-d", block_bytes=ours[0]), None, None, BLOCK_SIZE,  # type: ignore[arg-type]
-        lambda h, seq_id: released.append((h.instance_id, seq_id)), kv_salt=ours[1],
+        lambda h: released.append((h.instance_id, h.hold_id)), kv_salt=ours[1],
     )  # fmt: skip
     imports.expect("r1", FromPeer(handle(*theirs)))
     with caplog.at_level(logging.ERROR, logger="services.worker.imports"):
@@ -57,7 +60,7 @@ async def test_a_handle_of_another_kv_layout_is_released_and_the_prompt_computed
             KVLoad("r1", first_block=0, block_ids=[1, 2, 3], num_cached_tokens=0, num_tokens=40)
         )
     assert front.finished == [("r1", 0, None)]  # nothing imported: the engine computes all 40 tokens
-    assert released == [("prefill-0", "r1")]  # the prefill's hold is let go at once
+    assert released == [("prefill-0", "r1-held")]  # the prefill's hold is let go at once
     assert imports.mismatched == 1 and imports.failed == 1
     assert needle in caplog.text and "start them alike" in caplog.text
 
@@ -67,7 +70,7 @@ def awaiting_imports(released: list[tuple[str, str]]) -> tuple[FakeFront, KVImpo
     front = FakeFront()
     imports = KVImports(
         front, NoTransfer(), SimpleNamespace(name="kv-d", block_bytes=32768), None, None, BLOCK_SIZE,  # type: ignore[arg-type]
-        lambda h, seq_id: released.append((h.instance_id, seq_id)), kv_salt="tiny",
+        lambda h: released.append((h.instance_id, h.hold_id)), kv_salt="tiny",
     )  # fmt: skip
     return front, imports
 
@@ -90,7 +93,7 @@ async def test_an_awaiting_load_starts_when_both_the_engine_and_the_prefill_are_
     second()
     await asyncio.gather(*imports._tasks)
     assert front.finished == [("r1", 0, 77)]  # the first token goes with the load's answer
-    assert released == [("prefill-0", "r1")]
+    assert released == [("prefill-0", "r1-held")]
 
 
 async def test_an_awaiting_request_aborted_after_its_admission_frees_its_blocks_at_once() -> None:
@@ -110,7 +113,7 @@ async def test_a_load_that_comes_after_its_request_was_dropped_is_answered_quiet
     front, imports = awaiting_imports(released)
     imports.expect("r1", FromPeer(handle(32768, "tiny")))
     imports.drop("r1")  # aborted while the engine was admitting it
-    assert released == [("prefill-0", "r1")]  # the hold goes at once, unread
+    assert released == [("prefill-0", "r1-held")]  # the hold goes at once, unread
     with caplog.at_level(logging.INFO, logger="services.worker.imports"):
         imports.on_loads([LOAD])
         await asyncio.gather(*imports._tasks)

@@ -217,7 +217,7 @@ async def test_a_request_told_early_waits_for_its_kv_and_a_kv_ready_it_cannot_us
     that does not fit the request fails it (invalid_request_error) and frees its blocks; one for a request
     that is not there is ignored."""
     params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
-    handle = KVHandle("p-0", "tcp://127.0.0.1:9", "seg", "kv", [1, 2, 3], 10, 1024, 5.0, "tiny")
+    handle = KVHandle("p-0", "p-req", "tcp://127.0.0.1:9", "seg", "kv", [1, 2, 3], 10, 1024, 5.0, "tiny")
     async with httpx.AsyncClient() as http:
         for rid, ready, needle in [
             ("early-1", KVReady("early-1", 5, ["not", "a", "handle"]), "malformed KV handle"),

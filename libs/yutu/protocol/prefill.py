@@ -16,7 +16,9 @@ Request/reply over :mod:`yutu.rpc` (DEALER -> ROUTER)::
                     <-------------   Pong              and the calls in flight to it fail)
 
 A :class:`KVHandle` names the blocks: segment + region of the prefill's KV cache, and the block ids
-in token order; block ``b`` is ``[b * block_bytes, (b + 1) * block_bytes)`` of that region.
+in token order; block ``b`` is ``[b * block_bytes, (b + 1) * block_bytes)`` of that region. It also
+names the hold (``hold_id``, the prefill's request id): whoever pulls the blocks releases that, under
+whatever id it runs the request itself (a decode told of a re-placed prefill runs it as ``<id>-p1``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 from yutu.protocol.codec import Channel
 from yutu.protocol.wire import fields_of, float_field, int_field, int_list, str_field
 
-CHANNEL = Channel("prefill", version=2)  # 2: KV handles carry kv_salt
+CHANNEL = Channel("prefill", version=3)  # 2: KV handles carry kv_salt; 3: and the id of their hold
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class KVHandle:
     """Where a held request's KV lies, and who to tell when it has been pulled."""
 
     instance_id: str  # the prefill instance holding the blocks
+    hold_id: str  # the request id it holds them under: what ReleaseKV / RenewKV name
     control: str  # its prefill-channel endpoint (ReleaseKV / RenewKV go there)
     segment: str  # its transfer-engine segment
     region: str  # the KV cache region in that segment
@@ -46,6 +49,7 @@ class KVHandle:
 
     _FIELDS = (
         "instance_id",
+        "hold_id",
         "control",
         "segment",
         "region",
@@ -64,6 +68,7 @@ class KVHandle:
         f = fields_of(raw, cls._FIELDS, "KV handle")
         return cls(
             instance_id=str_field(f["instance_id"], "kv.instance_id"),
+            hold_id=str_field(f["hold_id"], "kv.hold_id"),
             control=str_field(f["control"], "kv.control"),
             segment=str_field(f["segment"], "kv.segment"),
             region=str_field(f["region"], "kv.region"),
