@@ -7,7 +7,8 @@
                       prefilling is aborted
     RenewKV        -> the lease restarts
 
-Every hold ends exactly once: released, expired (the decode never came), or at shutdown.
+Every hold ends exactly once: released, expired (the decode never came), undelivered (its result
+could not be sent: the gateway's connection was gone), or at shutdown.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class PrefillRole:
         # The same channel over a plain TCP stream (any free port), what gateways use: no ZeroMQ
         # I/O-thread wake-ups on the prefill request and its result. The ZeroMQ one stays (the
         # reference, and the control endpoint decode instances release holds on).
-        self.stream = StreamRpcServer(p.CHANNEL, self._handle, host, 0)
+        self.stream = StreamRpcServer(p.CHANNEL, self._handle, host, 0, on_undelivered=self._undelivered)
         self.stream_endpoint = ""
         self._hosts = (host, advertise_host)
         self.accepting = True
@@ -121,6 +122,17 @@ class PrefillRole:
         self._pending[rid] = future
         self.engine_loop.add(rid, ids, params, import_tokens=import_tokens, prefill_only=True)
         return future
+
+    def _undelivered(self, reply: Any) -> None:
+        """A result whose gateway's connection was gone when it came: its KV hold goes at once."""
+        if (
+            isinstance(reply, p.PrefillResult)
+            and reply.kv is not None
+            and self.holds.undeliverable(reply.request_id)
+        ):
+            log.warning(
+                "KV hold of %s released: its result could not be sent (the gateway is gone)", reply.request_id
+            )
 
     def release(self, request_id: str) -> bool:
         """Free a hold, or abort a request still prefilling (its caller gave up); False: nothing held."""

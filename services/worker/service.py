@@ -498,7 +498,8 @@ class WorkerService(Service):
                 }
             if self.prefill is not None:
                 holds = self.prefill.holds
-                info["holds"] = {"held": len(holds), "released": holds.released, "expired": holds.expired}
+                info["holds"] = {"held": len(holds), "released": holds.released, "expired": holds.expired,
+                                 "undelivered": holds.undelivered}  # fmt: skip
         return info
 
     def admin_router(self) -> APIRouter:

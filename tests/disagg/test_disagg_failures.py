@@ -3,6 +3,7 @@
 - a decode instance SIGKILLed mid-stream: the request moves to another decode instance with the
   tokens streamed so far, and the client's stream goes on with no token duplicated or missing;
 - a prefill instance SIGKILLed or frozen: its requests are placed again on another one;
+- a gateway SIGKILLed while its prefill runs: the prefill's KV hold, which nobody can pull, goes;
 - the conductor SIGKILLed: the gateway places requests itself meanwhile, and a restarted conductor
   rebuilds its view (instances, their prefix caches, the store's blocks) from the registry and
   KV-event replays.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.disagg.disagg_support import MODEL_NAME, DisaggStack, prompt
 
@@ -103,6 +105,37 @@ def test_prefill_instances_killed_or_frozen_have_their_requests_placed_again(
         assert {r.headers["x-yutu-prefill"] for r in replies} <= {"prefill-0", "none"}
         for ids, r in zip(prompts, replies, strict=True):
             assert r.tokens == s.reference(ids, 6)
+
+
+def test_a_gateway_killed_while_its_prefill_runs_leaves_no_kv_hold(
+    tmp_path: Path, long_model: Path, redis_url: str
+) -> None:
+    """The prefill's result cannot be sent (the gateway's connection is gone), so nobody can pull
+    its KV: the hold goes at once, not when its lease (30 s) ends. The decode instance told of the
+    request drops it too (its front end is gone): the stack's closing check finds every block free."""
+    with DisaggStack(tmp_path, long_model, redis_url, prefill=1, decode=1) as s:
+
+        def prefill_calls() -> int:
+            return sum(p["in_flight"] for p in httpx.get(f"{s.url}/info", timeout=5).json()["prefill"])
+
+        s.kill("prefill-0", signal.SIGSTOP)  # the request waits in its socket while the gateway dies
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                request = pool.submit(s.complete, prompt(300, seed=90), 4)
+                s.wait_for(lambda: prefill_calls() == 1, 20, "the prefill call to be sent")
+                s.kill("gateway")
+                with pytest.raises(httpx.HTTPError):
+                    request.result(30)
+        finally:
+            s.kill("prefill-0", signal.SIGCONT)
+        s.wait_for(
+            lambda: s.get("prefill", "prefill-0", "/info")["holds"]["undelivered"] == 1,
+            10,
+            "the undeliverable result's hold to go",
+        )
+        info = s.get("prefill", "prefill-0", "/info")
+        assert info["holds"] == {"held": 0, "released": 0, "expired": 0, "undelivered": 1}
+        assert info["in_flight"] == 0 and info["engine"]["generation_tokens_total"] == 1  # it was prefilled
 
 
 def view_of(s: DisaggStack) -> dict[str, Any]:

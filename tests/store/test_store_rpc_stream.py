@@ -175,6 +175,37 @@ async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_
         await server.close()
 
 
+async def test_a_reply_whose_client_is_gone_goes_to_on_undelivered() -> None:
+    """(What a prefill instance gives a KV hold back on.) Only replies that could not be sent, and
+    only once each; errors are not handed over."""
+    handler = Handler()
+    undelivered: list[Any] = []
+    handed = asyncio.Event()
+
+    def on_undelivered(reply: Any) -> None:
+        undelivered.append(reply)
+        handed.set()
+
+    server = StreamRpcServer(p.CHANNEL, handler, on_undelivered=on_undelivered)
+    await server.start()
+    client = StreamRpcClient(p.CHANNEL, server.endpoint, timeout_s=30.0)
+    try:
+        assert await client.call(p.Exists("here")) == p.ExistsReply(True)
+        held = asyncio.ensure_future(client.call(p.Exists("held")))
+        await asyncio.sleep(0.05)  # the request is at the server, its handler waiting
+        await client.close()  # the caller goes before its answer
+        with pytest.raises(YutuError):
+            await held
+        await asyncio.sleep(0.05)  # the server sees the connection end
+        assert undelivered == []
+        handler.release.set()  # the answer comes, with nobody to take it
+        await asyncio.wait_for(handed.wait(), 5.0)
+        await asyncio.sleep(0.05)
+        assert undelivered == [p.ExistsReply(True)]
+    finally:
+        await server.close()
+
+
 async def test_closing_the_client_while_a_call_connects_fails_the_call_typed_not_cancelled() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens on it: the call keeps retrying to connect
     client = StreamRpcClient(p.CHANNEL, endpoint, timeout_s=20.0)

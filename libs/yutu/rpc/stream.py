@@ -17,8 +17,10 @@ Frames, both directions (little-endian; ``length`` counts the payload only)::
 Same contract as :class:`~yutu.rpc.reqrep.RpcServer`: ``handler(msg)`` returns the reply or an
 awaitable of it (run as a task); :class:`YutuError` goes back typed, anything else is logged and
 answered INTERNAL. Differences from the ZeroMQ pair, on purpose: a call in flight when its
-connection drops fails at once with UNAVAILABLE (ZeroMQ would let it time out), and a call made
-while the server is down retries the connection until its timeout (as ZeroMQ reconnects).
+connection drops fails at once with UNAVAILABLE (ZeroMQ would let it time out), a call made
+while the server is down retries the connection until its timeout (as ZeroMQ reconnects), and a
+reply that cannot be sent because its client's connection is gone goes to the server's
+``on_undelivered`` (where what the reply hands over -- a KV hold -- can be given back at once).
 """
 
 from __future__ import annotations
@@ -137,11 +139,13 @@ class _ServerConnection(asyncio.Protocol):
         self._server._connections.discard(self)
         self.transport = None
 
-    def send(self, frame: bytes) -> None:
+    def send(self, frame: bytes) -> bool:
+        """Write a frame; False (and a warning) when the client's connection is gone."""
         if self.transport is None or self.transport.is_closing():
             log.warning("%s: reply not sent: the client is gone", self._server.name)
-            return
+            return False
         self.transport.write(frame)
+        return True
 
     def close(self) -> None:
         if self.transport is not None:
@@ -152,11 +156,12 @@ class StreamRpcServer:
     """Serves one channel on a TCP listener (see the module docstring); :meth:`start` binds."""
 
     def __init__(self, channel: Channel, handler: Callable[[Any], Any], host: str = "127.0.0.1",
-                 port: int = 0) -> None:  # fmt: skip
+                 port: int = 0, on_undelivered: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         self.channel = channel
         self.name = f"rpc-stream-{channel.name}"
         self.endpoint = ""  # tcp://host:port once started
         self._handler = handler
+        self._on_undelivered = on_undelivered  # called with a reply whose client is gone
         self._host, self._port = host, port
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
@@ -190,7 +195,7 @@ class StreamRpcServer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 return
-        conn.send(self._reply(call_id, reply))
+        self._answer(conn, call_id, reply)
 
     async def _answer_later(self, conn: _ServerConnection, call_id: int, pending: Any) -> None:
         try:
@@ -198,7 +203,11 @@ class StreamRpcServer:
         except Exception as exc:  # noqa: BLE001 - answered as an error
             conn.send(self._error(call_id, exc))
             return
-        conn.send(self._reply(call_id, reply))
+        self._answer(conn, call_id, reply)
+
+    def _answer(self, conn: _ServerConnection, call_id: int, reply: Any) -> None:
+        if not conn.send(self._reply(call_id, reply)) and self._on_undelivered is not None:
+            self._on_undelivered(reply)
 
     def _reply(self, call_id: int, reply: Any) -> bytes:
         try:

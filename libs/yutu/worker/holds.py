@@ -33,6 +33,7 @@ class Holds:
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries are skipped
         self.released = 0  # by the decode
         self.expired = 0  # by the lease
+        self.undelivered = 0  # its handle never reached anyone (the gateway's connection was gone)
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -69,6 +70,15 @@ class Holds:
         if self._holds.pop(request_id, None) is None:
             return False
         self.released += 1
+        self._on_release(request_id)
+        return True
+
+    def undeliverable(self, request_id: str) -> bool:
+        """The handle could not be sent (nobody can pull the blocks): free them now, not at the
+        lease's end; False if not held."""
+        if self._holds.pop(request_id, None) is None:
+            return False
+        self.undelivered += 1
         self._on_release(request_id)
         return True
 
