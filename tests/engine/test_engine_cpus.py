@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from yutu.engine.cpus import (
     ENGINE_NAME,
+    RELOOK_S,
     PeerEngines,
     WideStepThreads,
     engine_processes,
@@ -120,8 +121,27 @@ def test_a_wide_step_takes_the_cpus_no_other_engine_computes_on(
         readings.append(busy)
         return busy
 
-    assert WideStepThreads(most, cpus, busy=count).pick(least) == threads
-    assert len(readings) == (0 if most <= least else 1)
+    slept: list[float] = []
+    assert WideStepThreads(most, cpus, busy=count, sleep=slept.append).pick(least) == threads
+    looked_again = most > least and 0 < busy and cpus - busy < most  # a busy peer costs threads
+    assert len(readings) == (0 if most <= least else 2 if looked_again else 1)
+    assert slept == ([RELOOK_S] if looked_again else [])
+
+
+@pytest.mark.parametrize(
+    ("looks", "threads"),
+    [
+        ([1, 0], 2),  # the decode was admitting a request it was told of: it waits again, both CPUs
+        ([1, 1], 1),  # the decode is stepping: one
+        ([2, 1], 1),  # the fewer of the two looks
+    ],
+)
+def test_a_peer_seen_running_is_looked_at_again_before_it_costs_threads(
+    looks: list[int], threads: int
+) -> None:
+    slept: list[float] = []
+    picker = WideStepThreads(most=2, cpus=2, busy=lambda: looks.pop(0), sleep=slept.append)
+    assert picker.pick(1) == threads and looks == [] and slept == [RELOOK_S]
 
 
 def test_at_least_one_thread() -> None:
