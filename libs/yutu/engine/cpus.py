@@ -14,8 +14,9 @@ allowed (``most``)::
 An engine seen running is looked at once more, ``RELOOK_S`` later: one that is handling a command
 -- a decode instance admitting a request it was told of early, which happens while that request's
 prefill starts -- runs for a few hundred microseconds and waits again, where one that is stepping
-runs on. Without the second look, 12 of 63 sequential 1,024-token prefills on 1P+1D took one
-thread (57-71 ms against 32-37 ms on two), the decode instance caught admitting their requests.
+runs on. Without the second look, 5, 12 and 26 of 63 sequential 1,024-token prefills on 1P+1D
+took one thread in three probe runs (57-71 ms against 32-40 ms on two), the decode instance caught
+admitting their requests; with it, 2 and 2 of 63.
 
 Engine processes name themselves ``yutu-engine`` (:func:`name_this_process_an_engine`); the list
 of them is read from ``/proc`` every few seconds, and at each wide step the state of their threads

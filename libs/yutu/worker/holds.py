@@ -67,18 +67,20 @@ class Holds:
 
     def release(self, request_id: str) -> bool:
         """The decode pulled the blocks (or gave up on them); False if not held (expired, unknown)."""
-        if self._holds.pop(request_id, None) is None:
-            return False
-        self.released += 1
-        self._on_release(request_id)
-        return True
+        freed = self._free(request_id)
+        self.released += freed
+        return freed
 
     def undeliverable(self, request_id: str) -> bool:
         """The handle could not be sent (nobody can pull the blocks): free them now, not at the
         lease's end; False if not held."""
+        freed = self._free(request_id)
+        self.undelivered += freed
+        return freed
+
+    def _free(self, request_id: str) -> bool:
         if self._holds.pop(request_id, None) is None:
             return False
-        self.undelivered += 1
         self._on_release(request_id)
         return True
 
