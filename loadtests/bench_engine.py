@@ -15,6 +15,10 @@ Measures, in one run on one engine:
     torch's operations (the reference), interleaved
   * decode tokens/s at batch 1 and 16 with fused projections (q/k/v, gate/up; the engines' path)
     against the separate ones (the reference), interleaved
+  * on CPU, the sampler on the native kernel (``greedy_rows``: greedy tokens and the logprobs'
+    normalisers) against torch's operations (the reference): decode tokens/s at batch 1 and 16 with
+    and without logprobs, interleaved; and one sampling of 16 rows alone at vocabularies of 32k and
+    128k (the demo model's is 8k), where the sampler's share of a step grows
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
@@ -36,6 +40,7 @@ from yutu.engine.engine import EngineConfig, LLMEngine
 from yutu.engine.loader import load_model
 from yutu.engine.model import Linear, pack_cpu_linears
 from yutu.engine.model_source import resolve_model
+from yutu.engine.sampler import Sampler
 from yutu.engine.sampling import SamplingParams
 
 
@@ -148,11 +153,13 @@ def dense_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
             "dense_native_over_paged": best["native"] / best["paged"]}  # fmt: skip
 
 
-def decode_ab(engines: dict[str, LLMEngine], rounds: int, seed: int) -> dict[str, float]:
+def decode_ab(
+    engines: dict[str, LLMEngine], rounds: int, seed: int, logprobs: int | None = None
+) -> dict[str, float]:
     """Decode tokens/s of each engine at batch 1 (a 1024-token context) and batch 16 (512),
     ``rounds`` interleaved runs, the medians: ``{name}_decode_tok_s_b1`` and ``_b16``."""
     runs: dict[str, list[float]] = {}
-    params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True, logprobs=logprobs)
     for r in range(rounds):
         for name, engine in engines.items():
             vocab = engine.model_config.vocab_size
@@ -212,6 +219,43 @@ def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]
     return best
 
 
+def sampler_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
+    """The sampler on the native kernel (what engines on CPU run) against torch's operations (the
+    reference), interleaved (``decode_ab``, without logprobs and with the sampled token's); and one
+    sampling of 16 greedy rows with logprobs alone, each way, at larger vocabularies (medians)."""
+    torch.set_num_threads(threads)
+    engines = {name: LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20))
+               for name in ("kernel_sampler", "torch_sampler")}  # fmt: skip
+    engines["torch_sampler"].sampler = Sampler()
+    best = decode_ab(engines, rounds, seed=800)
+    with_logprobs = decode_ab(engines, rounds, seed=900, logprobs=0)
+    best |= {f"{key}_logprobs": value for key, value in with_logprobs.items()}
+    for what in (
+        "decode_tok_s_b1",
+        "decode_tok_s_b16",
+        "decode_tok_s_b1_logprobs",
+        "decode_tok_s_b16_logprobs",
+    ):
+        best[f"kernel_over_torch_sampler_{what}"] = (
+            best[f"kernel_sampler_{what}"] / best[f"torch_sampler_{what}"]
+        )
+    samplers = {"kernel": engines["kernel_sampler"].sampler, "torch": Sampler()}
+    params = [SamplingParams(temperature=0.0, logprobs=0)] * 16
+    for vocab in (32_000, 128_256):
+        logits = (torch.randn(16, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(
+            torch.bfloat16
+        )
+        times: dict[str, list[float]] = {name: [] for name in samplers}
+        for _ in range(20):
+            for name, sampler in samplers.items():
+                start = time.perf_counter()
+                sampler.sample(logits, params, [None] * 16)
+                times[name].append(time.perf_counter() - start)
+        for name in samplers:
+            best[f"{name}_sampler_ms_16x{vocab}"] = statistics.median(times[name]) * 1e3
+    return best
+
+
 def dtype_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]:
     """float32 against bfloat16 (what ``--dtype auto`` chooses between on a CPU): prefill of a
     512-token prompt, decode at batch 1 and 16, ``rounds`` interleaved runs, the best of each."""
@@ -257,7 +301,7 @@ def main() -> None:
     results = bench(model_dir, args.threads, args.dtype) | dense_ab(model_dir, args.threads)
     results |= fused_ab(model_dir, args.threads) | kernel_ab(model_dir, args.threads)
     if device == "cpu":
-        results |= dtype_ab(model_dir, args.threads)
+        results |= dtype_ab(model_dir, args.threads) | sampler_ab(model_dir, args.threads)
     print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}, dtype {args.dtype}")
     rows = [
         ("prefill tokens/s, batch 1 (512-token prompt)", results["prefill_tok_s_b1"], "tok/s"),
@@ -312,6 +356,15 @@ def main() -> None:
             ("bfloat16 / float32 speed: decode batch 1", results["bf16_over_f32_decode_tok_s_b1"], "x"),
             ("bfloat16 / float32 speed: decode batch 16", results["bf16_over_f32_decode_tok_s_b16"], "x"),
         ]
+    if results["kernels"] and "kernel_sampler_decode_tok_s_b1" in results:
+        labels = {"b1": "decode batch 1", "b16": "decode batch 16", "b1_logprobs": "decode batch 1, logprobs",
+                  "b16_logprobs": "decode batch 16, logprobs"}  # fmt: skip
+        ratio = "kernel_over_torch_sampler_decode_tok_s_"
+        rows += [
+            (f"kernel / torch sampler: {label}", results[ratio + what], "x") for what, label in labels.items()
+        ]
+        rows += [(f"sampling 16 x {vocab:,} with logprobs, {name}", results[f"{name}_sampler_ms_16x{vocab}"], "ms")
+                 for vocab in (32_000, 128_256) for name in ("kernel", "torch")]  # fmt: skip
     for label, value, unit in rows:
         print(f"{label:<48} {value:>10.2f} {unit}")
     Path(args.out).write_text(

@@ -328,3 +328,102 @@ def test_nonfinite_rows_get_no_token_and_spare_the_others(bad: float) -> None:
     assert out.token_ids[0] == clean.token_ids[0] and out.logprobs[0] == clean.logprobs[0]
     assert out.token_ids[3] == clean.token_ids[3]  # a seeded row draws from its own stream only
     assert clean.nonfinite_rows == []
+
+
+# -- the native kernel's greedy rows (yutu.engine.native's greedy_rows), held to torch's operations --
+
+
+@pytest.fixture(scope="module")
+def kernels() -> object:
+    from yutu.engine import native
+
+    return native.load()  # built by `make test` before the tests
+
+
+def awkward_rows(vocab: int) -> torch.Tensor:
+    """Nine rows of ``vocab`` logits in bfloat16's steps (ties): random, rounded to integers (many
+    tied at the maximum), all zero, the maximum in the last position, and three that are not finite."""
+    g = gen(vocab)
+    logits = (torch.randn(9, vocab, generator=g) * 4).to(torch.bfloat16).float()
+    logits[3] = logits[3].round()
+    logits[4] = 0.0
+    logits[5, -1] = logits[5].max() + 1.0
+    logits[6, vocab // 2] = float("nan")
+    logits[7, 0] = float("inf")
+    logits[8, -1] = float("-inf")
+    return logits
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 64, 65, 1000, 8192])
+def test_greedy_rows_match_torchs_argmax_and_log_softmax(kernels: object, vocab: int) -> None:
+    logits = awkward_rows(vocab)
+    token, top, log_sum, finite = kernels.greedy_rows(logits, True)  # type: ignore[attr-defined]
+    want_finite = logits.isfinite().all(dim=-1)
+    assert finite.tolist() == want_finite.tolist()
+    clean = torch.where(want_finite.unsqueeze(1), logits, 0.0)  # what the sampler computes on
+    assert token.tolist() == clean.argmax(dim=-1).tolist()  # the first maximum, as torch picks it
+    assert torch.equal(top, clean.amax(dim=-1))
+    logp = (clean - top.unsqueeze(1)) - log_sum.unsqueeze(1)
+    assert (logp - torch.log_softmax(clean, dim=-1)).abs().max().item() <= 1e-5
+    token_only, _, no_sums, _ = kernels.greedy_rows(logits, False)  # type: ignore[attr-defined]
+    assert torch.equal(token_only, token) and no_sums.numel() == 0
+
+
+def test_greedy_rows_read_rows_of_a_wider_buffer(kernels: object) -> None:
+    wide = torch.randn(5, 300, generator=gen(2))
+    token, top, _, _ = kernels.greedy_rows(wide[:, :257], False)  # type: ignore[attr-defined]
+    assert token.tolist() == wide[:, :257].argmax(dim=-1).tolist()
+    assert torch.equal(top, wide[:, :257].amax(dim=-1))
+
+
+def test_greedy_rows_refuse_what_they_cannot_read(kernels: object) -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.greedy_rows(torch.zeros(2, 8, dtype=torch.bfloat16), False)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="unit stride"):
+        kernels.greedy_rows(torch.zeros(8, 2).t(), False)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"\(R, V\)"):
+        kernels.greedy_rows(torch.zeros(8), False)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("-inf")])
+def test_the_sampler_on_the_kernel_samples_what_it_samples_on_torchs_operations(kernels: object,
+                                                                                bad: float | None) -> None:  # fmt: skip
+    logits = (torch.randn(7, 700, generator=gen(3)) * 3).to(torch.bfloat16)  # as a bfloat16 model's
+    if bad is not None:
+        logits[2, 5] = bad
+    params = [
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, seed=11, logprobs=0),
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=1.2, top_k=20, seed=12),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0.5, top_p=0.9, seed=13, logprobs=2),
+    ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None, None, gen(11), None, gen(12), None, gen(13)]
+
+    want = Sampler().sample(logits, params, generators())
+    got = Sampler(kernels).sample(logits, params, generators())  # type: ignore[arg-type]
+    assert got.token_ids == want.token_ids
+    assert got.nonfinite_rows == ([2] if bad is not None else [])
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-6)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-6)
+    greedy = Sampler(kernels).sample(logits, [SamplingParams(temperature=0)] * 7, [None] * 7)  # type: ignore[arg-type]
+    assert (
+        greedy.token_ids
+        == Sampler().sample(logits, [SamplingParams(temperature=0)] * 7, [None] * 7).token_ids
+    )
+
+
+def test_the_kernels_logprobs_stay_finite_at_extreme_logits(kernels: object) -> None:
+    logits = torch.tensor([[3e38, -3e38, 0.0], [-3e38, 3e38, 1.0]])
+    params = [SamplingParams(temperature=0, logprobs=0)] * 2
+    out = Sampler(kernels).sample(logits, params, [None, None])  # type: ignore[arg-type]
+    assert out.token_ids == [0, 1]
+    assert [lp.logprob for lp in out.logprobs if lp is not None] == [0.0, 0.0]

@@ -261,7 +261,7 @@ class LLMEngine:
             shape = self.model_config.kv_cache_shape(self.num_kv_blocks, config.block_size)
             self.mirror = KVMirror(self.runner.kv_cache, config.kv_cache_factory(shape, self.dtype))
         self._load_blocks: dict[str, list[int]] = {}  # a loading request's imported blocks (mirror only)
-        self.sampler = Sampler()
+        self.sampler = Sampler(native)
         # Picks a wide step's threads (None: every step on the process's threads).
         self.wide_step_threads = (
             WideStepThreads(config.prefill_threads)

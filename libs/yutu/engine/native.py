@@ -8,6 +8,9 @@
 - ``write_kv_``, ``fill_slots_`` (``csrc/kv_copy.cpp``): a step's keys and values into the paged
   cache, and its new positions into the dense decode cache's slots; torch's indexed assignment
   is the reference.
+- ``greedy_rows`` (``csrc/sampling.cpp``): each logits row's greedy token and log-normaliser, for
+  the sampler (:class:`yutu.engine.sampler.Sampler`); torch's ``argmax`` and ``log_softmax`` are
+  the reference.
 - ``spread_threads`` (``csrc/threads.cpp``): binds each thread of torch's intra-op team to its
   own CPU for a wide step, and gives them their CPUs back after it.
 - ``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul`` (``csrc/layer_ops.cpp``): a decoder
@@ -63,6 +66,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "kv_copy.cpp",
         "layer_ops.cpp",
+        "sampling.cpp",
         "threads.cpp",
         "bindings.cpp",
     )

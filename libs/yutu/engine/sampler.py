@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -136,8 +138,29 @@ def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)  # (R,)
 
 
+class RowStats(NamedTuple):
+    """Per logits row, from the native ``greedy_rows``: its first maximum, that maximum's value,
+    ``log(sum(exp(x - top)))`` (empty when not asked), so a token's logprob is ``(x - top) - log_sum``,
+    and whether the row is finite (one that is not has a row of zeros' figures)."""
+
+    token: torch.Tensor  # (R,) int64
+    top: torch.Tensor  # (R,) float32
+    log_sum: torch.Tensor  # (R,) float32, or (0,)
+    finite: torch.Tensor  # (R,) bool
+
+
 class Sampler:
-    """Stateless apart from torch's default RNG; per-request generators are passed in."""
+    """Stateless apart from torch's default RNG; per-request generators are passed in.
+
+    ``kernels``: the native CPU kernels (:mod:`yutu.engine.native`), or None. With them, rows of
+    CPU logits get their greedy token and the normaliser of their logprobs from ``greedy_rows``
+    (two passes over a row, where torch's ``argmax`` and ``log_softmax`` on a CPU are each several
+    times slower than a vectorized pass); torch's operations are the reference, and what runs
+    without them, on other devices, and for top-logprobs (``logprobs`` > 0).
+    """
+
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        self._kernels = kernels
 
     def sample(
         self,
@@ -153,22 +176,27 @@ class Sampler:
         num_rows, vocab = logits.shape
         assert len(params) == num_rows == len(generators)
         logits = logits.float()
-        # A row is finite iff its least and greatest values are (NaN propagates through both):
-        # one pass over the row, where isfinite().all() is three.
-        low, high = torch.aminmax(logits, dim=-1)  # (R,) each
-        finite = low.isfinite() & high.isfinite()  # (R,)
+        stats = None
+        if self._kernels is not None and logits.device.type == "cpu":
+            log_sum = any(p.logprobs is not None for p in params)
+            stats = RowStats(*self._kernels.greedy_rows(logits.contiguous(), log_sum))
+            finite = stats.finite  # (R,)
+        else:
+            # A row is finite iff its least and greatest values are (NaN propagates through both):
+            # amin and amax are a vectorized pass each (torch.aminmax, one pass, is ~20x slower on CPU).
+            finite = logits.amin(dim=-1).isfinite() & logits.amax(dim=-1).isfinite()  # (R,)
         all_finite = bool(finite.all())
         if not all_finite:
             logits = torch.where(finite.unsqueeze(1), logits, 0.0)  # (R, V) bad rows: a harmless uniform row
 
         greedy = [r for r, p in enumerate(params) if p.is_greedy]
         if len(greedy) == num_rows:  # the usual batch: no row to pick out
-            chosen = logits.argmax(dim=-1)  # (R,)
+            chosen = stats.token if stats is not None else logits.argmax(dim=-1)  # (R,)
         else:
             chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # (R,)
             if greedy:
                 rows = torch.tensor(greedy, device=logits.device)
-                chosen[rows] = logits[rows].argmax(dim=-1)
+                chosen[rows] = stats.token[rows] if stats is not None else logits[rows].argmax(dim=-1)
             random = [r for r, p in enumerate(params) if not p.is_greedy]
             self._sample_random(logits, params, generators, random, chosen)
 
@@ -177,7 +205,7 @@ class Sampler:
             for r, ok in enumerate(finite.tolist()):
                 if not ok:
                     token_ids[r] = None
-        return SamplerOutput(token_ids, self._logprobs(logits, chosen, params, token_ids))
+        return SamplerOutput(token_ids, self._logprobs(logits, chosen, params, token_ids, stats))
 
     @staticmethod
     def _sample_random(
@@ -227,20 +255,26 @@ class Sampler:
         chosen: torch.Tensor,
         params: Sequence[SamplingParams],
         token_ids: list[int | None],
+        stats: RowStats | None = None,
     ) -> list[TokenLogprobs | None]:
         wanted = [r for r, p in enumerate(params) if p.logprobs is not None and token_ids[r] is not None]
         out: list[TokenLogprobs | None] = [None] * len(params)
         if not wanted:
             return out
         rows = torch.tensor(wanted, device=logits.device)
-        logp = torch.log_softmax(logits[rows], dim=-1).clamp(min=_FLOAT32_LOWEST)  # (W, V) raw, finite
-        sampled = logp.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()  # (W,)
-        max_k = min(max(params[r].logprobs or 0 for r in wanted), logp.shape[1])
+        max_k = min(max(params[r].logprobs or 0 for r in wanted), logits.shape[1])
         top_vals_l: list[list[float]] = [[] for _ in wanted]
         top_ids_l: list[list[int]] = [[] for _ in wanted]
-        if max_k:
-            top_vals, top_ids = logp.topk(max_k, dim=-1)  # (W, max_k) each, descending
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        if stats is not None and not max_k:  # the sampled tokens' alone: no (W, V) log_softmax
+            picked = logits[rows, chosen[rows]]  # (W,)
+            logp_picked = (picked - stats.top[rows]) - stats.log_sum[rows]  # log_softmax's order
+            sampled = logp_picked.clamp(min=_FLOAT32_LOWEST).tolist()  # (W,)
+        else:
+            logp = torch.log_softmax(logits[rows], dim=-1).clamp(min=_FLOAT32_LOWEST)  # (W, V) raw, finite
+            sampled = logp.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()  # (W,)
+            if max_k:
+                top_vals, top_ids = logp.topk(max_k, dim=-1)  # (W, max_k) each, descending
+                top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
         for i, r in enumerate(wanted):
             k = params[r].logprobs or 0
             top = list(zip(top_ids_l[i][:k], top_vals_l[i][:k], strict=True))

@@ -30,6 +30,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("residual"), arg("weight"), arg("eps"), nogil);
   m.def("rotary_", &rotary_, "in place: rotate (T, heads, hd) by (T, hd) cos/sin tables, half-split layout",
         arg("x"), arg("cos"), arg("sin"), nogil);
+  m.def("greedy_rows", &greedy_rows,
+        "each (R, V) float32 logits row's first maximum (R,) int64, its value (R,), with log_sum the log of "
+        "sum(exp(x - max)) (R,) (else empty), and whether the row is finite (R,) bool (a row that is not: "
+        "what a row of zeros gives)",
+        arg("logits"), arg("log_sum"), nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of (T, 2I) [ gate | up ] rows into a new (T, I) tensor",
         arg("gate_up"), nogil);
 }

@@ -25,6 +25,10 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+// sampling.cpp: each (R, V) float32 logits row's first maximum, its value, (log_sum) the log of
+// sum(exp(x - max)), so that a token's log-probability is (x - max) - log_sum, and whether it is finite.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits, bool log_sum);
+
 // threads.cpp: bind each thread of torch's intra-op team to its own CPU of the caller's (true),
 // or give them all the caller's CPUs back (false); false when there is nothing to spread over.
 bool spread_threads(bool on);
