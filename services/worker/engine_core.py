@@ -248,8 +248,9 @@ class EngineCore:
                     return
                 self._apply(command)
                 command = self._commands.get_nowait()
-            self._publish_cache()
             if engine.has_unfinished_requests():
+                # The commands' cache events (a finished load's blocks) go out with the step's,
+                # after it: not between a handoff's last message and the step that decodes it.
                 outputs = engine.step()  # contains its own failures; raises only when broken
                 stats = engine.stats()
                 self._measure(outputs, stats)
@@ -261,6 +262,7 @@ class EngineCore:
                         f"{failed} engine steps failed in a row (last: {engine.last_failure})"
                     )
             else:
+                self._publish_cache()
                 self.load.queued, self.load.decoding = engine.queue_snapshot()
                 self._events.measured(self.load, engine.stats())
 
