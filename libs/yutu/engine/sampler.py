@@ -153,10 +153,10 @@ class Sampler:
     """Stateless apart from torch's default RNG; per-request generators are passed in.
 
     ``kernels``: the native CPU kernels (:mod:`yutu.engine.native`), or None. With them, rows of
-    CPU logits get their greedy token and the normaliser of their logprobs from ``greedy_rows``
-    (two passes over a row, where torch's ``argmax`` and ``log_softmax`` on a CPU are each several
-    times slower than a vectorized pass); torch's operations are the reference, and what runs
-    without them, on other devices, and for top-logprobs (``logprobs`` > 0).
+    CPU logits get their finiteness, greedy token and the normaliser of their logprobs from
+    ``greedy_rows`` (vectorized passes over a row, where torch's ``argmax`` and ``log_softmax`` on
+    a CPU are each several times slower than one); torch's operations are the reference, and what
+    runs without them, on other devices, and for top-logprobs (``logprobs`` > 0).
     """
 
     def __init__(self, kernels: ModuleType | None = None) -> None:
