@@ -52,7 +52,7 @@ int64_t first_maximum(const float* x, int64_t n, std::vector<float>& block_max, 
     for (int64_t k = 1; k < kBlock; ++k) m = std::max(m, y[k]);
     block_max[b] = m;
   }
-  float m = x[blocks < 1 ? 0 : n - 1];
+  float m = x[n - 1];  // the tail's maximum (what no block holds), then the blocks'
   for (int64_t j = blocks * kBlock; j < n; ++j) m = std::max(m, x[j]);
   for (int64_t b = 0; b < blocks; ++b) m = std::max(m, block_max[b]);
   int64_t b = 0;
