@@ -17,8 +17,7 @@ Measures, in one run on one engine:
     against the separate ones (the reference), interleaved
   * on CPU, the sampler on the native kernel (``greedy_rows``: greedy tokens and the logprobs'
     normalisers) against torch's operations (the reference): decode tokens/s at batch 1 and 16 with
-    and without logprobs, interleaved; and one sampling of 16 rows alone at vocabularies of 32k and
-    128k (the demo model's is 8k), where the sampler's share of a step grows
+    and without logprobs, interleaved (the sampler alone, at larger vocabularies: bench_sampler.py)
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
@@ -221,8 +220,7 @@ def fused_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]
 
 def sampler_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, float]:
     """The sampler on the native kernel (what engines on CPU run) against torch's operations (the
-    reference), interleaved (``decode_ab``, without logprobs and with the sampled token's); and one
-    sampling of 16 greedy rows with logprobs alone, each way, at larger vocabularies (medians)."""
+    reference), interleaved (``decode_ab``, without logprobs and with the sampled token's)."""
     torch.set_num_threads(threads)
     engines = {name: LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20))
                for name in ("kernel_sampler", "torch_sampler")}  # fmt: skip
@@ -239,20 +237,6 @@ def sampler_ab(model_dir: Path, threads: int, rounds: int = 5) -> dict[str, floa
         best[f"kernel_over_torch_sampler_{what}"] = (
             best[f"kernel_sampler_{what}"] / best[f"torch_sampler_{what}"]
         )
-    samplers = {"kernel": engines["kernel_sampler"].sampler, "torch": Sampler()}
-    params = [SamplingParams(temperature=0.0, logprobs=0)] * 16
-    for vocab in (32_000, 128_256):
-        logits = (torch.randn(16, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(
-            torch.bfloat16
-        )
-        times: dict[str, list[float]] = {name: [] for name in samplers}
-        for _ in range(20):
-            for name, sampler in samplers.items():
-                start = time.perf_counter()
-                sampler.sample(logits, params, [None] * 16)
-                times[name].append(time.perf_counter() - start)
-        for name in samplers:
-            best[f"{name}_sampler_ms_16x{vocab}"] = statistics.median(times[name]) * 1e3
     return best
 
 
@@ -363,8 +347,6 @@ def main() -> None:
         rows += [
             (f"kernel / torch sampler: {label}", results[ratio + what], "x") for what, label in labels.items()
         ]
-        rows += [(f"sampling 16 x {vocab:,} with logprobs, {name}", results[f"{name}_sampler_ms_16x{vocab}"], "ms")
-                 for vocab in (32_000, 128_256) for name in ("kernel", "torch")]  # fmt: skip
     for label, value, unit in rows:
         print(f"{label:<48} {value:>10.2f} {unit}")
     Path(args.out).write_text(

@@ -1,15 +1,21 @@
-"""The sampler's step cost for random sampling (temperature > 0: OpenAI's default), against the plain
-version it replaced, in the same run.
+"""The sampler's step cost, against the plain version it replaced, in the same run.
 
     .venv/bin/python loadtests/bench_sampler.py [--threads 1] [--rounds 30] [--out bench_sampler.json]
 
-``plain``: every random row through top-k/top-p (a vocabulary-wide sort per row) and drawn with
-``torch.multinomial`` (which draws an exponential for every token of the row); ``Sampler``: the
-engine's sampler, where only rows that ask for top-k or top-p go through them, from the row's
-largest values where those decide it (``yutu.engine.sampler.top_k_top_p``), and a row is drawn by
-inverse transform from one uniform (``yutu.engine.sampler.draw_from``). Rows ask for temperature
-0.8 and nothing else (``free``), or also top_p 0.95 (``top_p``). Shapes: a
-batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
+Random sampling (temperature > 0: OpenAI's default), rows ``free`` (temperature 0.8 alone) and
+``top_p`` (also top_p 0.95): ``plain`` sends every random row through top-k/top-p (a
+vocabulary-wide sort per row) and draws it with ``torch.multinomial`` (an exponential for every
+token of the row); ``Sampler``, the engine's sampler, sends only rows that ask for top-k or top-p
+through them, from the row's largest values where those decide it
+(``yutu.engine.sampler.top_k_top_p``), and draws a row by inverse transform from one uniform
+(``yutu.engine.sampler.draw_from``).
+
+Greedy sampling, rows ``greedy`` and ``greedy_logprobs`` (the sampled token's logprob, as the
+serving bench asks): ``plain`` is the sampler on torch's operations (``Sampler()``, the reference:
+``argmax``, ``log_softmax``), ``Sampler`` the engine's on CPU, with the native kernels' row
+reductions (``Sampler(kernels)``, ``greedy_rows``: finiteness, first maximum, log-normaliser).
+
+Shapes: a batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
 Llama-3's (128,256). Each figure is the median of ``--rounds`` calls, the two versions taking
 turns; printed with the ratio plain / Sampler.
 """
@@ -21,9 +27,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+from yutu.engine import native
 from yutu.engine.sampler import Sampler, apply_top_k_top_p, scale_by_temperature
 from yutu.engine.sampling import SamplingParams
 
@@ -61,27 +69,34 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    sampler = Sampler()
+    sampler = Sampler(native.load())  # the engine's, on CPU (the kernels are built by `make`)
+    reference = Sampler()  # on torch's operations: the plain version of the greedy rows
     rows = []
-    print(f"{'rows':>12} {'vocab':>8} {'batch':>5} {'plain us':>10} {'Sampler us':>11} {'plain/Sampler':>14}")
+    print(f"{'rows':>16} {'vocab':>8} {'batch':>5} {'plain us':>10} {'Sampler us':>11} {'plain/Sampler':>14}")
     for name, row in (
         ("free", SamplingParams(temperature=0.8)),
         ("top_p", SamplingParams(temperature=0.8, top_p=0.95)),
+        ("greedy", SamplingParams(temperature=0.0)),
+        ("greedy_logprobs", SamplingParams(temperature=0.0, logprobs=0)),
     ):
         for vocab in VOCABS:
             for batch in BATCHES:
                 logits = torch.randn(batch, vocab) * 4
                 params = [row] * batch
                 gens: list[torch.Generator | None] = [None] * batch
-                got = median_us({"plain": lambda x=logits, p=params: plain_sample(x, p),
-                                 "sampler": lambda x=logits, p=params, g=gens: sampler.sample(x, p, g)},
+                plain: Callable[[], object] = (
+                    partial(reference.sample, logits, params, gens)
+                    if row.is_greedy
+                    else partial(plain_sample, logits, params)
+                )
+                got = median_us({"plain": plain, "sampler": partial(sampler.sample, logits, params, gens)},
                                 args.rounds)  # fmt: skip
                 ratio = got["plain"] / got["sampler"]
                 rows.append(
                     {"rows": name, "vocab": vocab, "batch": batch, **got, "plain_over_sampler": ratio}
                 )
                 print(
-                    f"{name:>12} {vocab:>8} {batch:>5} {got['plain']:>10.0f} {got['sampler']:>11.0f} {ratio:>13.2f}x"
+                    f"{name:>16} {vocab:>8} {batch:>5} {got['plain']:>10.0f} {got['sampler']:>11.0f} {ratio:>13.2f}x"
                 )
     if args.out is not None:
         args.out.write_text(

@@ -1,6 +1,7 @@
 """loadtests/bench_sampler.py runs end to end: every shape measured for both versions, the ratios
 printed (a smoke test of the script: timings are not checked; that the two versions sample from
-the same distribution is tests/engine/test_engine_sampler.py's)."""
+the same distribution, and the kernel's greedy rows what torch's operations pick, is
+tests/engine/test_engine_sampler.py's)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_a_short_bench_sampler_run_measures_every_shape(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert {(r["rows"], r["vocab"], r["batch"]) for r in rows} == {
         (name, vocab, batch)
-        for name in ("free", "top_p")
+        for name in ("free", "top_p", "greedy", "greedy_logprobs")
         for vocab in (2_560, 32_000, 128_256)
         for batch in (1, 16)
     }

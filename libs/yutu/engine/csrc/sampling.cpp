@@ -1,8 +1,8 @@
 // Each logits row's greedy token and log-normaliser on CPU (yutu/engine/sampler.py).
 //
 // torch's CPU argmax reduces a row at ~1 ns an element here and its logsumexp and log_softmax at
-// ~0.6-1 (amax: ~0.06): on a decode step of 16 rows of an 8,192-token vocabulary the sampler took
-// ~0.3 ms of a ~4 ms step, and ~6-14 ms with a 128k vocabulary. Per row, in float32:
+// ~0.6-1 (amax: ~0.06): on a decode step of 16 rows of the demo model's 2,560-token vocabulary the
+// sampler took ~0.25 ms of a ~4 ms step, and 6-14 ms with a 128k vocabulary. Per row, in float32:
 //   pass 1  top = max_j x[j]; token = the first j with x[j] == top (torch's argmax: the first maximum)
 //   pass 2  log_sum = log(sum_j exp(x[j] - top))                      (only when asked)
 // so token c's log-probability is (x[c] - top) - log_sum, what log_softmax computes, in its order.
