@@ -426,9 +426,14 @@ class _Work:
 
 class _Lane:
     """One lane's requests in flight and finished outcomes, posted to ``Progress`` every
-    ``POST_BYTES`` and when the lane stops."""
+    ``POST_BYTES`` and when the lane stops.
 
-    POST_BYTES = 1 << 20
+    Each post wakes the event loop, whose thread then takes a CPU and the GIL from the lanes (and
+    from the peer's threads, on one host): posting every 8 MiB instead of every 1 MiB made cold
+    32 x 1 MiB TCP batch gets 6-7% faster (8.74 against 9.41 ms p50, 300 alternating rounds; 4 MiB
+    was 8.87, 64 MiB 8.72)."""
+
+    POST_BYTES = 8 << 20
 
     def __init__(self, progress: Progress) -> None:
         self._progress = progress
