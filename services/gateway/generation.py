@@ -313,7 +313,7 @@ class Generation:
     def _record(self, state: ChoiceState, update: ChoiceUpdate) -> None:
         state.text += update.text
         state.tokens.extend(update.tokens)
-        self.metrics.generation_tokens.labels(self.metrics.model).inc(len(update.tokens))
+        self.metrics.generated(len(update.tokens))
         if update.finish_reason is not None:
             state.finish_reason, state.stop_reason = update.finish_reason, update.stop_reason
             m = self.metrics

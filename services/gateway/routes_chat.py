@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
+from services.gateway.chunks import chat_choice, chat_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.errors import invalid
 from services.gateway.generation import ChoiceState, ChoiceUpdate, Generation
@@ -21,11 +23,9 @@ from services.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
@@ -99,8 +99,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 def _choice(state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest) -> ChatChoice:
     lp = None
     if body.logprobs:
-        lp = ChatChoiceLogprobs(
-            content=chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)
+        lp = ChatChoiceLogprobs.model_validate(
+            {"content": chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)}
         )
     return ChatChoice(
         index=state.spec.index,
@@ -117,16 +117,12 @@ async def _stream(
     created = int(gen.arrival)
     logprobs, as_ids = body.logprobs, body.return_tokens_as_token_ids
 
-    def chunk(choices: list[ChatChunkChoice]) -> str:
-        return event(
-            ChatCompletionChunk(id=gen.request_id, created=created, model=gw.model_name, choices=choices)
-        )
+    def chunk(choice: dict[str, Any]) -> str:
+        return chat_chunk(gen.request_id, created, gw.model_name, [choice])
 
-    def content(update: ChoiceUpdate) -> ChatChunkChoice:
-        lp = None
-        if logprobs:
-            lp = ChatChoiceLogprobs(content=chat_logprobs(update.tokens, gw.token_text, as_ids))
-        return ChatChunkChoice(index=update.index, delta=ChatDelta(content=update.text), logprobs=lp)
+    def content(update: ChoiceUpdate) -> dict[str, Any]:
+        lp = chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
+        return chat_choice(update.index, content=update.text, logprobs=lp)
 
     # Events that go out together are yielded as one string: one socket write each time.
     tail = ""
@@ -134,21 +130,18 @@ async def _stream(
         async with gen:
             # The role comes first, once per choice, as OpenAI sends it.
             yield "".join(
-                chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-                for index in sorted(gen.choices)
+                chunk(chat_choice(index, role="assistant", content="")) for index in sorted(gen.choices)
             )
             async for update in gen.updates():
                 out = ""
                 if update.text or (logprobs and update.tokens):
-                    out += chunk([content(update)])
+                    out += chunk(content(update))
                 if update.finish_reason is not None:
-                    end = ChatChunkChoice(
-                        index=update.index,
-                        delta=ChatDelta(),
-                        finish_reason=update.finish_reason,
-                        stop_reason=update.stop_reason,
+                    out += chunk(
+                        chat_choice(
+                            update.index, finish_reason=update.finish_reason, stop_reason=update.stop_reason
+                        )
                     )
-                    out += chunk([end])
                 if out:
                     yield out
             if include_usage:

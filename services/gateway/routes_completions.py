@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
+from services.gateway.chunks import completion_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.generation import ChoiceState, Generation
 from services.gateway.logprobs import completion_logprobs
@@ -24,6 +25,7 @@ from services.gateway.prompts import (
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
@@ -110,7 +112,11 @@ def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool, as_ids: bool
     return CompletionChoice(
         index=state.spec.index,
         text=state.text,
-        logprobs=completion_logprobs(state.tokens, gw.token_text, as_ids) if logprobs else None,
+        logprobs=(
+            CompletionLogprobs.model_validate(completion_logprobs(state.tokens, gw.token_text, as_ids))
+            if logprobs
+            else None
+        ),
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
     )
@@ -119,7 +125,7 @@ def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool, as_ids: bool
 async def _stream(
     gen: Generation, gw: GatewayService, body: CompletionRequest, include_usage: bool
 ) -> AsyncIterator[str]:
-    created = gen.arrival
+    created = int(gen.arrival)
     tail = ""
     try:
         async with gen:
@@ -131,26 +137,15 @@ async def _stream(
                     logprobs = completion_logprobs(
                         update.tokens, gw.token_text, body.return_tokens_as_token_ids
                     )
-                chunk = CompletionResponse(
-                    id=gen.request_id,
-                    created=int(created),
-                    model=gw.model_name,
-                    choices=[
-                        CompletionChoice(
-                            index=update.index,
-                            text=update.text,
-                            logprobs=logprobs,
-                            finish_reason=update.finish_reason,
-                            stop_reason=update.stop_reason,
-                        )
-                    ],
-                )
-                yield event(chunk)
+                yield completion_chunk(
+                    gen.request_id, created, gw.model_name, update.index, update.text, logprobs,
+                    update.finish_reason, update.stop_reason,
+                )  # fmt: skip
             if include_usage:
                 tail = event(
                     CompletionResponse(
                         id=gen.request_id,
-                        created=int(created),
+                        created=created,
                         model=gw.model_name,
                         choices=[],
                         usage=usage_of(gen),
