@@ -1,7 +1,8 @@
 """CPU time per generated token in each process of the serving path, engine core in a process
 against on a thread (``--engine-core process|thread``), same stack, same requests, same run.
 
-    .venv/bin/python loadtests/serving_cpu.py [--rounds 2] [--out serving_cpu.json]
+    .venv/bin/python loadtests/serving_cpu.py [--rounds 2] [--placements process,thread] [--repeat 1]
+        [--out serving_cpu.json]
 
 CPU time (user + system, from /proc) is what a process costs the machine whatever else runs on
 it, so unlike wall-clock TPOT it holds on a shared, noisy 2-core machine. For each core placement
@@ -10,6 +11,12 @@ API: ``batch1`` -- 8 prompts of 256 fresh tokens one after another, 64 tokens ou
 ``batch16`` -- 16 such requests at once, 64 out. Printed per scenario: CPU ms per output token of
 the gateway, of the worker process and of the engine process (on a thread, the engine's CPU is
 the worker's), their sum, and the client-timed TPOT p50. Rounds alternate the two placements.
+
+``--placements process`` measures the default placement alone, e.g. once on each of two checkouts
+to compare a change to the serving path; ``--repeat N`` sends each scenario's requests N times
+(fresh prompts) and sums the CPU over all of them: /proc counts CPU in ticks of 10 ms, so one
+batch16 scenario (1,024 tokens, ~80 ms of the gateway's CPU) reads it to within ~12%, eight
+repeats to within ~2%.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
+PLACEMENTS = ("process", "thread")
 
 
 def cpu_s(pid: int) -> float:
@@ -50,11 +58,14 @@ def pids(stack: Stack) -> dict[str, int]:
     return out
 
 
-def measure(stack: Stack, prompts: list[list[int]], concurrency: int) -> dict[str, float]:
+def measure(stack: Stack, batches: list[list[list[int]]], concurrency: int) -> dict[str, float]:
+    """Each batch's prompts sent ``concurrency`` at a time, batch after batch; CPU over all."""
     procs = pids(stack)
     before = {name: cpu_s(pid) for name, pid in procs.items()}
+    replies = []
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(lambda ids: stack.complete(ids, OUTPUT_TOKENS), prompts))
+        for prompts in batches:
+            replies += pool.map(lambda ids: stack.complete(ids, OUTPUT_TOKENS), prompts)
     after = {name: cpu_s(pid) for name, pid in procs.items()}
     tokens = sum(r.completion_tokens for r in replies)
     out = {f"{name}_cpu_ms_per_token": 1e3 * (after[name] - before[name]) / tokens for name in procs}
@@ -65,32 +76,35 @@ def measure(stack: Stack, prompts: list[list[int]], concurrency: int) -> dict[st
     return out
 
 
-def run_core(core: str, work: Path, rng: random.Random) -> dict[str, dict[str, float]]:
+def run_core(core: str, work: Path, rng: random.Random, repeat: int) -> dict[str, dict[str, float]]:
     spec = StackSpec(f"cpu-{core}", workers=1, store_nodes=0, engine_core=core)
     with shm_directory() as shm, Stack(spec, work / core, shm) as stack:
 
-        def fresh(n: int) -> list[list[int]]:
-            return [[rng.randrange(stack.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+        def fresh(n: int) -> list[list[list[int]]]:
+            return [
+                [[rng.randrange(stack.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+                for _ in range(repeat)
+            ]
 
-        stack.complete(fresh(1)[0], 4)  # warm-up
+        stack.complete(fresh(1)[0][0], 4)  # warm-up
         results = {"batch1": measure(stack, fresh(8), 1), "batch16": measure(stack, fresh(16), 16)}
         if stack.leftovers:
             raise RuntimeError(f"region files left after the stack stopped: {stack.leftovers}")
     return results
 
 
-def report(rounds: list[dict[str, Any]]) -> str:
-    lines = ["scenario figure                       process   thread  process/thread"]
+def report(rounds: list[dict[str, Any]], placements: tuple[str, ...]) -> str:
+    both = placements == PLACEMENTS
+    lines = ["scenario figure                      " + "".join(f"{c:>9}" for c in placements)
+             + ("  process/thread" if both else "")]  # fmt: skip
     for scenario in ("batch1", "batch16"):
-        for figure in ("gateway", "worker", "engine", "total"):
-            key = f"{figure}_cpu_ms_per_token"
-            p = statistics.median(r["process"][scenario][key] for r in rounds)
-            t = statistics.median(r["thread"][scenario][key] for r in rounds)
-            ratio = f"{p / t:.2f}x" if t else "-"
-            lines.append(f"{scenario:8} {key:28} {p:8.3f} {t:8.3f}  {ratio}")
-        p = statistics.median(r["process"][scenario]["tpot_p50_ms"] for r in rounds)
-        t = statistics.median(r["thread"][scenario]["tpot_p50_ms"] for r in rounds)
-        lines.append(f"{scenario:8} {'tpot_p50_ms (wall)':28} {p:8.2f} {t:8.2f}  {p / t:.2f}x")
+        for key in [f"{f}_cpu_ms_per_token" for f in ("gateway", "worker", "engine", "total")] + [
+            "tpot_p50_ms"
+        ]:
+            values = [statistics.median(r[c][scenario][key] for r in rounds) for c in placements]
+            name = "tpot_p50_ms (wall)" if key == "tpot_p50_ms" else key
+            ratio = f"  {values[0] / values[1]:.2f}x" if both and values[1] else ("  -" if both else "")
+            lines.append(f"{scenario:8} {name:28}" + "".join(f"{v:9.3f}" for v in values) + ratio)
     return "\n".join(lines)
 
 
@@ -98,17 +112,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of (process, thread), alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the placements, alternating")
+    parser.add_argument(
+        "--placements",
+        default="process,thread",
+        help="engine-core placements to measure, comma-separated: process, thread (default both)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="send each scenario's requests this many times (fresh prompts); CPU summed over all",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the measurements as JSON here")
     args = parser.parse_args(argv)
+    placements = tuple(args.placements.split(","))
+    if (
+        not placements
+        or any(c not in PLACEMENTS for c in placements)
+        or len(set(placements)) != len(placements)
+    ):
+        parser.error(f"--placements takes process and/or thread, got {args.placements!r}")
+    if args.rounds < 1 or args.repeat < 1:
+        parser.error("--rounds and --repeat must be at least 1")
+    placements = tuple(c for c in PLACEMENTS if c in placements)
     rng = random.Random(0)
     rounds: list[dict[str, Any]] = []
     with private_dir(Path("/tmp"), "yutu-serving-cpu-") as work:
         for i in range(args.rounds):
-            order = ("process", "thread") if i % 2 == 0 else ("thread", "process")
-            rounds.append({core: run_core(core, work / f"r{i}", rng) for core in order})
+            order = placements if i % 2 == 0 else placements[::-1]
+            rounds.append({core: run_core(core, work / f"r{i}", rng, args.repeat) for core in order})
             print(f"round {i + 1}/{args.rounds} done at {time.strftime('%H:%M:%S')}", flush=True)
-    print(report(rounds))
+    print(report(rounds, placements))
     if args.out is not None:
         args.out.write_text(json.dumps(rounds, indent=2))
         print(f"wrote {args.out}")

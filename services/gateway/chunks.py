@@ -2,9 +2,11 @@
 
 A streamed token costs the gateway one chunk. Built as the response models of
 :mod:`services.gateway.schemas` and dumped (:func:`services.gateway.streaming.event`), a
-completions chunk took 5.9 us (warm, one token with its logprob); encoded here from a dict by
-msgspec, 1.2 us. With the per-token metrics' label lookups gone too (``GatewayMetrics``), the
-gateway's CPU per streamed token went 77-84 -> see the README ("The gateway's CPU per token").
+completions chunk with one token and its logprob takes 5.9 us (warm, in a loop); encoded here
+from a dict by msgspec, 1.2 us. With the per-token metrics' label lookups made once
+(``GatewayMetrics``), the gateway's CPU per streamed token went 83-90 -> 61-67 us at 16 requests
+at a time and 176-195 -> 144-154 us one at a time (``loadtests/serving_cpu.py --placements
+process --repeat 8``, three alternating pairs of checkouts).
 
 The models stay the reference: the non-streaming responses, the usage and error events are built
 with them, and ``tests/gateway/test_gateway_chunks.py`` holds each chunk here equal (as JSON) to
