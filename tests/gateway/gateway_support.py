@@ -165,8 +165,8 @@ class Stack:
     max_model_len: int
 
 
-def spawn(args: list[str], log_file: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def spawn(args: list[str], log_file: Path, **env_extra: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     with log_file.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -187,14 +187,18 @@ def start_worker(
     logs: Path, model: Path, redis_url: str, prefix: str, *extra: str
 ) -> subprocess.Popen[bytes]:
     """A real worker: 64 KV blocks of BLOCK_SIZE tokens, context MAX_MODEL_LEN, one torch thread,
-    float32 (the tests hold its tokens and logprobs to the float32 reference)."""
+    float32 (the tests hold its tokens and logprobs to the float32 reference). Its KV region's file
+    goes to ``logs/shm``, not /dev/shm: a test that kills it leaves nothing in the machine's memory."""
     name = f"worker-{uuid.uuid4().hex[:6]}"
+    shm = logs / "shm"
+    shm.mkdir(exist_ok=True)
     return spawn(
         ["-m", "services.worker.main", "--model", str(model), "--served-model-name", MODEL_NAME,
          "--redis-url", redis_url, "--registry-prefix", prefix, "--admin-port", "0", "--zmq-port", "0",
          "--num-kv-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
          "--torch-threads", "1", "--dtype", "float32", "--instance-id", name, "--log-level", "info", *extra],
         logs / f"{name}.log",
+        YUTU_SHM_DIR=str(shm),
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from gateway_support import (
     stop_process,
     wait_ready,
 )
+from yutu.transfer.region import sweep_stale_region_files
 
 
 def worker_info(stack: Stack) -> dict[str, Any]:
@@ -120,3 +121,5 @@ def test_a_killed_worker_ends_the_stream_with_an_error_then_done(
     finally:
         stop_process(gateway)
         stop_process(worker)
+    sweep_stale_region_files(str(tmp_path / "shm"))  # the killed worker's KV region: reclaimable
+    assert not list((tmp_path / "shm").iterdir())
