@@ -39,6 +39,7 @@ from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
 PLACEMENTS = ("process", "thread")
+FIGURES = (*(f"{p}_cpu_ms_per_token" for p in ("gateway", "worker", "engine", "total")), "tpot_p50_ms")
 
 
 def cpu_s(pid: int) -> float:
@@ -98,9 +99,7 @@ def report(rounds: list[dict[str, Any]], placements: tuple[str, ...]) -> str:
     lines = ["scenario figure                      " + "".join(f"{c:>9}" for c in placements)
              + ("  process/thread" if both else "")]  # fmt: skip
     for scenario in ("batch1", "batch16"):
-        for key in [f"{f}_cpu_ms_per_token" for f in ("gateway", "worker", "engine", "total")] + [
-            "tpot_p50_ms"
-        ]:
+        for key in FIGURES:
             values = [statistics.median(r[c][scenario][key] for r in rounds) for c in placements]
             name = "tpot_p50_ms (wall)" if key == "tpot_p50_ms" else key
             ratio = f"  {values[0] / values[1]:.2f}x" if both and values[1] else ("  -" if both else "")
@@ -126,16 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the measurements as JSON here")
     args = parser.parse_args(argv)
-    placements = tuple(args.placements.split(","))
-    if (
-        not placements
-        or any(c not in PLACEMENTS for c in placements)
-        or len(set(placements)) != len(placements)
-    ):
+    names = set(args.placements.split(","))
+    if not names <= set(PLACEMENTS):
         parser.error(f"--placements takes process and/or thread, got {args.placements!r}")
     if args.rounds < 1 or args.repeat < 1:
         parser.error("--rounds and --repeat must be at least 1")
-    placements = tuple(c for c in PLACEMENTS if c in placements)
+    placements = tuple(c for c in PLACEMENTS if c in names)
     rng = random.Random(0)
     rounds: list[dict[str, Any]] = []
     with private_dir(Path("/tmp"), "yutu-serving-cpu-") as work:
