@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from disagg_stack import Stack, StackSpec, private_dir, shm_directory  # noqa: E402
+from disagg_stack import Reply, Stack, StackSpec, private_dir, shm_directory  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
@@ -63,7 +63,7 @@ def measure(stack: Stack, batches: list[list[list[int]]], concurrency: int) -> d
     """Each batch's prompts sent ``concurrency`` at a time, batch after batch; CPU over all."""
     procs = pids(stack)
     before = {name: cpu_s(pid) for name, pid in procs.items()}
-    replies = []
+    replies: list[Reply] = []
     with ThreadPoolExecutor(concurrency) as pool:
         for prompts in batches:
             replies += pool.map(lambda ids: stack.complete(ids, OUTPUT_TOKENS), prompts)
