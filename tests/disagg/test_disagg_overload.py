@@ -4,8 +4,10 @@ are served within the SLO.
 
 The workers have KV blocks for the whole burst, so what turns requests away is the predicted TTFT,
 not room. The stack first learns its speed as a burst sees it: sequential requests calibrate the
-cost models, a smaller burst the measured/predicted correction (on these two shared cores the
-gateway's intake of a burst slows every prefill, which no quiet request shows)."""
+cost models, a burst of the same size the measured/predicted correction (on these two shared cores
+the gateway's intake of a burst slows every prefill, which no quiet request shows). After a warm-up
+burst half the size, one CI run accepted 40 of the measured burst and 9 missed the SLO; with a
+warm-up as large as the burst, 7 runs (4 with a core kept busy) accepted 18-35, none missing."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def test_a_burst_beyond_the_slo_is_rejected_early_and_the_accepted_meet_it(
         # Until the cost models have measurements, nothing is rejected: the warm-up calibrates them.
         for i in range(12):
             assert s.complete(prompt(1500, seed=300 + i), max_tokens=2).status == 200
-        warm = s.burst([prompt(1500, seed=500 + i) for i in range(BURST // 2)], max_tokens=2)
+        warm = s.burst([prompt(1500, seed=500 + i) for i in range(BURST)], max_tokens=2)
         assert {r.status for r in warm} <= {200, 429}, [r.body for r in warm]
         replies = s.burst([prompt(1500, seed=400 + i) for i in range(BURST)], max_tokens=2)
         rejected = [r for r in replies if r.status == 429]
