@@ -284,7 +284,7 @@ def test_env_names_are_scoped_per_service() -> None:
 @pytest.mark.parametrize(
     ("engines", "cpus", "threads"),
     [
-        (1, 2, 1),  # one mixed worker on 2 cores: one core left to the front ends (the rule in README)
+        (1, 2, 1),  # one mixed worker on 2 cores: a core left to the front ends (README, "Engines and CPUs")
         (2, 2, 1),  # 1 prefill + 1 decode on 2 cores: at least one thread each (oversubscribed, not idle)
         (1, 16, 15),
         (2, 16, 7),  # 1P+1D on 16 cores: 15 shared

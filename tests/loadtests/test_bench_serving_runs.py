@@ -50,7 +50,7 @@ def test_the_quick_run_measures_every_scenario_on_the_stack_and_the_engine(tmp_p
     assert name == "mixed" and "--workers 1" in run["command"] and "--store-nodes 0" in run["command"]
     setup = run["engine_setup"]  # what the engine-only run mirrored, from the worker's /info
     assert setup["torch"] >= 1
-    assert setup["prefill"] >= setup["torch"]  # yutu up's rule (README)
+    assert setup["prefill"] >= setup["torch"]  # yutu up's rule (README, "Engines and CPUs")
     assert (setup["step_tokens"], setup["prefill_step_tokens"]) == (512, 2048)  # the worker's defaults
     assert (
         f"(engine: {setup['torch']} torch thread(s), {setup['prefill']} for a long prompt's chunks; steps of"

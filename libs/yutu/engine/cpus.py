@@ -28,7 +28,8 @@ give their CPU back within milliseconds, which is why ``yutu up`` lends their co
 The engine binds a short wide step's threads (under 256 tokens: a chunk after a long cached
 prefix) one to a CPU while it runs (``wide_step_threads``, ``csrc/threads.cpp``): two threads that
 start on the same CPU -- the other one busy at that moment -- otherwise stay together after it
-frees, taking turns at every barrier (measured in the README, "The pieces").
+frees, taking turns at every barrier (measured in docs/performance.md, "Threads, wide steps and
+step budgets").
 
 What it cannot see: engines in another pid namespace (each container of the compose file runs
 one service; cap ``--prefill-threads`` there if engines share CPUs), an engine running on a
