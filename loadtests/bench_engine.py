@@ -18,6 +18,10 @@ Measures, in one run on one engine:
   * on CPU, the sampler on the native kernel (``greedy_rows``: greedy tokens and the logprobs'
     normalisers) against torch's operations (the reference): decode tokens/s at batch 1 and 16 with
     and without logprobs, interleaved (the sampler alone, at larger vocabularies: bench_sampler.py)
+  * with ``--compile``, on CPU: ``torch.compile`` (inductor, dynamic shapes) of each layer's MLP and
+    norms on torch's operations, against the same eager and against the native kernels: decode
+    tokens/s at batch 1 and 16, interleaved, and the seconds the first steps took to compile. In
+    float32: the bfloat16 path's prepacked oneDNN products do not trace with dynamic shapes
 and prints a table plus ratios against the same-run baselines (batch 1, cold, dense off). Writes JSON.
 
     .venv/bin/python loadtests/bench_engine.py [--model DIR] [--out bench_engine.json]
@@ -269,6 +273,42 @@ def dtype_ab(model_dir: Path, threads: int, rounds: int = 3) -> dict[str, float]
     return best
 
 
+def compile_ab(model_dir: Path, threads: int, rounds: int = 4) -> dict[str, float]:
+    """``torch.compile`` of each decoder layer's MLP and norms (the parts that trace: the attention
+    reads per-step Python metadata, on which a compiled layer recompiles step after step) against
+    the same engine eager and against the native kernels, float32 (module docstring)."""
+    torch.set_num_threads(threads)
+
+    def make(kernels: str) -> LLMEngine:
+        config = EngineConfig(
+            model_dir=model_dir, kv_cache_memory_bytes=256 * 2**20, kernels=kernels, dtype="float32"
+        )
+        return LLMEngine(config)
+
+    engines = {"native": make("auto"), "eager": make("torch"), "compiled": make("torch")}
+    for layer in engines["compiled"].runner.model.model.layers:
+        for module in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            module.forward = torch.compile(module.forward, dynamic=True)  # type: ignore[method-assign]
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    compile_s = 0.0
+    for name, engine in engines.items():
+        vocab = engine.model_config.vocab_size
+        start = time.perf_counter()
+        run_to_first_token(engine, {f"{name}-w1": prompts(1, 1024, vocab, seed=1)[0]}, warm)
+        run_to_first_token(
+            engine, {f"{name}-w16-{i}": p for i, p in enumerate(prompts(16, 512, vocab, seed=2))}, warm
+        )
+        finish(engine)
+        if name == "compiled":
+            compile_s = time.perf_counter() - start
+    best = decode_ab(engines, rounds, seed=900)
+    best["compiled_first_steps_s"] = compile_s
+    for what in ("decode_tok_s_b1", "decode_tok_s_b16"):
+        best[f"compiled_over_eager_{what}"] = best[f"compiled_{what}"] / best[f"eager_{what}"]
+        best[f"compiled_over_native_{what}"] = best[f"compiled_{what}"] / best[f"native_{what}"]
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -279,6 +319,11 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPES, help="engine dtype (auto: as the engines pick it)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile of the decode path (CPU; adds a minute or two)",
+    )
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -286,6 +331,8 @@ def main() -> None:
     results |= fused_ab(model_dir, args.threads) | kernel_ab(model_dir, args.threads)
     if device == "cpu":
         results |= dtype_ab(model_dir, args.threads) | sampler_ab(model_dir, args.threads)
+        if args.compile:
+            results |= compile_ab(model_dir, args.threads)
     print(f"engine benchmark: {model_dir.name}, {args.threads} threads, device {device}, dtype {args.dtype}")
     rows = [
         ("prefill tokens/s, batch 1 (512-token prompt)", results["prefill_tok_s_b1"], "tok/s"),
@@ -346,6 +393,18 @@ def main() -> None:
         ratio = "kernel_over_torch_sampler_decode_tok_s_"
         rows += [
             (f"kernel / torch sampler: {label}", results[ratio + what], "x") for what, label in labels.items()
+        ]
+    if "compiled_first_steps_s" in results:
+        rows += [
+            ("torch.compile / eager: decode batch 1", results["compiled_over_eager_decode_tok_s_b1"], "x"),
+            ("torch.compile / eager: decode batch 16", results["compiled_over_eager_decode_tok_s_b16"], "x"),
+            ("torch.compile / native: decode batch 1", results["compiled_over_native_decode_tok_s_b1"], "x"),
+            (
+                "torch.compile / native: decode batch 16",
+                results["compiled_over_native_decode_tok_s_b16"],
+                "x",
+            ),
+            ("torch.compile: its first steps (compiling)", results["compiled_first_steps_s"], "s"),
         ]
     for label, value, unit in rows:
         print(f"{label:<48} {value:>10.2f} {unit}")
