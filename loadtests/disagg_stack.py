@@ -201,21 +201,31 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if not k.startswith("YUTU_")}
         env |= {SHM_DIR_ENV: str(self.shm), "PYTHONUNBUFFERED": "1"}
         argv = self.spec.argv(self.port, self.redis_url, self.work / "logs" / "stack")
+        assert self.group.log_dir is not None
+        log = self.group.log_dir / "yutu-up.log"  # the group appends: a stack started before in this
+        before = log.stat().st_size if log.exists() else 0  # work dir printed its banner there already
         up = self.group.start(ChildSpec("yutu-up", tuple(argv), env))
-        wait_for(lambda: self._banner_printed(up), READY_TIMEOUT_S, f"`{self.spec.command}` to be up", 0.2)
+        wait_for(
+            lambda: self._banner_printed(up, before), READY_TIMEOUT_S, f"`{self.spec.command}` to be up", 0.2
+        )
         wait_for(self._everyone_seen, 60, "the gateway and the conductor to see every instance", 0.1)
         card = self.http.get("/v1/models").json()["data"][0]
         self.model = str(card["id"])
         config = json.loads((Path(card["root"]) / "config.json").read_text())  # the served checkpoint
         self.vocab_size = int(config["vocab_size"])
 
-    def _banner_printed(self, up: Child) -> bool:
+    def _banner_printed(self, up: Child, since: int) -> bool:
+        """Whether ``up`` printed its banner to its log past byte ``since`` (what this start wrote)."""
         if up.proc.poll() is not None:
             raise StackError(
                 f"`{self.spec.command}` exited with code {up.proc.returncode}:\n{self.log_tail()}"
             )
         log = up.log_path
-        return log is not None and log.exists() and BANNER_END in log.read_text(errors="replace")
+        if log is None or not log.exists():
+            return False
+        with log.open("rb") as f:
+            f.seek(since)
+            return BANNER_END.encode() in f.read()
 
     def _everyone_seen(self) -> bool:
         info = self.http.get("/info").json()
