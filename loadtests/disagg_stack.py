@@ -201,9 +201,8 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if not k.startswith("YUTU_")}
         env |= {SHM_DIR_ENV: str(self.shm), "PYTHONUNBUFFERED": "1"}
         argv = self.spec.argv(self.port, self.redis_url, self.work / "logs" / "stack")
-        assert self.group.log_dir is not None
-        log = self.group.log_dir / "yutu-up.log"  # the group appends: a stack started before in this
-        before = log.stat().st_size if log.exists() else 0  # work dir printed its banner there already
+        log = self.group.log_path("yutu-up")  # appended to: a stack started before in this work dir
+        before = log.stat().st_size if log is not None and log.exists() else 0  # printed its banner there
         up = self.group.start(ChildSpec("yutu-up", tuple(argv), env))
         wait_for(
             lambda: self._banner_printed(up, before), READY_TIMEOUT_S, f"`{self.spec.command}` to be up", 0.2

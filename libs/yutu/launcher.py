@@ -162,13 +162,16 @@ class ProcessGroup:
         self.children.append(child)
         return child
 
+    def log_path(self, name: str) -> Path | None:
+        """Where child ``name``'s output goes (appended to: restarts and later starts add to it)."""
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
     def _launch(self, spec: ChildSpec) -> tuple[subprocess.Popen[bytes], str | None, Path | None]:
         argv, ready_url = spec.resolved()
         out = None
-        log_path = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{spec.name}.log"
+        log_path = self.log_path(spec.name)
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
             out = log_path.open("ab")
         try:
             proc = subprocess.Popen(
