@@ -1,5 +1,5 @@
 """The native layer kernels (yutu.engine.native: rms_norm, add_rms_norm_, rotary_, silu_mul) against
-the model's torch code, their reference; the KV copies (write_kv_, fill_slots_) against torch's
+the model's torch code, their reference; the KV copies (write_kv_, fill_slots_, fill_whole_) against torch's
 indexed assignment; and the model run on them against the model without (in each dtype, fused
 projections or not).
 
@@ -182,6 +182,19 @@ def test_the_kv_copies_move_what_torchs_indexed_assignment_moves(ops: object, dt
     ops.fill_slots_(k_buf, v_buf, k_cache, v_cache, slots, positions, where_blocks[:3], where_offsets[:3])  # type: ignore[attr-defined]
     assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
 
+    table = torch.tensor([4, 1, 5])  # a whole context of 10 positions: two blocks and half of a third
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    want_k[1, :, :10] = k_cache[table].view(-1, kvh, hd)[:10].transpose(0, 1)  # DenseStep.fill's reference
+    want_v[1, :, :10] = v_cache[table].view(-1, kvh, hd)[:10].transpose(0, 1)
+    ops.fill_whole_(k_buf, v_buf, k_cache, v_cache, 1, 10, table)  # type: ignore[attr-defined]
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)  # slot 1's positions 0..9, nothing else
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.fill_whole_(k_buf, v_buf, k_cache, v_cache, 1, 10, torch.tensor([4, 1, 6]))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="at least 3 blocks"):
+        ops.fill_whole_(k_buf, v_buf, k_cache, v_cache, 1, 10, table[:2])  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="outside the buffers"):
+        ops.fill_whole_(k_buf, v_buf, k_cache, v_cache, 3, 10, table)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.write_kv_(k_cache, v_cache, k, v, torch.tensor([6, 0, 0, 0, 0]), where_offsets)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="out of range"):

@@ -9,7 +9,7 @@ appends one token per sequence and attends with two batched matmuls over views -
 The paged cache stays the source of truth (prefix sharing, imports, the store and peers all read
 and write it). A slot is filled *from* it: each step copies, after the layer wrote the step's K/V,
 the positions ``filled .. context_len - 1`` of each sequence (usually just the new token, by one
-indexed copy for all sequences; a whole context the first time, by one gather of its blocks). A sequence missing from a step's decodes (finished, aborted, preempted,
+indexed copy for all sequences; a whole context the first time, block by block). A sequence missing from a step's decodes (finished, aborted, preempted,
 prefilling again) loses its slot, so a slot never outlives the KV it copied.
 
 Budget: the buffers grow by doubling (slots and capacity) within ``budget_bytes``; a decode that
@@ -92,9 +92,12 @@ class DenseStep:
             k_buf[self.fill_slots, :, self.fill_pos] = k_cache_layer[b, o]  # (F, kvh, hd)
             v_buf[self.fill_slots, :, self.fill_pos] = v_cache_layer[b, o]
         kvh, hd = k_buf.shape[1], k_buf.shape[3]
-        for slot, ctx, blocks in self.wholes:  # one gather of its blocks, then one strided copy
-            k_buf[slot, :, :ctx] = k_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
-            v_buf[slot, :, :ctx] = v_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
+        for slot, ctx, blocks in self.wholes:  # native: one pass (1k positions, 4 layers: 0.18 ms, not 0.55)
+            if self.cache.kernels is not None:
+                self.cache.kernels.fill_whole_(k_buf, v_buf, k_cache_layer, v_cache_layer, slot, ctx, blocks)
+            else:  # the reference: one gather of its blocks, then one strided copy
+                k_buf[slot, :, :ctx] = k_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
+                v_buf[slot, :, :ctx] = v_cache_layer[blocks].view(-1, kvh, hd)[:ctx].transpose(0, 1)
 
     def _mask(self, window: int | None) -> torch.Tensor:
         """(width, 1, 1, span) bool mask: True where a slot's query sees the key."""

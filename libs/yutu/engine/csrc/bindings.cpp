@@ -24,6 +24,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in place: k_buf[slots[i], :, positions[i]] = k_cache[blocks[i], offsets[i]], and v alike", arg("k_buf"),
         arg("v_buf"), arg("k_cache"), arg("v_cache"), arg("slots"), arg("positions"), arg("blocks"),
         arg("offsets"), nogil);
+  m.def("fill_whole_", &fill_whole_,
+        "in place: positions 0..length-1 of the sequence whose block table is blocks into slot slot of k_buf, "
+        "v_buf (k_buf[slot, :, p] = k_cache[blocks[p // block_size], p % block_size]), and v alike",
+        arg("k_buf"), arg("v_buf"), arg("k_cache"), arg("v_cache"), arg("slot"), arg("length"), arg("blocks"),
+        nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of (T, H) rows into a new tensor", arg("x"), arg("weight"), arg("eps"),
         nogil);
   m.def("add_rms_norm_", &add_rms_norm_, "in place: residual += x, then x = RMSNorm(residual)", arg("x"),

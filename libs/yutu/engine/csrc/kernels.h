@@ -18,6 +18,8 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 void fill_slots_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& blocks,
                  const at::Tensor& offsets);
+void fill_whole_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 int64_t slot, int64_t length, const at::Tensor& blocks);
 
 // layer_ops.cpp: a decoder layer's elementwise steps, with the model's torch code's roundings.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -1,6 +1,6 @@
 // A step's KV copies on CPU: its new keys and values into the paged cache, and positions of the
 // paged cache into the dense decode cache's slots (yutu/engine/attention.py write_kv_cache,
-// yutu/engine/decode_cache.py DenseStep.fill).
+// yutu/engine/decode_cache.py DenseStep.fill), a step's few new positions or a sequence's whole context.
 //
 // The reference is torch's indexed assignment, two per layer for each copy (keys, values): at a
 // decode step each costs ~10 us of indexing machinery to move a few hundred bytes. Here each copy
@@ -12,6 +12,7 @@
 // contiguous. Index tensors are int64 and contiguous.
 #include "kernels.h"
 
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <utility>
@@ -102,6 +103,45 @@ void fill_slots_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache
                   kc + from_k + h * k_cache.stride(2) * e, bytes);
       std::memcpy(vb + (s[i] * v_buf.stride(0) + h * v_buf.stride(1) + p[i] * v_buf.stride(2)) * e,
                   vc + from_v + h * v_cache.stride(2) * e, bytes);
+    }
+  }
+}
+
+void fill_whole_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 int64_t slot, int64_t length, const at::Tensor& blocks) {
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "buffers must be (slots, kvh, capacity, hd) and caches (num_blocks, block_size, kvh, hd)");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
+    check_positions(*t, k_cache, "a cache");
+  TORCH_CHECK(k_buf.size(1) == k_cache.size(2) && k_buf.size(3) == k_cache.size(3) && k_buf.stride(3) == 1 &&
+                  v_buf.stride(3) == 1 && k_buf.scalar_type() == k_cache.scalar_type() &&
+                  v_buf.scalar_type() == k_cache.scalar_type() && k_buf.device().is_cpu() && v_buf.device().is_cpu(),
+              "buffers ", k_buf.sizes(), " do not match the cache ", k_cache.sizes());
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), used = (length + block_size - 1) / block_size;
+  TORCH_CHECK(0 <= slot && slot < k_buf.size(0) && 0 < length && length <= k_buf.size(2), "slot ", slot,
+              " or length ", length, " outside the buffers ", k_buf.sizes());
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() && blocks.dim() == 1 &&
+                  blocks.size(0) >= used,
+              "blocks must be a contiguous int64 tensor of at least ", used, " blocks, got ", blocks.sizes());
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  for (int64_t j = 0; j < used; ++j)
+    TORCH_CHECK(0 <= b[j] && b[j] < num_blocks, "block ", j, " (", b[j], ") outside the cache's ", num_blocks);
+  const int64_t heads = k_buf.size(1), e = k_buf.element_size(), bytes = k_buf.size(3) * e;
+  auto* kb = static_cast<char*>(k_buf.data_ptr()) + slot * k_buf.stride(0) * e;
+  auto* vb = static_cast<char*>(v_buf.data_ptr()) + slot * v_buf.stride(0) * e;
+  const auto* kc = static_cast<const char*>(k_cache.data_ptr());
+  const auto* vc = static_cast<const char*>(v_cache.data_ptr());
+  for (int64_t j = 0; j < used; ++j) {  // block by block: its positions' (kvh, hd) rows are read in order
+    const int64_t n = std::min(block_size, length - j * block_size);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = j * block_size + t;
+      const char* from_k = kc + (b[j] * k_cache.stride(0) + t * k_cache.stride(1)) * e;
+      const char* from_v = vc + (b[j] * v_cache.stride(0) + t * v_cache.stride(1)) * e;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kb + (h * k_buf.stride(1) + pos * k_buf.stride(2)) * e, from_k + h * k_cache.stride(2) * e, bytes);
+        std::memcpy(vb + (h * v_buf.stride(1) + pos * v_buf.stride(2)) * e, from_v + h * v_cache.stride(2) * e, bytes);
+      }
     }
   }
 }
