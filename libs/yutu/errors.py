@@ -12,7 +12,7 @@ from enum import StrEnum
 class ErrorKind(StrEnum):
     INVALID_REQUEST = "invalid_request_error"  # 400: the caller must change the request
     NOT_FOUND = "not_found_error"  # 404: unknown model, key or resource
-    TOO_LARGE = "request_too_large"  # 413: prompt longer than the context
+    TOO_LARGE = "request_too_large"  # 413: a request body, or a stored object, larger than allowed
     OVERLOADED = "overloaded_error"  # 429: try again later (with Retry-After)
     UNAVAILABLE = "service_unavailable"  # 503: no instance can take the request now
     INTERNAL = "internal_error"  # 500: a bug or a failure we did not expect

@@ -72,6 +72,13 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def context_length_exceeded(message: str, param: str) -> ApiError:
+    """A prompt, or a prompt with its max_tokens, that does not fit the model's context: 400
+    ``invalid_request_error`` with code ``context_length_exceeded``, as OpenAI and vLLM answer it
+    (OpenAI's clients raise ``BadRequestError``; callers that trim and retry look for the code)."""
+    return ApiError.of_kind(ErrorKind.INVALID_REQUEST, message, param, code="context_length_exceeded")
+
+
 def invalid(message: str, param: str | None = None) -> ApiError:
     """A 400 for a request the caller must change."""
     return ApiError.of_kind(ErrorKind.INVALID_REQUEST, message, param)

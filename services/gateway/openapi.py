@@ -22,7 +22,7 @@ _ERRORS = {
     400: "Invalid request (the envelope's param names the field to change)",
     401: "Missing or wrong API key (when the gateway has --api-key)",
     404: "Unknown model",
-    413: "Request body over --max-request-bytes, or prompt longer than the context",
+    413: "Request body over --max-request-bytes",
     429: "A worker is overloaded: retry later",
     500: "Internal error",
     503: "No worker serving the model is available",

@@ -13,7 +13,7 @@ from yutu.engine.sampling import SamplingParams
 from yutu.engine.tokenizer import ChatTemplateError
 from yutu.errors import ErrorKind
 
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, context_length_exceeded, invalid
 from services.gateway.limits import RequestLimits
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -72,7 +72,7 @@ async def completion_prompts(
 ) -> list[list[int]]:
     """Token ids of each prompt of a completions request (text, ids, or a list of either).
 
-    A text prompt proved too long for the context is refused (413) before it is tokenized.
+    A text prompt proved too long for the context is refused (400) before it is tokenized.
     """
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -128,7 +128,7 @@ async def chat_prompt(
 ) -> list[int]:
     """Token ids of the chat prompt rendered with the model's template.
 
-    With ``max_model_len``, a rendered prompt proved too long for it is refused (413) untokenized.
+    With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
     """
     dicts = template_messages(messages)
     try:
@@ -174,31 +174,34 @@ def reject_unsupported(req: _GenerationRequest) -> None:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
 
-def max_tokens_for(prompt_len: int, requested: int | None, default: int | None, max_model_len: int) -> int:
+def max_tokens_for(
+    prompt_len: int,
+    requested: int | None,
+    default: int | None,
+    max_model_len: int,
+    prompt_param: str = "prompt",
+    max_tokens_param: str = "max_tokens",
+) -> int:
     """Tokens to generate: the request's, else ``default`` (None: up to the context), within the context.
 
-    Raises 413 (request_too_large) naming both numbers when the prompt, or the prompt plus the
-    requested tokens, does not fit the context.
+    Raises 400 ``context_length_exceeded`` naming both numbers (and the field: ``prompt_param`` or
+    ``max_tokens_param``) when the prompt, or the prompt plus the requested tokens, does not fit.
     """
     room = max_model_len - prompt_len
     if room <= 0:
-        raise ApiError.of_kind(
-            ErrorKind.TOO_LARGE,
+        raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has"
-            f" {prompt_len} tokens: shorten the prompt",
-            param="prompt",
-            code="context_length_exceeded",
+            f" {prompt_len} tokens: shorten the {prompt_param}",
+            prompt_param,
         )
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise ApiError.of_kind(
-            ErrorKind.TOO_LARGE,
+        raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens, but {prompt_len + requested}"
             f" were requested ({prompt_len} in the prompt, {requested} for the completion): lower"
-            f" max_tokens to at most {room} or shorten the prompt",
-            param="max_tokens",
-            code="context_length_exceeded",
+            f" {max_tokens_param} to at most {room} or shorten the {prompt_param}",
+            max_tokens_param,
         )
     return requested
 
@@ -242,16 +245,21 @@ def choice_specs(
     *,
     limits: RequestLimits,
     max_tokens_param: str = "max_tokens",
+    prompt_param: str = "prompt",
 ) -> list[ChoiceSpec]:
     """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
 
     Refuses (400, ``max_tokens_param``) a request whose choices may generate more tokens in all
-    than ``limits`` allow, counting each choice's exact max_tokens.
+    than ``limits`` allow, counting each choice's exact max_tokens; and (400, ``prompt_param`` or
+    ``max_tokens_param``) one whose prompt and max_tokens do not fit the context.
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
     per_prompt = [
-        max_tokens_for(len(ids), requested_max_tokens, default_max_tokens, max_model_len) for ids in prompts
+        max_tokens_for(
+            len(ids), requested_max_tokens, default_max_tokens, max_model_len, prompt_param, max_tokens_param
+        )
+        for ids in prompts
     ]
     limits.check_generated(sum(per_prompt) * req.n, len(prompts), req.n, max_tokens_param)
     specs = []

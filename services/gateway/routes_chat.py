@@ -61,8 +61,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     specs = choice_specs(
-        body, [prompt], max_model_len, requested, None, logprobs, limits=limits, max_tokens_param=param
-    )
+        body, [prompt], max_model_len, requested, None, logprobs,
+        limits=limits, max_tokens_param=param, prompt_param="messages",
+    )  # fmt: skip
     gen = Generation(
         gw.router,
         gw.tokenizer,

@@ -3,8 +3,8 @@
 /tokenize takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
 "add_generation_prompt": true}`` and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
 /detokenize takes ``{"tokens": [...]}`` and answers ``{"prompt": str}``. A text proved longer than
-the workers' context (by its length alone, see tokenization.py) is refused with a 413 untokenized;
-any other text is counted, also past the context.
+the workers' context (by its length alone, see tokenization.py) is refused untokenized (400,
+``context_length_exceeded``); any other text is counted, also past the context.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Three rules keep one huge prompt from costing everyone else:
 
 1. A text proved longer than the context (see ``yutu.engine.token_span``: more characters, or
-   UTF-8 bytes, than ``max_model_len`` tokens could ever cover) is refused with a 413 before it is
-   tokenized. Nothing that could fit is refused by this rule; whatever passes is tokenized and
+   UTF-8 bytes, than ``max_model_len`` tokens could ever cover) is refused (400,
+   ``context_length_exceeded``) before it is tokenized. Nothing that could fit is refused by this rule; whatever passes is tokenized and
    then counted exactly.
 2. Texts up to INLINE_CHARS characters are tokenized on the event loop (microseconds: a thread
    hop would cost more). Longer ones go to a small dedicated thread pool (``threads`` wide, sized
@@ -25,9 +25,8 @@ from typing import Any, TypeVar
 
 from yutu.engine.token_span import TokenSpan, token_span
 from yutu.engine.tokenizer import Tokenizer
-from yutu.errors import ErrorKind
 
-from services.gateway.errors import ApiError
+from services.gateway.errors import context_length_exceeded
 from services.gateway.memory import LARGE_REQUEST_BYTES, MemoryReleaser
 
 T = TypeVar("T")
@@ -95,12 +94,10 @@ class PromptTokenizer:
 
     @staticmethod
     def _refuse(at_least: int, what: str, max_model_len: int, param: str) -> None:
-        raise ApiError.of_kind(
-            ErrorKind.TOO_LARGE,
+        raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has at"
             f" least {at_least} tokens ({what}): shorten the {param}",
-            param=param,
-            code="context_length_exceeded",
+            param,
         )
 
     async def encode(

@@ -444,9 +444,8 @@ def _error_parts(exc: BaseException) -> tuple[str, str]:
     """(kind, message) of an error to rebuild on the worker's side: kind "" for a ValueError."""
     if isinstance(exc, YutuError):
         return exc.kind.value, str(exc)
-    if isinstance(exc, ValueError):
-        kind = ErrorKind.TOO_LARGE.value if type(exc).__name__ == "PromptTooLongError" else ""
-        return kind, str(exc)
+    if isinstance(exc, ValueError):  # bad input (PromptTooLongError among them): the caller's to change
+        return "", str(exc)
     return ErrorKind.INTERNAL.value, f"{type(exc).__name__}: {exc}"
 
 

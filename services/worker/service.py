@@ -521,8 +521,7 @@ class WorkerService(Service):
 def _as_yutu(exc: BaseException) -> YutuError:
     if isinstance(exc, YutuError):
         return exc
-    kind = ErrorKind.TOO_LARGE if type(exc).__name__ == "PromptTooLongError" else ErrorKind.INVALID_REQUEST
-    return YutuError(str(exc), kind)
+    return YutuError(str(exc), ErrorKind.INVALID_REQUEST)  # the engine's ValueErrors: bad input
 
 
 def _log_release_failure(task: asyncio.Future[Any]) -> None:

@@ -99,26 +99,48 @@ def test_unknown_model_is_404(stack: Stack) -> None:
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=-1)
 
 
-def test_too_long_prompts_are_413_with_both_numbers(stack: Stack) -> None:
+def test_too_long_prompts_are_400_context_length_exceeded_with_both_numbers(stack: Stack) -> None:
+    """As OpenAI and vLLM answer it: 400 invalid_request_error, code context_length_exceeded, the
+    field to change as param ("messages" in a chat)."""
     limit = stack.max_model_len
     err = envelope(
         post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * (limit + 44)}),
-        413,
-        "request_too_large",
+        400,
+        "invalid_request_error",
         "prompt",
     )
     assert str(limit) in err["message"] and str(limit + 44) in err["message"]
     assert err["code"] == "context_length_exceeded"
     err = envelope(
         post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * 200, "max_tokens": 100}),
-        413,
-        "request_too_large",
+        400,
+        "invalid_request_error",
         "max_tokens",
     )
     assert f"{limit} tokens" in err["message"] and "300" in err["message"] and "at most 56" in err["message"]
+    assert err["code"] == "context_length_exceeded"
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}
-    err = envelope(post(stack, "/v1/chat/completions", json=long_chat), 413, "request_too_large")
-    assert str(limit) in err["message"]
+    err = envelope(
+        post(stack, "/v1/chat/completions", json=long_chat), 400, "invalid_request_error", "messages"
+    )
+    assert str(limit) in err["message"] and err["code"] == "context_length_exceeded"
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": limit,
+    }
+    err = envelope(
+        post(stack, "/v1/chat/completions", json=chat), 400, "invalid_request_error", "max_completion_tokens"
+    )
+    assert (
+        "lower max_completion_tokens to at most" in err["message"]
+        and "shorten the messages" in err["message"]
+    )
+    # OpenAI's own client raises BadRequestError for it, with the code to act on.
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=[5] * (limit + 1), max_tokens=1)
+    assert info.value.code == "context_length_exceeded"
     # A prompt that fits, with the rest of the context for the answer, is fine.
     ok = post(stack, "/v1/completions", json={**CMPL, "prompt": [5] * 250, "max_tokens": 6})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 6

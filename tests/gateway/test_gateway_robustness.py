@@ -138,7 +138,7 @@ async def _huge_prompt_and_a_small_request(url: str, path: str, big: dict[str, A
             timed_big(), client.post("/v1/completions", json=small)
         )
     param = "messages" if path == "/v1/chat/completions" else "prompt"
-    err = envelope(big_resp, 413, "request_too_large", param)
+    err = envelope(big_resp, 400, "invalid_request_error", param)
     assert err["code"] == "context_length_exceeded"
     assert "maximum context length is 256 tokens" in err["message"], err
     assert big_s < 1.0, f"a 10 MB prompt took {big_s:.2f}s to refuse (tokenizing it took ~10 s)"
@@ -166,13 +166,13 @@ def test_the_length_bound_refuses_only_what_cannot_fit(stack: Stack, guarded: Gu
     # 257 of them (4883 > 256 * 19 characters) cannot fit whatever they encode to: refused untokenized.
     err = envelope(
         stack_post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": longest * 257, "max_tokens": 1}),
-        413, "request_too_large", "prompt",
+        400, "invalid_request_error", "prompt",
     )  # fmt: skip
     assert "at least 257 tokens (4883 characters" in err["message"], err
     # By UTF-8 bytes: 2000 Chinese characters pass the character bound but are 6000 bytes > 256 * 19.
     err = envelope(
         stack_post(stack, "/tokenize", {"model": MODEL_NAME, "prompt": "月" * 2000}),
-        413, "request_too_large", "prompt",
+        400, "invalid_request_error", "prompt",
     )  # fmt: skip
     assert "(6000 bytes of UTF-8" in err["message"], err
     # Under both bounds, /tokenize counts as before, also past the context.
@@ -303,7 +303,7 @@ def test_rss_returns_after_big_refused_requests(guarded: Guarded) -> None:
     pid = guarded.proc.pid
     warm = {"model": MODEL_NAME, "prompt": _words(2 * 2**20), "max_tokens": 1}
     trims = guarded.info()["memory"]["trims"]
-    assert guarded.post("/v1/completions", json=warm).status_code == 413  # allocator and imports warm
+    assert guarded.post("/v1/completions", json=warm).status_code == 400  # allocator and imports warm
     _wait_for(lambda: guarded.info()["memory"]["trims"] > trims, "a trim after the warm-up request")
     before = rss_bytes(pid)
     payload = json.dumps({"model": MODEL_NAME, "prompt": _words(TEN_MB), "max_tokens": 1})
@@ -316,7 +316,7 @@ def test_rss_returns_after_big_refused_requests(guarded: Guarded) -> None:
             )  # fmt: skip
         return [r.status_code for r in resps]
 
-    assert asyncio.run(four()) == [413] * 4
+    assert asyncio.run(four()) == [400] * 4
     bound = before + 64 * 2**20
     _wait_for(lambda: rss_bytes(pid) <= bound, f"RSS back under {bound >> 20} MiB (from {before >> 20} MiB)")
 

@@ -122,11 +122,15 @@ def test_context_length_rules() -> None:
     assert max_tokens_for(90, 10, 16, 100) == 10
     with pytest.raises(ApiError) as info:
         max_tokens_for(90, 11, 16, 100)
-    assert info.value.status == 413 and info.value.type == "request_too_large"
+    assert info.value.status == 400 and info.value.type == "invalid_request_error"
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
     assert "100" in info.value.message and "101" in info.value.message and "at most 10" in info.value.message
     with pytest.raises(ApiError) as info:
         max_tokens_for(100, None, 16, 100)
-    assert info.value.status == 413 and "100 tokens" in info.value.message
+    assert info.value.status == 400 and "100 tokens" in info.value.message and info.value.param == "prompt"
+    with pytest.raises(ApiError) as info:
+        max_tokens_for(100, None, None, 100, "messages", "max_completion_tokens")
+    assert info.value.param == "messages" and "shorten the messages" in info.value.message
     assert stop_strings("x") == ("x",) and stop_strings(None) == ()
     with pytest.raises(ApiError, match="non-empty"):
         stop_strings(["a", ""])

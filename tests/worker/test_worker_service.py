@@ -174,7 +174,7 @@ async def test_one_front_ends_concurrent_requests_share_a_frame_per_step(
         ([1, "2"], {}, "invalid_request_error", "token ids in [0,"),
         ([1, 2], {"temperature": -1.0}, "invalid_request_error", "temperature"),
         ([1, 2], {"bogus": 1}, "invalid_request_error", "bogus"),
-        (list(range(1, 200)) * 20, {"max_tokens": 4}, "request_too_large", ""),
+        (list(range(1, 200)) * 20, {"max_tokens": 4}, "invalid_request_error", "maximum context length"),
     ],
 )
 async def test_bad_requests_fail_with_their_kind(
