@@ -4,6 +4,7 @@ being served, the gateway's death stops the stack, and a terminal's Ctrl-C stops
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -210,6 +211,28 @@ def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_
         load.stop()
         assert load.failures == []
 
+        # The only decode instance, killed mid-stream: the stream waits for its restart and goes on.
+        body = {"model": "tiny-sup", "prompt": "hello there", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        decode = up.pid_of("decode-0")
+        streamed, events = 0, []
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{up.port}/v1/completions", json=body, timeout=90
+        ) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: ") :]))
+                    streamed += sum(
+                        1 for c in events[-1].get("choices", []) if c["text"] or c["finish_reason"]
+                    )
+                if streamed == 20:
+                    os.kill(decode, signal.SIGKILL)
+        assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        up.wait_for(r"restarted decode-0: pid (\d+)")
+        assert up.region_files(decode) != []  # its KV region is left until someone sweeps
+
         children = up.children()
         gateway = up.pid_of("gateway")
         os.kill(gateway, signal.SIGKILL)
@@ -221,6 +244,7 @@ def test_crashed_children_are_restarted_under_load_and_the_gateways_death_stops_
         assert "ERROR" in up.output[: message.start()].rsplit("\n", 1)[-1]
         assert "restarted gateway" not in up.output
         assert not [pid for pid in children if alive(pid)]
+        assert os.listdir(shm) == []  # the killed decode's region too: swept once the children stopped
     finally:
         if load is not None:
             load.stop()

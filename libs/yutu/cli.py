@@ -336,6 +336,7 @@ def up(argv: list[str]) -> int:
         return 1
     finally:
         group.stop()
+        reclaim_stale_regions()  # and what children killed outright while it ran left behind
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

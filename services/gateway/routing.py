@@ -23,8 +23,11 @@ a response starts) and ``start`` (run it; the returned handle yields TokenDeltas
   fails with a clear 503 when none is left). A decode instance lost mid-stream -> the request moves
   to another decode instance with every token streamed so far (``generated``); it fetches the
   prompt's and generated blocks from the store and recomputes only what is missing, so the client's
-  stream goes on with no token duplicated or missing. While the conductor is unreachable the gateway
-  places requests itself (least loaded) and counts it.
+  stream goes on with no token duplicated or missing. When no other decode instance is usable, the
+  stream waits up to ``failover_wait_s`` (``--failover-wait``) for one to come (the lost one
+  restarted by ``yutu up``, a few seconds later) before it ends with the 503. A mixed worker lost
+  mid-stream is handled alike (:class:`MixedHandle`). While the conductor is unreachable the
+  gateway places requests itself (least loaded) and counts it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from yutu.protocol.generate import GenerateRequest, TokenDelta
 from services.gateway.conductor_client import ConductorClient
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_pool import PrefillClient, PrefillPool
-from services.gateway.workers import GenerationHandle, WorkerPool
+from services.gateway.workers import GenerationHandle, WorkerClient, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,18 @@ class Router(Protocol):
     def start(self, request: GenerateRequest, route: Route) -> Handle: ...
 
 
+def _not_moved(loss: YutuError, none: YutuError) -> YutuError:
+    """The error of a stream whose worker lost it and that no other worker could take over."""
+    return YutuError(f"{loss}; it could not be moved: {none}", none.kind)
+
+
 class MixedRouter:
     """Every choice on one mixed worker, the least loaded."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, failover_wait_s: float = 30.0) -> None:
         self.pool = pool
+        self.metrics = metrics
+        self.failover_wait_s = failover_wait_s
 
     async def place(self, request: GenerateRequest) -> Route:
         return Route(None, self.pool.pick().info.instance_id)
@@ -98,7 +108,59 @@ class MixedRouter:
         worker = self.pool.workers.get(route.decode)
         if worker is None or not worker.usable:
             worker = self.pool.pick()
-        return worker.submit(request)
+        return MixedHandle(self, request, worker.submit(request))
+
+
+class MixedHandle:
+    """One choice on a mixed worker. A worker lost mid-stream (503) hands the choice to another
+    -- or to the same instance restarted, waiting up to ``failover_wait_s`` for one -- with every
+    token streamed so far (``generated``): the new worker computes the KV of the prompt and those
+    tokens (from its prefix cache and the store where it can) and goes on, so the client's stream
+    has no token duplicated or missing. Other errors end the stream as before."""
+
+    def __init__(self, router: MixedRouter, request: GenerateRequest, handle: GenerationHandle) -> None:
+        self.router = router
+        self.request = request
+        self.tokens: list[int] = []  # every token streamed so far
+        self._handle = handle
+        self._lost: set[WorkerClient] = set()
+        self._moves = 0
+        self._closed = False
+
+    async def next(self) -> TokenDelta:
+        while True:
+            try:
+                delta = await self._handle.next()
+            except YutuError as exc:
+                if exc.kind is not ErrorKind.UNAVAILABLE or self._moves == MAX_MIGRATIONS or self._closed:
+                    raise
+                await self._move(exc)
+                continue
+            self.tokens.extend(delta.token_ids)
+            return delta if self._moves == 0 else replace(delta, request_id=self.request.request_id)
+
+    async def _move(self, exc: YutuError) -> None:
+        lost = self._handle.worker
+        self._handle.close()
+        self._lost.add(lost)
+        self.router.metrics.migrations.labels(self.router.metrics.model).inc()
+        log.warning(
+            "worker %s lost request %s after %d token(s) (%s): moving it",
+            lost.info.instance_id, self.request.request_id, len(self.tokens), exc,
+        )  # fmt: skip
+        try:
+            worker = await self.router.pool.pick_within(self.router.failover_wait_s, self._lost)
+        except YutuError as none:
+            raise _not_moved(exc, none) from None
+        self._moves += 1
+        request = replace(
+            self.request, request_id=f"{self.request.request_id}-m{self._moves}", generated=list(self.tokens)
+        )
+        self._handle = worker.submit(request)
+
+    def close(self) -> None:
+        self._closed = True
+        self._handle.close()
 
 
 @lru_cache(maxsize=8)
@@ -113,6 +175,7 @@ class DisaggRouter:
     conductor: ConductorClient
     default_salt: str  # the salt of workers that do not advertise theirs (the model directory's name)
     metrics: GatewayMetrics
+    failover_wait_s: float = 30.0  # how long a stream whose decode was lost waits for another (none usable)
     handles: set[DisaggHandle] = field(default_factory=set)
 
     @property
@@ -316,14 +379,18 @@ class DisaggHandle:
         )
 
     async def _decode_phase(self, kv: list[Any] | None) -> None:
-        route, dead = self.route, set[str]()
+        route, lost = self.route, set[WorkerClient]()  # connections that lost this request
+        loss: YutuError | None = None  # how the last one lost it
         for attempt in range(MAX_MIGRATIONS + 1):
             decode = self._decode if attempt == 0 else None
             if decode is not None and kv is not None:  # admitted while the prefill ran: hand it the KV
                 decode.kv_ready(self.tokens[0], kv)
             else:
                 self._untell_decode()  # the decode instance prefills after all: told of nothing
-                decode = self._decode = self._submit_decode(attempt, route, dead, kv)
+                try:
+                    decode = self._decode = await self._submit_decode(attempt, route, lost, kv)
+                except YutuError as none:
+                    raise none if loss is None else _not_moved(loss, none) from None
             worker = decode.worker
             self.route = replace(self.route, decode=worker.info.instance_id)
             self._prefill = None  # the decode releases the hold it pulls; a hold it never pulls expires
@@ -337,7 +404,8 @@ class DisaggHandle:
             except YutuError as exc:
                 if exc.kind is not ErrorKind.UNAVAILABLE or attempt == MAX_MIGRATIONS or self._closed:
                     raise
-                dead.add(worker.info.instance_id)
+                lost.add(worker)
+                loss = exc
                 self.router.metrics.migrations.labels(self.router.metrics.model).inc()
                 log.warning(
                     "decode instance %s lost request %s after %d token(s) (%s): moving it",
@@ -348,14 +416,15 @@ class DisaggHandle:
                 decode.close()
                 self._decode = None
 
-    def _submit_decode(
-        self, attempt: int, route: Route, dead: set[str], kv: list[Any] | None
+    async def _submit_decode(
+        self, attempt: int, route: Route, lost: set[WorkerClient], kv: list[Any] | None
     ) -> GenerationHandle:
         """Send the request, with every token so far, to ``route``'s decode instance (another when
-        that one is unusable or lost it before)."""
+        that one is unusable or lost it before; when none is usable, the first to come within the
+        failover wait, else the 503)."""
         worker = self.router.decodes.workers.get(route.decode)
-        if worker is None or not worker.usable or route.decode in dead:
-            worker = self.router.decodes.pick()  # raises 503 when none is left
+        if worker is None or not worker.usable or worker in lost:
+            worker = await self.router.decodes.pick_within(self.router.failover_wait_s, lost)
         suffix = "" if attempt == 0 else f"-m{attempt}"
         store_blocks = (
             route.store_blocks

@@ -107,11 +107,11 @@ class GatewayService(Service):
         await self._prefills.start()
         self._conductor = ConductorClient(self._registry, self.loops, s.registry_poll_s)
         await self._conductor.start()
-        self._mixed = MixedRouter(self._pool)
+        self._mixed = MixedRouter(self._pool, self._metrics, s.failover_wait_s)
         # Block keys as the workers compute them: salted as they advertise (by default with the
         # model directory's name, the engine's salt in float32).
         self._disagg = DisaggRouter(
-            self._decodes, self._prefills, self._conductor, model_dir.name, self._metrics
+            self._decodes, self._prefills, self._conductor, model_dir.name, self._metrics, s.failover_wait_s
         )
         record = ServiceRecord(
             kind=self.kind,

@@ -57,6 +57,7 @@ class GatewaySettings(ServiceSettings):
     max_request_bytes: int  # larger request bodies get a 413 before they are parsed
     registry_poll_s: float  # how often the worker pool re-reads the registry
     worker_liveness_timeout_s: float  # a worker silent this long gets no requests; its in-flight ones fail
+    failover_wait_s: float = 30.0  # a stream whose worker was lost waits this long for one to take it over
     limits: RequestLimits = RequestLimits()  # what one request may cost, and how many choices run at once
     tokenizer_threads: int = 0  # threads tokenizing large prompts; 0: sized to the machine
 
@@ -74,6 +75,10 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(
                 f"--worker-liveness-timeout must be positive, got {args.worker_liveness_timeout}"
             )
+        if args.failover_wait < 0:
+            raise ValueError(
+                f"--failover-wait must be 0 (fail at once) or more seconds, got {args.failover_wait}"
+            )
         return cls(
             **ServiceSettings.common(args, "gateway"),
             model=args.model,
@@ -83,6 +88,7 @@ class GatewaySettings(ServiceSettings):
             max_request_bytes=args.max_request_bytes,
             registry_poll_s=args.registry_poll,
             worker_liveness_timeout_s=args.worker_liveness_timeout,
+            failover_wait_s=args.failover_wait,
             limits=RequestLimits(
                 max_n=args.max_n,
                 max_total_tokens=args.max_total_tokens,
@@ -112,6 +118,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3.0,
         help="seconds a worker may go without answering heartbeats before its requests fail and it"
         " gets no new ones (until it answers again)",
+    )
+    own(
+        api,
+        "--failover-wait",
+        type=float,
+        default=30.0,
+        help="seconds a stream whose decode instance or mixed worker was lost waits for another one to"
+        " take it over with every token so far, when none is usable now (yutu up restarts a lost one"
+        " in seconds); 0: the stream ends with an error at once",
     )
     cost = parser.add_argument_group("request limits")
     own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")

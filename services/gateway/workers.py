@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -177,6 +178,26 @@ class WorkerPool:
         )
         self._last_pick[best.info.instance_id] = next(self._turn)
         return best
+
+    async def pick_within(self, wait_s: float, avoid: Collection[WorkerClient] = ()) -> WorkerClient:
+        """As :meth:`pick`, never one of ``avoid`` (connections that lost the request; the same
+        instance restarted is another connection, and may be picked), and when none is usable,
+        waiting up to ``wait_s`` seconds for one to join (``yutu up`` restarts a lost instance in
+        seconds; the registry shows it within ``poll_s``) before raising the 503."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            exclude = frozenset(
+                w.info.instance_id for w in avoid if self.workers.get(w.info.instance_id) is w
+            )
+            try:
+                return self.pick(exclude)
+            except YutuError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if wait_s <= 0:
+                        raise
+                    raise YutuError(f"{exc} (waited {wait_s:g}s for one)", exc.kind) from None
+            await asyncio.sleep(min(0.1, left))
 
     @property
     def max_model_len(self) -> int | None:

@@ -1,7 +1,8 @@
 """Failures on the disaggregated path: every path frees its blocks and holds, and nothing hangs.
 
 - a decode instance SIGKILLed mid-stream: the request moves to another decode instance with the
-  tokens streamed so far, and the client's stream goes on with no token duplicated or missing;
+  tokens streamed so far, and the client's stream goes on with no token duplicated or missing --
+  also when it was the only one, and the stream waits for it to be started again;
 - a prefill instance SIGKILLed or frozen: its requests are placed again on another one;
 - a gateway SIGKILLed while its prefill runs: the prefill's KV hold, which nobody can pull, goes;
 - the conductor SIGKILLed: the gateway places requests itself meanwhile, and a restarted conductor
@@ -24,8 +25,11 @@ import pytest
 from tests.disagg.disagg_support import MODEL_NAME, DisaggStack, prompt
 
 
-def stream_and_kill(stack: DisaggStack, ids: list[int], max_tokens: int, after: int) -> tuple[list[int], str]:
-    """Stream a greedy completion; after ``after`` tokens, SIGKILL the decode instance serving it."""
+def stream_and_kill(
+    stack: DisaggStack, ids: list[int], max_tokens: int, after: int, then: Any = None
+) -> tuple[list[int], str]:
+    """Stream a greedy completion; after ``after`` tokens, SIGKILL the decode instance serving it
+    (and call ``then(name)`` on it, while the stream goes on being read)."""
     body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
     tokens: list[int] = []
@@ -44,6 +48,8 @@ def stream_and_kill(stack: DisaggStack, ids: list[int], max_tokens: int, after: 
             if not killed and len(tokens) >= after:
                 killed = resp.headers["x-yutu-decode"]
                 stack.kill(killed)
+                if then is not None:
+                    then(killed)
     return tokens, killed
 
 
@@ -62,6 +68,21 @@ def test_a_decode_killed_mid_stream_hands_the_request_to_another(
         info = s.get("decode", survivor, "/info")
         # It took the prompt's and the generated blocks from the store, and computed only the rest.
         assert info["imports"]["fetched_blocks"] > 100 // 16
+
+
+def test_the_only_decode_killed_mid_stream_takes_the_request_back_when_it_is_started_again(
+    tmp_path: Path, long_model: Path, redis_url: str
+) -> None:
+    """yutu up's default shape (one decode instance): killed mid-stream, its streams wait for it
+    (--failover-wait) while it is started again (as yutu up's supervisor does), then go on. (Started
+    from this thread: a child started from a pool's thread gets SIGTERM when that thread ends.)"""
+    with DisaggStack(tmp_path, long_model, redis_url, prefill=1, decode=1) as s:
+        ids = prompt(100, seed=22)
+        tokens, killed = stream_and_kill(s, ids, max_tokens=600, after=150, then=s.restart)
+        assert killed == "decode-0"
+        assert tokens == s.reference(ids, 600)  # the stream waited, then went on: nothing repeated or lost
+        metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert 'yutu_gateway_migrations_total{model="tiny"} 1.0' in metrics
 
 
 def test_prefill_instances_killed_or_frozen_have_their_requests_placed_again(

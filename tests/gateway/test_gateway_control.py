@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -94,13 +95,14 @@ async def test_client_disconnect_aborts_stream_and_non_stream(
         assert sum(w.in_flight for w in gw.pool.workers.values()) == 0
 
 
-async def test_worker_death_mid_request_is_an_error_not_a_hang(
+async def test_worker_death_mid_request_moves_it_or_is_an_error_not_a_hang(
     tiny_model: Path, redis_url: str, registry_prefix: str
 ) -> None:
     w1 = await FakeWorker(redis_url, registry_prefix).start()
     w2 = await FakeWorker(redis_url, registry_prefix).start()
+    settings = replace(gateway_settings(tiny_model, redis_url, registry_prefix), failover_wait_s=0.5)
     try:
-        async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix), 2) as (url, gw):
+        async with running_gateway(settings, 2) as (url, gw):
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -108,12 +110,21 @@ async def test_worker_death_mid_request_is_an_error_not_a_hang(
                     alive = w2 if dead is w1 else w1
                     await dead.send(ident, TokenDelta(req.request_id, [376], num_prompt_tokens=2))
                     await dead.die()
+                    # The stream moves to the other worker with the token it has, under an id of its own.
+                    ident, moved = await alive.next_request()
+                    assert moved.request_id == req.request_id + "-m1" and moved.generated == [376]
+                    assert moved.prompt_token_ids == req.prompt_token_ids
+                    await alive.send(
+                        ident,
+                        TokenDelta(moved.request_id, [376], finish_reason="length", num_prompt_tokens=2),
+                    )
                     text = "".join([chunk async for chunk in resp.aiter_text()])
                 events = sse_events(text)
                 assert events[-1] == "[DONE]"
-                assert json.loads(events[0])["choices"][0]["text"] == "Hello"
-                err = json.loads(events[-2])["error"]
-                assert err["type"] == "service_unavailable" and "disconnected" in err["message"]
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert not [c for c in chunks if "error" in c], chunks
+                assert [c["choices"][0]["text"] for c in chunks if c["choices"]][:2] == ["Hello", "Hello"]
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
                 # The dead worker is no longer picked although its record lives on: the other serves.
                 task = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": False}))
                 ident, req = await alive.next_request()
@@ -122,10 +133,16 @@ async def test_worker_death_mid_request_is_an_error_not_a_hang(
                 )
                 resp2 = await task
                 assert resp2.status_code == 200 and resp2.json()["choices"][0]["text"] == "Hello"
-                # A non-streamed request on a worker that dies gets a 503 envelope.
+                # A request on a worker that dies, none left to take it within the failover wait: a 503.
+                task = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": False}))
+                ident, req = await alive.next_request()
                 await alive.die()
-                await asyncio.sleep(0.1)
+                resp3 = await task
                 assert not gw.pool.usable()
+                err = resp3.json()["error"]
+                assert resp3.status_code == 503 and err["type"] == "service_unavailable"
+                assert "disconnected" in err["message"] and "could not be moved" in err["message"], err
+                assert "waited 0.5s" in err["message"], err
                 resp3 = await client.post("/v1/completions", json={**body, "stream": False})
                 assert resp3.status_code == 503 and resp3.json()["error"]["type"] == "service_unavailable"
                 assert (await client.get("/ready")).status_code == 503

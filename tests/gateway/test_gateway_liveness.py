@@ -116,7 +116,7 @@ def instance_of(admin: str) -> str:
 
 def assert_stopped_answering(error: dict[str, Any] | None, instance_id: str) -> None:
     assert error is not None and error["type"] == "service_unavailable", error
-    message = error["message"]
+    message = error["message"].split("; it could not be moved: ")[0]  # (no other worker took it over)
     prefix = f"worker {instance_id} stopped answering for "
     assert message.startswith(prefix) and message.endswith(" s: retry the request"), message
     # silent for more than the window; the message rounds to 0.1 s, so 3.04 s of a 3 s window reads 3.0
@@ -129,8 +129,9 @@ def test_a_frozen_worker_fails_its_requests_gets_none_new_and_returns_when_it_an
     ttl = ["--registry-ttl", "60"]  # the record outlives the freeze: only the heartbeats can tell
     worker = start_worker(tmp_path, tiny_model, redis_url, registry_prefix, *ttl)
     gateway = start_gateway(
-        tmp_path, tiny_model, redis_url, registry_prefix, *ttl, "--worker-liveness-timeout", str(WINDOW_S)
-    )
+        tmp_path, tiny_model, redis_url, registry_prefix, *ttl, "--worker-liveness-timeout", str(WINDOW_S),
+        "--failover-wait", "0",  # its one worker frozen: no other to move the stream to, none waited for
+    )  # fmt: skip
     with processes(gateway, worker), ThreadPoolExecutor(2) as pool:
         url = gateway_url(redis_url, registry_prefix, gateway)
         wait_ready(url, [worker, gateway])
@@ -178,15 +179,16 @@ def test_with_two_workers_requests_after_a_freeze_go_to_the_live_one(
         ids = {instance_of(frozen_admin), instance_of(other_admin)}
         wait_ready(url, [frozen, other, gateway])
         wait_live(url, ids)
-        frozen_id = instance_of(frozen_admin)
 
         frozen.send_signal(signal.SIGSTOP)
         # Two at once: the least-loaded pick puts one on each worker.
         pair: list[Future[list[dict[str, Any]]]] = [pool.submit(stream, url) for _ in range(2)]
         results = [f.result(timeout=BOUND_S) for f in pair]
-        failed = [r for r in results if error_of(r) is not None]
-        assert len(failed) == 1 and sum(finished_normally(r) for r in results) == 1
-        assert_stopped_answering(error_of(failed[0]), frozen_id)
+        # The one on the frozen worker moves to the live one once the freeze shows: both finish
+        # ("length": all 200 tokens).
+        assert all(finished_normally(r) for r in results), results
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'yutu_gateway_migrations_total{{model="{MODEL_NAME}"}} 1.0' in metrics
         # From now on every request is served by the live worker.
         before = worker_info(other_admin)["engine"]["generation_tokens_total"]
         later = [pool.submit(httpx.post, f"{url}/v1/completions", json=SHORT, timeout=30) for _ in range(6)]

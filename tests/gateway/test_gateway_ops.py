@@ -1,9 +1,11 @@
-"""Operations with real processes: a client leaving frees the worker, a worker dying, /metrics."""
+"""Operations with real processes: a client leaving frees the worker, a worker dying (its streams
+moved to the next worker, or ended with an error when none comes), /metrics."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -90,11 +92,61 @@ def test_metrics_have_latency_histograms_and_counters(stack: Stack) -> None:
     assert samples[f"yutu_gateway_requests_in_flight{{{label}}}"] == 0
 
 
+def _token_ids(choice: dict[str, Any]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in (choice.get("logprobs") or {}).get("tokens") or []]
+
+
+def test_a_killed_worker_hands_its_stream_to_the_next_one_with_no_token_lost(
+    tiny_model: Path, redis_url: str, registry_prefix: str, tmp_path: Path
+) -> None:
+    """The only worker is SIGKILLed mid-stream and another starts (as yutu up restarts it): the
+    stream waits for it (--failover-wait, 30 s by default), which computes the prompt and the tokens
+    streamed so far and goes on -- the client sees every token once, the greedy reference's."""
+    worker = start_worker(tmp_path, tiny_model, redis_url, registry_prefix)
+    gateway = start_gateway(tmp_path, tiny_model, redis_url, registry_prefix)
+    replacement: subprocess.Popen[bytes] | None = None
+    try:
+        url = gateway_url(redis_url, registry_prefix, gateway)
+        wait_ready(url, [worker, gateway])
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8, 9] * 4, "max_tokens": 160, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+        reference = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert reference.status_code == 200, reference.text
+        want = _token_ids(reference.json()["choices"][0])
+        assert len(want) == 160
+        tokens: list[int] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    tokens += _token_ids(choice)
+                if replacement is None and len(tokens) >= 20:
+                    worker.send_signal(signal.SIGKILL)  # mid-stream, no goodbye
+                    worker.wait(10)
+                    replacement = start_worker(tmp_path, tiny_model, redis_url, registry_prefix)
+        assert replacement is not None
+        assert tokens == want  # nothing repeated, nothing lost
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'yutu_gateway_migrations_total{{model="{MODEL_NAME}"}} 1.0' in metrics
+    finally:
+        stop_process(gateway)
+        stop_process(worker)
+        if replacement is not None:
+            stop_process(replacement)
+    sweep_stale_region_files(str(tmp_path / "shm"))  # the killed worker's KV region: reclaimable
+    assert not list((tmp_path / "shm").iterdir())
+
+
 def test_a_killed_worker_ends_the_stream_with_an_error_then_done(
     tiny_model: Path, redis_url: str, registry_prefix: str, tmp_path: Path
 ) -> None:
+    """With no worker to take the stream over (--failover-wait 0: none is waited for)."""
     worker = start_worker(tmp_path, tiny_model, redis_url, registry_prefix)
-    gateway = start_gateway(tmp_path, tiny_model, redis_url, registry_prefix)
+    gateway = start_gateway(tmp_path, tiny_model, redis_url, registry_prefix, "--failover-wait", "0")
     try:
         url = gateway_url(redis_url, registry_prefix, gateway)
         wait_ready(url, [worker, gateway])

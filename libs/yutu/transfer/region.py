@@ -275,7 +275,8 @@ def _remove_if_unlocked(path: str, min_age_s: float) -> bool:
 def reclaim_stale_regions(shm_dir: str | None = None) -> tuple[int, int]:
     """Sweep (see :func:`sweep_stale_region_files`) and log what was reclaimed: ``(files, bytes)``.
 
-    Called where regions are about to be created (``yutu up``, a store node's start-up).
+    Called where regions are about to be created (``yutu up``, a store node's start-up), and by
+    ``yutu up`` once its children have stopped.
     """
     removed = sweep_stale_region_files(shm_dir)
     names = [os.path.basename(p) for p in removed]
