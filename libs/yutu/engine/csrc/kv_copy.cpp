@@ -34,6 +34,20 @@ void check_positions(const at::Tensor& t, const at::Tensor& like, const char* na
               t.sizes(), " strides ", t.strides());
 }
 
+// Dense buffers (slots, kvh, capacity, hd) that take the positions of a paged cache layer's K and V.
+void check_slots_and_cache(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache) {
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "buffers must be (slots, kvh, capacity, hd) and caches (num_blocks, block_size, kvh, hd)");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
+    check_positions(*t, k_cache, "a cache");
+  TORCH_CHECK(k_buf.size(1) == k_cache.size(2) && k_buf.size(3) == k_cache.size(3) && k_buf.stride(3) == 1 &&
+                  v_buf.stride(3) == 1 && k_buf.scalar_type() == k_cache.scalar_type() &&
+                  v_buf.scalar_type() == k_cache.scalar_type() && k_buf.device().is_cpu() && v_buf.device().is_cpu(),
+              "buffers ", k_buf.sizes(), " do not match the cache ", k_cache.sizes());
+}
+
 }  // namespace
 
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -68,15 +82,7 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 void fill_slots_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& blocks,
                  const at::Tensor& offsets) {
-  TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "buffers must be (slots, kvh, capacity, hd) and caches (num_blocks, block_size, kvh, hd)");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
-    check_positions(*t, k_cache, "a cache");
-  TORCH_CHECK(k_buf.size(1) == k_cache.size(2) && k_buf.size(3) == k_cache.size(3) && k_buf.stride(3) == 1 &&
-                  v_buf.stride(3) == 1 && k_buf.scalar_type() == k_cache.scalar_type() &&
-                  v_buf.scalar_type() == k_cache.scalar_type() && k_buf.device().is_cpu() && v_buf.device().is_cpu(),
-              "buffers ", k_buf.sizes(), " do not match the cache ", k_cache.sizes());
+  check_slots_and_cache(k_buf, v_buf, k_cache, v_cache);
   const int64_t n = slots.numel(), num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   for (const auto& [index, name] : {std::pair{&slots, "slots"}, {&positions, "positions"}, {&blocks, "blocks"},
                                     {&offsets, "offsets"}})
@@ -109,15 +115,7 @@ void fill_slots_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache
 
 void fill_whole_(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  int64_t slot, int64_t length, const at::Tensor& blocks) {
-  TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "buffers must be (slots, kvh, capacity, hd) and caches (num_blocks, block_size, kvh, hd)");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache})
-    check_positions(*t, k_cache, "a cache");
-  TORCH_CHECK(k_buf.size(1) == k_cache.size(2) && k_buf.size(3) == k_cache.size(3) && k_buf.stride(3) == 1 &&
-                  v_buf.stride(3) == 1 && k_buf.scalar_type() == k_cache.scalar_type() &&
-                  v_buf.scalar_type() == k_cache.scalar_type() && k_buf.device().is_cpu() && v_buf.device().is_cpu(),
-              "buffers ", k_buf.sizes(), " do not match the cache ", k_cache.sizes());
+  check_slots_and_cache(k_buf, v_buf, k_cache, v_cache);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), used = (length + block_size - 1) / block_size;
   TORCH_CHECK(0 <= slot && slot < k_buf.size(0) && 0 < length && length <= k_buf.size(2), "slot ", slot,
               " or length ", length, " outside the buffers ", k_buf.sizes());
