@@ -93,6 +93,21 @@ def _not_moved(loss: YutuError, none: YutuError) -> YutuError:
     return YutuError(f"{loss}; it could not be moved: {none}", none.kind)
 
 
+def _moved(request: GenerateRequest, move: int, tokens: list[int], **changes: Any) -> GenerateRequest:
+    """``request`` as sent on its ``move``-th move (0: its first placement) with every token streamed
+    so far: the new worker computes their KV and goes on after them. A moved request has an id of
+    its own (``-mN``), so a worker that still knows the lost one never mistakes the two."""
+    suffix = f"-m{move}" if move else ""
+    return replace(request, request_id=request.request_id + suffix, generated=list(tokens), **changes)
+
+
+def _log_loss(what: str, worker: WorkerClient, request: GenerateRequest, tokens: int, exc: YutuError) -> None:
+    log.warning(
+        "%s %s lost request %s after %d token(s) (%s): moving it",
+        what, worker.info.instance_id, request.request_id, tokens, exc,
+    )  # fmt: skip
+
+
 class MixedRouter:
     """Every choice on one mixed worker, the least loaded."""
 
@@ -144,19 +159,13 @@ class MixedHandle:
         self._handle.close()
         self._lost.add(lost)
         self.router.metrics.migrations.labels(self.router.metrics.model).inc()
-        log.warning(
-            "worker %s lost request %s after %d token(s) (%s): moving it",
-            lost.info.instance_id, self.request.request_id, len(self.tokens), exc,
-        )  # fmt: skip
+        _log_loss("worker", lost, self.request, len(self.tokens), exc)
         try:
             worker = await self.router.pool.pick_within(self.router.failover_wait_s, self._lost)
         except YutuError as none:
             raise _not_moved(exc, none) from None
         self._moves += 1
-        request = replace(
-            self.request, request_id=f"{self.request.request_id}-m{self._moves}", generated=list(self.tokens)
-        )
-        self._handle = worker.submit(request)
+        self._handle = worker.submit(_moved(self.request, self._moves, self.tokens))
 
     def close(self) -> None:
         self._closed = True
@@ -407,10 +416,7 @@ class DisaggHandle:
                 lost.add(worker)
                 loss = exc
                 self.router.metrics.migrations.labels(self.router.metrics.model).inc()
-                log.warning(
-                    "decode instance %s lost request %s after %d token(s) (%s): moving it",
-                    worker.info.instance_id, self.request.request_id, len(self.tokens), exc,
-                )  # fmt: skip
+                _log_loss("decode instance", worker, self.request, len(self.tokens), exc)
                 route = Route(None, worker.info.instance_id)  # not that one again
             finally:
                 decode.close()
@@ -425,20 +431,14 @@ class DisaggHandle:
         worker = self.router.decodes.workers.get(route.decode)
         if worker is None or not worker.usable or worker in lost:
             worker = await self.router.decodes.pick_within(self.router.failover_wait_s, lost)
-        suffix = "" if attempt == 0 else f"-m{attempt}"
         store_blocks = (
             route.store_blocks
             if attempt == 0
             else len(self.router.keys(self.request.prompt_token_ids + self.tokens))
         )
-        request = replace(
-            self.request,
-            request_id=self.request.request_id + suffix,
-            generated=list(self.tokens),
-            kv=kv,
-            store_blocks=0 if kv is not None else store_blocks,
-        )
-        return worker.submit(request)
+        if kv is not None:
+            store_blocks = 0  # the KV comes with the request
+        return worker.submit(_moved(self.request, attempt, self.tokens, kv=kv, store_blocks=store_blocks))
 
     def _deliver(self, delta: TokenDelta) -> None:
         if self._handed_at is not None and delta.token_ids:
