@@ -6,25 +6,33 @@ writes wait while the instance prefills (not past their bound)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import pytest
+from yutu.errors import ErrorKind, YutuError
 from yutu.supervise import Supervisor
 from yutu.worker.write_behind import WriteBehind
 
 
 class RecordingStore:
-    """Answers every put as stored and records when it came and which keys it carried."""
+    """Answers every put as stored, but the keys in ``failing`` as failed, and records when it came
+    and which keys it carried."""
 
     def __init__(self) -> None:
         self.puts: list[tuple[float, list[str], list[int]]] = []
+        self.failing: set[str] = set()
 
     async def put_from_batch_outcomes(
         self, keys: list[str], region: str, offsets: list[int], lengths: list[int]
-    ) -> list[bool]:
+    ) -> list[bool | YutuError]:
         self.puts.append((time.monotonic(), list(keys), list(offsets)))
-        return [True] * len(keys)
+        return [
+            YutuError(f"writing {k!r} failed", ErrorKind.UNAVAILABLE) if k in self.failing else True
+            for k in keys
+        ]
 
 
 @asynccontextmanager
@@ -62,6 +70,22 @@ async def test_offered_blocks_wait_the_delay_and_share_one_put() -> None:
         assert wb.stats.written == 3
         wb.offer([("a", 4)])  # written already: unpinned at once, never sent again
         assert unpinned[-1] == 4 and len(store.puts) == 1 and wb.stats.known == 1
+
+
+async def test_failed_blocks_are_counted_logged_once_and_sent_again(caplog: pytest.LogCaptureFixture) -> None:
+    async with write_behind(0) as (wb, store, unpinned):
+        store.failing = {"b", "c"}
+        with caplog.at_level(logging.WARNING, logger="yutu.worker.write_behind"):
+            wb.offer([("a", 1), ("b", 2), ("c", 3)])
+            assert await wb.flush(5.0)
+        assert sorted(unpinned) == [1, 2, 3]  # failed blocks are unpinned too
+        assert (wb.stats.written, wb.stats.failed) == (1, 2)
+        [line] = [r.getMessage() for r in caplog.records]  # one line for the batch, not one a block
+        assert line == "write-behind of 2 of 3 KV blocks failed; block b: writing 'b' failed"
+        store.failing = set()
+        wb.offer([("b", 4), ("a", 5)])  # a failed block is not remembered as stored: sent again
+        assert await wb.flush(5.0)
+        assert store.puts[-1][1] == ["b"] and wb.stats.written == 2 and wb.stats.known == 1
 
 
 async def test_no_delay_writes_at_once() -> None:

@@ -157,16 +157,26 @@ class WriteBehind:
             self.stats.failed += len(batch)
             log.warning("write-behind of %d KV blocks failed: %s", len(batch), exc)
         else:
+            failed: list[tuple[str, YutuError]] = []
             for key, outcome in zip(keys, results, strict=True):
                 if isinstance(outcome, YutuError):
-                    self.stats.failed += 1
-                    log.warning("write-behind of KV block %s failed: %s", key, outcome)
+                    failed.append((key, outcome))
                     continue
                 if outcome:
                     self.stats.written += 1
                 else:
                     self.stats.already_stored += 1
                 self.remember([key])
+            if failed:  # one line a batch: a lost store node fails every block of it alike
+                self.stats.failed += len(failed)
+                key, first = failed[0]
+                log.warning(
+                    "write-behind of %d of %d KV blocks failed; block %s: %s",
+                    len(failed),
+                    len(batch),
+                    key,
+                    first,
+                )
         finally:
             self._in_flight -= len(batch)
             self._unpin(block_ids)
