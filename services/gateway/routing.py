@@ -96,7 +96,8 @@ def _not_moved(loss: YutuError, none: YutuError) -> YutuError:
 def _moved(request: GenerateRequest, move: int, tokens: list[int], **changes: Any) -> GenerateRequest:
     """``request`` as sent on its ``move``-th move (0: its first placement) with every token streamed
     so far: the new worker computes their KV and goes on after them. A moved request has an id of
-    its own (``-mN``), so a worker that still knows the lost one never mistakes the two."""
+    its own (``-mN``): ids in flight are unique per worker, and the lost one may still be known
+    where it ran."""
     suffix = f"-m{move}" if move else ""
     return replace(request, request_id=request.request_id + suffix, generated=list(tokens), **changes)
 
