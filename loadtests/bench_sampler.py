@@ -15,6 +15,11 @@ serving bench asks): ``plain`` is the sampler on torch's operations (``Sampler()
 ``argmax``, ``log_softmax``), ``Sampler`` the engine's on CPU, with the native kernels' row
 reductions (``Sampler(kernels)``, ``greedy_rows``: finiteness, first maximum, log-normaliser).
 
+What a bias and the penalties cost, rows ``penalized`` (greedy with a 10-token ``logit_bias``,
+``repetition_penalty`` 1.1, ``frequency_penalty`` and ``presence_penalty`` 0.5, over a history
+of 1,000 prompt and 200 output tokens): the engine's sampler on those rows against the same rows
+plain greedy, printed as the ratio with / without.
+
 Shapes: a batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
 Llama-3's (128,256). Each figure is the median of ``--rounds`` calls, the two versions taking
 turns; printed with the ratio plain / Sampler.
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import torch
 from yutu.engine import native
-from yutu.engine.sampler import Sampler, apply_top_k_top_p, scale_by_temperature
+from yutu.engine.sampler import Sampler, TokenHistory, apply_top_k_top_p, scale_by_temperature
 from yutu.engine.sampling import SamplingParams
 
 VOCABS = (2_560, 32_000, 128_256)
@@ -59,6 +64,45 @@ def median_us(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, fl
             fn()
             times[name].append((time.perf_counter() - start) * 1e6)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+PENALIZED = SamplingParams(
+    temperature=0.0,
+    logit_bias=tuple((t, 1.0) for t in range(10)),
+    repetition_penalty=1.1,
+    frequency_penalty=0.5,
+    presence_penalty=0.5,
+)
+
+
+def penalties(sampler: Sampler, rounds: int) -> list[dict[str, object]]:
+    """The ``penalized`` rows: the sampler with a bias and penalties against without, same logits."""
+    rows: list[dict[str, object]] = []
+    print(f"\n{'rows':>16} {'vocab':>8} {'batch':>5} {'without us':>10} {'with us':>11} {'with/without':>14}")
+    for vocab in VOCABS:
+        for batch in BATCHES:
+            logits = torch.randn(batch, vocab) * 4
+            histories = [
+                TokenHistory(torch.randint(0, vocab, (1_200,)).tolist(), 1_000) for _ in range(batch)
+            ]
+            gens: list[torch.Generator | None] = [None] * batch
+            got = median_us(
+                {
+                    "without": partial(
+                        sampler.sample, logits, [SamplingParams(temperature=0.0)] * batch, gens
+                    ),
+                    "with": partial(sampler.sample, logits, [PENALIZED] * batch, gens, histories),
+                },
+                rounds,
+            )
+            ratio = got["with"] / got["without"]
+            rows.append(
+                {"rows": "penalized", "vocab": vocab, "batch": batch, **got, "with_over_without": ratio}
+            )
+            print(
+                f"{'penalized':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>11.0f} {ratio:>13.2f}x"
+            )
+    return rows
 
 
 def main() -> None:
@@ -98,6 +142,7 @@ def main() -> None:
                 print(
                     f"{name:>16} {vocab:>8} {batch:>5} {got['plain']:>10.0f} {got['sampler']:>11.0f} {ratio:>13.2f}x"
                 )
+    rows += penalties(sampler, args.rounds)
     if args.out is not None:
         args.out.write_text(
             json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=1)

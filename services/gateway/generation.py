@@ -338,4 +338,8 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "stop_token_ids": list(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
         "logprobs": s.logprobs,
+        "logit_bias": [list(pair) for pair in s.logit_bias],
+        "repetition_penalty": s.repetition_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
     }

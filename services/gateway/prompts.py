@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from yutu.engine.sampling import SamplingParams
+from yutu.engine.sampling import MAX_LOGIT_BIAS, SamplingParams
 from yutu.engine.tokenizer import ChatTemplateError
 from yutu.errors import ErrorKind
 
@@ -149,13 +149,32 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def logit_bias_for(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids, as JSON keys, to a bias in [-100, 100]) as (id, bias)
+    pairs, ordered by id; 400 naming ``logit_bias`` for a key that is not a token id of the
+    vocabulary or a value out of range."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdecimal() else -1  # "+1", " 1" and "1.0" are not ids
+        if not 0 <= token < vocab_size:
+            raise invalid(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
+            )
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails this too
+            raise invalid(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} for token {key}",
+                "logit_bias",
+            )
+        pairs.append((token, float(value)))
+    if len({token for token, _ in pairs}) != len(pairs):  # "7" and "007"
+        raise invalid("logit_bias names a token id more than once", "logit_bias")
+    return tuple(sorted(pairs))
+
+
 def reject_unsupported(req: _GenerationRequest) -> None:
     """Refuse, rather than silently ignore, features no worker implements."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise invalid(f"{name} is not supported yet: leave it unset or 0", name)
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported yet: leave it unset", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
@@ -207,9 +226,14 @@ def max_tokens_for(
 
 
 def sampling_for(
-    req: _GenerationRequest, max_tokens: int, logprobs: int | None, choice: int
+    req: _GenerationRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
-    """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ)."""
+    """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ);
+    ``logit_bias`` as :func:`logit_bias_for` made it."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     seed = None if req.seed is None else req.seed + choice
     try:
@@ -222,9 +246,14 @@ def sampling_for(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logit_bias=logit_bias,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
         )
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
+    except ValueError as exc:  # SamplingParams names the field first: "top_p must be ..."
+        field = str(exc).split(" ", 1)[0]
+        raise invalid(str(exc), field if field in SamplingParams.__dataclass_fields__ else None) from None
 
 
 def check_cost_before_tokenizing(
@@ -244,6 +273,7 @@ def choice_specs(
     logprobs: int | None,
     *,
     limits: RequestLimits,
+    vocab_size: int,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
 ) -> list[ChoiceSpec]:
@@ -255,6 +285,7 @@ def choice_specs(
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
+    logit_bias = logit_bias_for(req.logit_bias, vocab_size)
     per_prompt = [
         max_tokens_for(
             len(ids), requested_max_tokens, default_max_tokens, max_model_len, prompt_param, max_tokens_param
@@ -265,6 +296,6 @@ def choice_specs(
     specs = []
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
-            sampling = sampling_for(req, max_tokens, logprobs, i)
+            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias)
             specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops))
     return specs

@@ -62,7 +62,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
-        limits=limits, max_tokens_param=param, prompt_param="messages",
+        limits=limits, vocab_size=gw.tokenizer.vocab_size,
+        max_tokens_param=param, prompt_param="messages",
     )  # fmt: skip
     gen = Generation(
         gw.router,

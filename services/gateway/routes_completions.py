@@ -71,6 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         COMPLETIONS_DEFAULT_MAX_TOKENS,
         body.logprobs,
         limits=limits,
+        vocab_size=gw.tokenizer.vocab_size,
     )
     gen = Generation(
         gw.router,

@@ -281,9 +281,10 @@ class DisaggStack:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def reference(self, ids: list[int], max_tokens: int) -> list[int]:
-        """The greedy tokens of a cold run of ``ids`` on an engine in this process (same model)."""
-        return reference_tokens(self.model, ids, max_tokens)
+    def reference(self, ids: list[int], max_tokens: int, **params: Any) -> list[int]:
+        """The greedy tokens of a cold run of ``ids`` on an engine in this process (same model);
+        ``params``: more SamplingParams fields."""
+        return reference_tokens(self.model, ids, max_tokens, **params)
 
     def complete(self, ids: list[int], max_tokens: int = 8, stream: bool = False, **extra: Any) -> Reply:
         body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
@@ -356,10 +357,12 @@ def _engine(model: Path) -> LLMEngine:
                                   max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False))  # fmt: skip
 
 
-def reference_tokens(model: Path, ids: list[int], max_tokens: int) -> list[int]:
+def reference_tokens(model: Path, ids: list[int], max_tokens: int, **params: Any) -> list[int]:
     engine = _engine(model)
     rid = uuid.uuid4().hex
-    engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    engine.add_request(
+        rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    )
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -82,6 +82,32 @@ def test_disaggregated_output_equals_the_mixed_worker(
     assert disagg.get("prefill", "prefill-0", "/info")["holds"]["held"] == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_and_penalties_hold_across_the_handoff(
+    mixed: DisaggStack, disagg: DisaggStack, stream: bool
+) -> None:
+    """The prefill instance samples the first token with the bias and the repetition penalty (the
+    prompt's tokens), the decode instance goes on counting that token among the output's: the
+    tokens of an engine running the request alone, on both stacks."""
+    ids = prompt(70, seed=70)
+    api = {"logit_bias": {"7": 3.0, "30": -1.5}, "repetition_penalty": 1.3, "frequency_penalty": 1.2,
+           "presence_penalty": 0.5}  # fmt: skip
+    want = disagg.reference(
+        ids,
+        20,
+        logit_bias=((7, 3.0), (30, -1.5)),
+        repetition_penalty=1.3,
+        frequency_penalty=1.2,
+        presence_penalty=0.5,
+    )
+    assert want != disagg.reference(ids, 20)
+    for stack in (mixed, disagg):
+        reply = stack.complete(ids, 20, stream, **api)
+        assert reply.status == 200, reply.body
+        assert reply.tokens == want
+    assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
+
+
 def test_the_decode_instance_is_told_while_the_prefill_runs_unless_the_first_token_is_the_last(
     disagg: DisaggStack,
 ) -> None:

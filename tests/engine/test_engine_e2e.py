@@ -100,6 +100,60 @@ def test_greedy_matches_transformers(
     assert outs[0].num_prompt_tokens == prompt_len and outs[0].num_cached_tokens == 0
 
 
+def test_bias_and_repetition_penalty_match_transformers(ckpt: Path) -> None:
+    """transformers' ``sequence_bias`` and ``repetition_penalty`` (the same order: the bias first)
+    against the engine's ``logit_bias`` and ``repetition_penalty``, greedy; and they change the tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(37, seed=4)
+    bias = ((5, 3.0), (11, -2.0), (40, 1.5))
+    engine_out = run(make_engine(ckpt), {"r": (ids, greedy(24, repetition_penalty=1.5, logit_bias=bias))})[
+        "r"
+    ]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            repetition_penalty=1.5,
+            sequence_bias={(t,): b for t, b in bias},
+        )
+    assert tokens(engine_out) == gen[0, len(ids) :].tolist()
+    assert tokens(engine_out) != tokens(run(make_engine(ckpt), {"r": (ids, greedy(24))})["r"])
+
+
+def test_frequency_and_presence_penalties_match_the_formula_on_transformers_logits(ckpt: Path) -> None:
+    """OpenAI's formula (``logit - count * frequency_penalty - (count > 0) * presence_penalty`` over
+    the tokens generated so far) on transformers' logits, greedy, step by step."""
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(20, seed=6)
+    plain = tokens(run(make_engine(ckpt), {"r": (ids, greedy(20))})["r"])
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    for frequency, presence in [(1.5, 0.0), (0.0, 2.0), (-0.5, 1.0)]:
+        want: list[int] = []
+        with torch.no_grad():
+            for _ in range(20):
+                logits = hf(torch.tensor([ids + want])).logits[0, -1].float()
+                for token in set(want):
+                    logits[token] -= want.count(token) * frequency + presence
+                want.append(int(logits.argmax()))
+        params = greedy(20, frequency_penalty=frequency, presence_penalty=presence)
+        assert tokens(run(make_engine(ckpt), {"r": (ids, params)})["r"]) == want, (frequency, presence)
+        assert want != plain, (frequency, presence)  # the penalty changed what greedy picks
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    with pytest.raises(InvalidRequestError, match=r"logit_bias token ids must be integers in \[0, 512\)"):
+        engine.add_request("r", prompt(5, seed=1), greedy(4, logit_bias=((512, 1.0),)))
+
+
 def test_prefix_cache_hit_gives_cold_tokens(ckpt: Path) -> None:
     base = prompt(40, seed=1)
     other = base[:35] + prompt(10, seed=2)  # shares 35 tokens: 2 full blocks of 16
@@ -137,8 +191,16 @@ def test_full_prefix_hit_recomputes_last_block(ckpt: Path) -> None:
 MIXED = [(3, 5), (17, 12), (33, 20), (50, 8), (70, 16)]
 
 
+ADJUSTED = {  # requests of the mixed batch whose logits a bias or a penalty changes
+    1: {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+    3: {"repetition_penalty": 1.3, "logit_bias": ((7, 2.0), (9, -1.0))},
+}
+
+
 def mixed_requests() -> dict[str, tuple[list[int], SamplingParams]]:
-    return {f"m{i}": (prompt(n, seed=100 + i), greedy(m)) for i, (n, m) in enumerate(MIXED)}
+    return {
+        f"m{i}": (prompt(n, seed=100 + i), greedy(m, **ADJUSTED.get(i, {}))) for i, (n, m) in enumerate(MIXED)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +224,9 @@ def test_preemption_gives_same_tokens(ckpt: Path) -> None:
     requests = {
         f"p{i}": (
             prompt(n, seed=200 + i),
-            greedy(m) if i != 2 else SamplingParams(temperature=1.0, seed=9, max_tokens=m),
+            greedy(m, frequency_penalty=0.8 * (i == 1))
+            if i != 2
+            else SamplingParams(temperature=1.0, seed=9, max_tokens=m),
         )
         for i, (n, m) in enumerate([(20, 30), (25, 40), (30, 30), (18, 44)])
     }

@@ -1,14 +1,18 @@
-"""Sampler and SamplingParams: exact masks, greedy, seeds and logprobs on hand-made logits."""
+"""Sampler and SamplingParams: exact masks, greedy, seeds, logprobs, logit bias and penalties on
+hand-made logits."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 from yutu.engine.sampler import (
     TOP_CANDIDATES,
     Sampler,
+    TokenHistory,
+    adjust_logits,
     apply_top_k_top_p,
     draw_from,
     scale_by_temperature,
@@ -231,6 +235,17 @@ def test_same_seed_repeats_different_seed_differs() -> None:
         ({"stop_token_ids": (1, -2)}, r"stop_token_ids must be a sequence of integers >= 0"),
         ({"stop_token_ids": (2**63,)}, r"stop_token_ids must be a sequence of integers >= 0 \(at most"),
         ({"ignore_eos": 1}, r"ignore_eos must be a bool"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+        ({"frequency_penalty": float("nan")}, r"frequency_penalty must be in \[-2.0, 2.0\]"),
+        ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": 1e-50}, r"repetition_penalty must be a finite number > 0 that float32 holds"),
+        ({"repetition_penalty": float("inf")}, r"repetition_penalty must be a finite number > 0"),
+        ({"logit_bias": ((1, 101),)}, r"logit_bias values must be in \[-100.0, 100.0\]"),
+        ({"logit_bias": ((-1, 1),)}, r"logit_bias token ids must be integers >= 0"),
+        ({"logit_bias": ((True, 1),)}, r"logit_bias token ids must be integers >= 0"),
+        ({"logit_bias": ((1, 1), (1, 2))}, r"logit_bias names a token id more than once"),
+        ({"logit_bias": (1, 2)}, r"logit_bias must be \(token id, bias\) pairs"),
         # What the sampler computes in float32 / int64:
         (
             {"top_p": 1e-50},
@@ -257,6 +272,13 @@ def test_params_defaults_and_normalisation() -> None:
     assert p.stop_token_ids == (3, 4)
     assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
     assert SamplingParams(logprobs=20).logprobs == 20
+    assert not SamplingParams().adjusts_logits
+    biased = SamplingParams(logit_bias=[[5, 1], [2, -3.5]], frequency_penalty=1)  # type: ignore[arg-type]
+    assert biased.logit_bias == ((5, 1.0), (2, -3.5)) and type(biased.frequency_penalty) is float
+    assert biased.adjusts_logits
+    assert SamplingParams(logit_bias={7: 2}).logit_bias == ((7, 2.0),)  # type: ignore[arg-type]
+    for adjusting in ({"repetition_penalty": 1.1}, {"presence_penalty": -0.5}, {"logit_bias": ((0, 0.0),)}):
+        assert SamplingParams(**adjusting).adjusts_logits  # type: ignore[arg-type]
 
 
 def test_smallest_top_p_and_huge_top_k_are_accepted() -> None:
@@ -427,3 +449,118 @@ def test_the_kernels_logprobs_stay_finite_at_extreme_logits(kernels: object) -> 
     out = Sampler(kernels).sample(logits, params, [None, None])  # type: ignore[arg-type]
     assert out.token_ids == [0, 1]
     assert [lp.logprob for lp in out.logprobs if lp is not None] == [0.0, 0.0]
+
+
+# -- logit bias and penalties (adjust_logits) ------------------------------------------------------
+
+_F32 = torch.finfo(torch.float32)
+
+
+def adjust_logits_reference(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
+) -> torch.Tensor:
+    """:func:`adjust_logits` token by token in Python, as OpenAI's and vLLM's documents state it
+    (``mu[j] -> mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty``): the tests'
+    reference."""
+    out = logits.clone()
+    for r, p in enumerate(params):
+        history = histories[r]
+        if not p.adjusts_logits or history is None:
+            continue
+        row = out[r].tolist()
+        for token, bias in p.logit_bias:
+            row[token] += bias
+        for token in set(history.token_ids):
+            if p.repetition_penalty != 1.0:
+                value = row[token]
+                row[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        output = list(history.token_ids[history.num_prompt_tokens :])
+        for token in set(output):
+            row[token] -= output.count(token) * p.frequency_penalty + p.presence_penalty
+        out[r] = torch.tensor(row, dtype=out.dtype).clamp(_F32.min, _F32.max)
+    return out
+
+
+def test_bias_then_repetition_then_frequency_and_presence_by_hand() -> None:
+    """One row worked out on paper: prompt [0], output [2, 2, 1]."""
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 4.0]])
+    params = SamplingParams(
+        logit_bias=((3, 1.0), (4, -4.0)), repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    got = adjust_logits(logits, [params], [TokenHistory([0, 2, 2, 1], 1)])
+    # 0: seen, positive: 1 / 2. 1: seen, negative: -1 * 2, once in the output: -2 - 0.5 - 0.25.
+    # 2: seen: 2 / 2, twice in the output: 1 - 1.0 - 0.25. 3 and 4: never seen, biased: 0.5 + 1, 4 - 4.
+    assert got.tolist() == [[0.5, -2.75, -0.25, 1.5, 0.0]]
+    assert logits.tolist() == [[1.0, -1.0, 2.0, 0.5, 4.0]]  # a new tensor; the raw row is the logprobs'
+
+
+def test_adjust_logits_matches_the_formulas_token_by_token() -> None:
+    g = gen(5)
+    vocab = 60
+    logits = torch.randn(6, vocab, generator=g) * 3
+    params = [
+        SamplingParams(),  # untouched
+        SamplingParams(logit_bias=((3, 5.0), (7, -100.0), (59, 0.5))),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=0.7),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+        SamplingParams(
+            logit_bias=((1, 2.5),), repetition_penalty=1.8, frequency_penalty=-1.5, presence_penalty=2.0
+        ),
+    ]
+    histories = [TokenHistory(torch.randint(0, vocab, (40,), generator=g).tolist(), 25) for _ in params]
+    got = adjust_logits(logits, params, histories)
+    want = adjust_logits_reference(logits, params, histories)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0], logits[0])
+    assert all(not torch.equal(got[r], logits[r]) for r in range(1, len(params)))
+    # no output yet (a prefill's first token): frequency and presence change nothing
+    first = adjust_logits(logits[4:5], params[4:5], [TokenHistory([1, 2, 3], 3)])
+    assert torch.equal(first, logits[4:5])
+
+
+def test_adjusted_rows_stay_finite() -> None:
+    """A repetition penalty near 0 divides a positive logit past float32, a large one multiplies a
+    negative one past it: both land clamped, and the rows are still sampled (no None, no NaN)."""
+    logits = torch.tensor([[3e38, -3e38, 1.0], [-3e38, 2.0, 1.0]])
+    params = [
+        SamplingParams(temperature=0.7, repetition_penalty=1e-3, seed=1),
+        SamplingParams(
+            temperature=0.7, logit_bias=((0, -100.0),), repetition_penalty=1e3, presence_penalty=2.0
+        ),
+    ]
+    histories = [TokenHistory([0, 1], 2), TokenHistory([2, 0], 1)]
+    adjusted = adjust_logits(logits, params, histories)
+    assert adjusted.isfinite().all()
+    assert adjusted[0].tolist() == [_F32.max, pytest.approx(-3e35, rel=1e-6), 1.0]
+    assert adjusted[1].tolist() == [_F32.min, 2.0, pytest.approx(1e-3)]
+    out = Sampler().sample(logits, params, [gen(1), None], histories)
+    assert out.nonfinite_rows == [] and out.token_ids[0] == 0
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_greedy_and_random_rows_are_chosen_from_the_adjusted_logits(kernels: object, native: bool) -> None:
+    """A bias of 100 decides a greedy row and a random one; a penalty moves a greedy row off its
+    argmax; rows that ask for nothing are chosen as before; logprobs stay the raw row's."""
+    sampler = Sampler(kernels if native else None)  # type: ignore[arg-type]
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, logit_bias=((2, 100.0),), logprobs=1),
+        SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0),  # 1 generated twice: 3 - 4
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, logit_bias=((0, 100.0),), seed=3),
+    ]
+    histories = [TokenHistory([1], 1), TokenHistory([0, 1, 1], 1), None, TokenHistory([1], 1)]
+    out = sampler.sample(logits, params, [None, None, None, gen(3)], histories)
+    assert out.token_ids == [2, 3, 1, 0]
+    raw = torch.log_softmax(logits[0], dim=-1).tolist()
+    lp0, lp1 = out.logprobs[0], out.logprobs[1]
+    assert lp0 is not None and lp0.logprob == pytest.approx(raw[2]) and lp0.top[0][0] == 1
+    assert lp1 is not None and lp1.logprob == pytest.approx(raw[3])
+    all_greedy = sampler.sample(logits[:3], params[:3], [None] * 3, histories[:3])
+    assert all_greedy.token_ids == [2, 3, 1]
+
+
+def test_a_row_that_adjusts_its_logits_needs_its_tokens() -> None:
+    with pytest.raises(ValueError, match="pass histories"):
+        Sampler().sample(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [None])

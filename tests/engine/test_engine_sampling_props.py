@@ -4,7 +4,8 @@ Parameters are built the way the gateway builds them (the request schema, ``max_
 ``services.gateway.prompts.sampling_for``, and so ``SamplingParams``' own validation): either that raises a ValueError or an ApiError with a message, or a real
 :class:`LLMEngine` over the tiny model runs the request to its end with valid tokens and finite
 logprobs. The strategies lean on the edges of float32 and int64 (subnormal and tiny top_p, tiny and
-huge temperatures, huge top_k, seeds and stop ids), where the sampler used to meet NaN and kill the
+huge temperatures, huge top_k, seeds and stop ids; penalties and logit biases at and past their
+bounds, repetition penalties near 0 and huge), where the sampler used to meet NaN and kill the
 engine thread. Afterwards the engine still serves a greedy request with its usual tokens.
 """
 
@@ -22,7 +23,12 @@ from yutu.engine.sampling import SamplingParams
 from yutu.engine.testing import make_tiny_checkpoint
 
 from services.gateway.errors import ApiError
-from services.gateway.prompts import COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_for, sampling_for
+from services.gateway.prompts import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    logit_bias_for,
+    max_tokens_for,
+    sampling_for,
+)
 from services.gateway.schemas import CompletionRequest
 
 VOCAB = 512
@@ -100,6 +106,18 @@ request_fields = st.fixed_dictionaries(
         "max_tokens": st.one_of(st.integers(-1, 8), st.integers(MAX_MODEL_LEN - 14, MAX_MODEL_LEN + 2)),
         "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, 2**65)), max_size=4),
         "ignore_eos": st.booleans(),
+        "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, -2.0001, 2.5]), floats),
+        "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, 2.0001]), floats),
+        "repetition_penalty": st.one_of(
+            st.floats(0.5, 2), st.sampled_from(F32_EDGES + [1.0, 1e30, 3.4e38, 1e39]), floats
+        ),
+        "logit_bias": st.dictionaries(
+            st.one_of(
+                st.integers(-2, VOCAB + 2).map(str), st.sampled_from(["", "x", "1.0", "+3", "007", "7"])
+            ),
+            st.one_of(st.floats(-100, 100), st.sampled_from([-100.0, 100.0, 100.5]), floats),
+            max_size=4,
+        ),
     },
 )
 
@@ -118,7 +136,7 @@ def test_accepted_sampling_params_always_run_to_the_end(engine: LLMEngine) -> No
             max_tokens = max_tokens_for(
                 len(prompt), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_MODEL_LEN
             )
-            params = sampling_for(req, max_tokens, req.logprobs, 0)
+            params = sampling_for(req, max_tokens, req.logprobs, 0, logit_bias_for(req.logit_bias, VOCAB))
         except (ValueError, ApiError) as exc:  # pydantic's ValidationError is a ValueError
             assert str(exc).strip(), f"{type(exc).__name__} without a message"
             outcomes["rejected"] += 1

@@ -110,6 +110,46 @@ def test_prompt_as_token_ids_and_as_a_list(stack: Stack, client: openai.OpenAI) 
     assert [(c.index, c.text) for c in both.choices] == [(0, by_text), (1, other)]
 
 
+def test_logit_bias_and_penalties_through_the_openai_client(stack: Stack, client: openai.OpenAI) -> None:
+    """A bias of 100 on one token makes greedy output that token only, in completions and chat
+    (OpenAI's own parameter, token ids as keys); a bias of -100 on greedy's first token moves it;
+    the penalties (``repetition_penalty`` a vLLM extra) are taken and change a repetitive greedy
+    output. Exact tokens against the engine are held by tests/engine and tests/disagg."""
+    args = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    forced = client.completions.create(
+        prompt=PROMPT, logprobs=0, logit_bias={"17": 100}, extra_body=extra, **args
+    )
+    assert ids_of(forced.choices[0].logprobs.tokens) == [17] * 8
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": PROMPT}],
+        logit_bias={"23": 100},
+        logprobs=True,
+        extra_body=extra,
+        **args,
+    )
+    assert ids_of([t.token for t in chat.choices[0].logprobs.content]) == [23] * 8
+    plain = ids_of(
+        client.completions.create(prompt=PROMPT, logprobs=0, extra_body=extra, **args)
+        .choices[0]
+        .logprobs.tokens
+    )
+    banned = client.completions.create(
+        prompt=PROMPT, logprobs=0, logit_bias={str(plain[0]): -100}, extra_body=extra, **args
+    )
+    assert ids_of(banned.choices[0].logprobs.tokens)[0] != plain[0]
+    penalized = client.completions.create(
+        prompt=PROMPT,
+        logprobs=0,
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        extra_body={**extra, "repetition_penalty": 2.0},
+        **{**args, "max_tokens": 24},
+    )
+    got = ids_of(penalized.choices[0].logprobs.tokens)
+    assert len(got) == 24 and len(set(got)) > len(set(plain))
+
+
 def test_chat_stream_concatenates_to_the_non_streamed_text(stack: Stack, client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
     args = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0}

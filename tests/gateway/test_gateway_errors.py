@@ -56,7 +56,16 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
-        ("/v1/completions", {**CMPL, "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {**CMPL, "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {**CMPL, "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {**CMPL, "repetition_penalty": 1e39}, "repetition_penalty"),  # past float32
+        ("/v1/completions", {**CMPL, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {**CMPL, "logit_bias": {"-1": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"100000": 1}}, "logit_bias"),  # past the vocabulary
+        ("/v1/completions", {**CMPL, "logit_bias": {"5": 150}}, "logit_bias"),
+        ("/v1/completions", {**CMPL, "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+        ("/v1/completions", {**CMPL, "logit_bias": {"5": "high"}}, "logit_bias"),
         ("/v1/completions", {**CMPL, "echo": True}, "echo"),
         ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),

@@ -23,9 +23,12 @@ def test_a_short_bench_sampler_run_measures_every_shape(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert {(r["rows"], r["vocab"], r["batch"]) for r in rows} == {
         (name, vocab, batch)
-        for name in ("free", "top_p", "greedy", "greedy_logprobs")
+        for name in ("free", "top_p", "greedy", "greedy_logprobs", "penalized")
         for vocab in (2_560, 32_000, 128_256)
         for batch in (1, 16)
     }
-    assert all(r["plain"] > 0 and r["sampler"] > 0 and r["plain_over_sampler"] > 0 for r in rows)
+    versions = [r for r in rows if r["rows"] != "penalized"]
+    assert all(r["plain"] > 0 and r["sampler"] > 0 and r["plain_over_sampler"] > 0 for r in versions)
+    costs = [r for r in rows if r["rows"] == "penalized"]
+    assert all(r["without"] > 0 and r["with"] > 0 and r["with_over_without"] > 0 for r in costs)
     assert proc.stdout.count("x\n") == len(rows)

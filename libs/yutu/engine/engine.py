@@ -55,7 +55,7 @@ from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.native import engine_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
-from yutu.engine.sampler import Sampler
+from yutu.engine.sampler import Sampler, TokenHistory
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad, ScheduledBatch, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
@@ -359,6 +359,8 @@ class LLMEngine:
         self._check_token_ids(prompt_token_ids, "prompt")
         generated = list(generated)
         self._check_token_ids(generated, "generated")
+        if params.logit_bias:
+            self._check_token_ids([token for token, _ in params.logit_bias], "logit_bias")
         if len(generated) >= params.max_tokens:
             raise InvalidRequestError(
                 f"{len(generated)} tokens are already generated of max_tokens={params.max_tokens}: nothing left to do"
@@ -570,7 +572,13 @@ class LLMEngine:
         with self._threads_for(batch):
             logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
-        result = self.sampler.sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        histories = [
+            TokenHistory(s.token_ids, s.num_prompt_tokens) if s.params.adjusts_logits else None
+            for s in sampled
+        ]
+        result = self.sampler.sample(
+            logits, [s.params for s in sampled], [s.generator for s in sampled], histories
+        )
         self._record(batch, time.perf_counter() - started)
         # Fail non-finite rows before the prefix cache learns their blocks: their KV is suspect.
         failed = {sampled[r].seq_id for r in result.nonfinite_rows}

@@ -11,6 +11,10 @@ logits' device, token indices as int64), so an accepted request can never make i
   overflows is shifted by its maximum first). Temperatures beyond float32's range are refused.
 - ``top_k`` and ``stop_token_ids`` are bounded to int64, the dtype of token indices (a ``top_k``
   larger than the vocabulary means no limit; a stop id outside it never matches).
+- ``presence_penalty`` and ``frequency_penalty`` lie in [-2, 2] (OpenAI's range), ``logit_bias``
+  values in [-100, 100]; ``repetition_penalty`` is > 0 in float32 and finite. The sampler clamps
+  the logits they touch to float32's finite range, so no bias or penalty can make a row infinite.
+  ``logit_bias`` token ids are checked against the model's vocabulary by the engine.
 - ``seed`` spans what ``torch.Generator.manual_seed`` takes; ``logprobs`` is at most 20 (the sampler
   takes ``min(k, vocab)`` alternatives, and reports a ``-inf`` logprob as float32's lowest);
   ``max_tokens`` is checked against the context by the engine (``PromptTooLongError``).
@@ -22,6 +26,8 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (OpenAI's limit)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (argmax)
 MAX_TEMPERATURE = 3.4028234663852886e38  # the largest finite float32
 TOP_P_MIN = 2.0**-149  # 1.401298464324817e-45, the smallest positive float32
@@ -59,6 +65,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
     ignore_eos: bool = False  # keep generating past the model's eos tokens
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus top-k (k <= 20)
+    # Logit adjustments, applied in this order before temperature, top-k and top-p (vLLM's order);
+    # logprobs stay those of the raw logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids distinct
+    repetition_penalty: float = (
+        1.0  # > 0: a logit of a token in the prompt or output, / it if > 0, * it if not
+    )
+    frequency_penalty: float = 0.0  # in [-2, 2], times how often a token was generated, taken off its logit
+    presence_penalty: float = 0.0  # in [-2, 2], taken off the logit of every token generated at least once
 
     def __post_init__(self) -> None:
         self._check_temperature()
@@ -88,6 +102,7 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
             )
+        self._check_adjustments()
 
     def _check_temperature(self) -> None:
         value = _as_float("temperature", self.temperature, "a number >= 0")
@@ -109,6 +124,53 @@ class SamplingParams:
                 f" in float32, where a smaller top_p rounds to 0), got {self.top_p}; to keep only the most likely"
                 " token, use top_k=1"
             )
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name), f"a number in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0 disables it), got {value}"
+                )
+            object.__setattr__(self, name, value)
+        value = _as_float("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if not (math.isfinite(value) and value >= TOP_P_MIN and value <= MAX_TEMPERATURE):
+            raise ValueError(
+                "repetition_penalty must be a finite number > 0 that float32 holds (1 disables it; above 1"
+                f" discourages repeating the prompt's and the output's tokens), got {self.repetition_penalty}"
+            )
+        object.__setattr__(self, "repetition_penalty", value)
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        if not isinstance(bias, tuple | list) or not all(
+            isinstance(pair, tuple | list) and len(pair) == 2 for pair in bias
+        ):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}")
+        pairs = []
+        for token, amount in bias:
+            if not _is_int(token) or not 0 <= token <= INT64_MAX:
+                raise ValueError(f"logit_bias token ids must be integers >= 0, got {token!r}")
+            value = _as_float(
+                "a logit_bias value", amount, f"a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
+            )
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {amount!r}"
+                )
+            pairs.append((token, value))
+        if len({token for token, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias names a token id more than once")
+        object.__setattr__(self, "logit_bias", tuple(pairs))  # normalised: a tuple of (int, float)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits before sampling."""
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
+            or bool(self.frequency_penalty or self.presence_penalty)
+        )
 
     @property
     def is_greedy(self) -> bool:
