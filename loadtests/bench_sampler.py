@@ -28,16 +28,25 @@ turns; printed with the ratio plain / Sampler.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import statistics
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from yutu.engine import native
-from yutu.engine.sampler import Sampler, TokenHistory, apply_top_k_top_p, scale_by_temperature
+from yutu.engine.sampler import (
+    Sampler,
+    TokenHistory,
+    adjust_logits,
+    adjust_logits_native,
+    apply_top_k_top_p,
+    scale_by_temperature,
+)
 from yutu.engine.sampling import SamplingParams
 
 VOCABS = (2_560, 32_000, 128_256)
@@ -75,33 +84,37 @@ PENALIZED = SamplingParams(
 )
 
 
-def penalties(sampler: Sampler, rounds: int) -> list[dict[str, object]]:
-    """The ``penalized`` rows: the sampler with a bias and penalties against without, same logits."""
+def penalties(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[str, object]]:
+    """The ``penalized`` rows: the sampler with a bias and penalties against without (same logits),
+    and the adjustment alone on torch's operations against the native kernel."""
     rows: list[dict[str, object]] = []
-    print(f"\n{'rows':>16} {'vocab':>8} {'batch':>5} {'without us':>10} {'with us':>11} {'with/without':>14}")
+    print(f"\n{'rows':>16} {'vocab':>8} {'batch':>5} {'without us':>10} {'with us':>8} {'with/without':>13}"
+          f" {'torch us':>9} {'native us':>9} {'torch/native':>13}")  # fmt: skip
     for vocab in VOCABS:
         for batch in BATCHES:
             logits = torch.randn(batch, vocab) * 4
-            histories = [
-                TokenHistory(torch.randint(0, vocab, (1_200,)).tolist(), 1_000) for _ in range(batch)
+            histories: list[TokenHistory | None] = [  # kept as the engine keeps them (Sequence.token_array)
+                TokenHistory(array.array("q", torch.randint(0, vocab, (1_200,)).tolist()), 1_000)
+                for _ in range(batch)
             ]
             gens: list[torch.Generator | None] = [None] * batch
+            params = [PENALIZED] * batch
             got = median_us(
                 {
                     "without": partial(
                         sampler.sample, logits, [SamplingParams(temperature=0.0)] * batch, gens
                     ),
-                    "with": partial(sampler.sample, logits, [PENALIZED] * batch, gens, histories),
+                    "with": partial(sampler.sample, logits, params, gens, histories),
+                    "torch": partial(adjust_logits, logits, params, histories),
+                    "native": partial(adjust_logits_native, kernels, logits, params, histories),
                 },
                 rounds,
             )
-            ratio = got["with"] / got["without"]
-            rows.append(
-                {"rows": "penalized", "vocab": vocab, "batch": batch, **got, "with_over_without": ratio}
-            )
-            print(
-                f"{'penalized':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>11.0f} {ratio:>13.2f}x"
-            )
+            cost, gain = got["with"] / got["without"], got["torch"] / got["native"]
+            rows.append({"rows": "penalized", "vocab": vocab, "batch": batch, **got, "with_over_without": cost,
+                         "torch_over_native": gain})  # fmt: skip
+            print(f"{'penalized':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>8.0f} {cost:>12.2f}x"
+                  f" {got['torch']:>9.0f} {got['native']:>9.0f} {gain:>12.2f}x")  # fmt: skip
     return rows
 
 
@@ -113,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    sampler = Sampler(native.load())  # the engine's, on CPU (the kernels are built by `make`)
+    kernels = native.load()  # built by `make`
+    sampler = Sampler(kernels)  # the engine's, on CPU
     reference = Sampler()  # on torch's operations: the plain version of the greedy rows
     rows = []
     print(f"{'rows':>16} {'vocab':>8} {'batch':>5} {'plain us':>10} {'Sampler us':>11} {'plain/Sampler':>14}")
@@ -142,7 +156,7 @@ def main() -> None:
                 print(
                     f"{name:>16} {vocab:>8} {batch:>5} {got['plain']:>10.0f} {got['sampler']:>11.0f} {ratio:>13.2f}x"
                 )
-    rows += penalties(sampler, args.rounds)
+    rows += penalties(sampler, kernels, args.rounds)
     if args.out is not None:
         args.out.write_text(
             json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=1)

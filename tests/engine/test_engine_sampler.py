@@ -3,6 +3,7 @@ hand-made logits."""
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from yutu.engine.sampler import (
     Sampler,
     TokenHistory,
     adjust_logits,
+    adjust_logits_native,
     apply_top_k_top_p,
     draw_from,
     scale_by_temperature,
@@ -564,3 +566,67 @@ def test_greedy_and_random_rows_are_chosen_from_the_adjusted_logits(kernels: obj
 def test_a_row_that_adjusts_its_logits_needs_its_tokens() -> None:
     with pytest.raises(ValueError, match="pass histories"):
         Sampler().sample(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [None])
+
+
+def penalized_batch(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], list[TokenHistory | None]]:
+    """Rows of every kind: none, bias alone, each penalty alone, all of them, penalties near 0 and
+    huge on logits near float32's bounds, nothing generated yet; histories with repeats."""
+    g = gen(vocab)
+    logits = torch.randn(9, vocab, generator=g) * 4
+    logits[6, :4] = torch.tensor([3e38, -3e38, 1e30, -1e30])
+    logits[7, :4] = torch.tensor([3e38, -3e38, 1e30, -1e30])
+    params = [
+        SamplingParams(),
+        SamplingParams(logit_bias=((0, 100.0), (vocab - 1, -100.0), (3, 0.25))),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(presence_penalty=-1.25),
+        SamplingParams(
+            logit_bias=((2, -3.0),), repetition_penalty=0.8, frequency_penalty=-2.0, presence_penalty=2.0
+        ),
+        SamplingParams(repetition_penalty=1e-3, frequency_penalty=2.0),
+        SamplingParams(repetition_penalty=1e3, presence_penalty=2.0, logit_bias=((1, -100.0),)),
+        SamplingParams(repetition_penalty=1.1, frequency_penalty=1.0, presence_penalty=1.0),
+    ]
+    histories: list[TokenHistory | None] = [None]
+    for r in range(1, 9):
+        tokens = torch.randint(0, min(vocab, 40), (60,), generator=g).tolist() + [0, 1, 2, 3, 0, 1]
+        histories.append(TokenHistory(tokens, 60 if r != 8 else len(tokens)))  # row 8: no output yet
+    return logits, params, histories
+
+
+@pytest.mark.parametrize("vocab", [7, 700, 8192])
+def test_the_kernels_penalties_equal_torchs_bit_for_bit(kernels: object, vocab: int) -> None:
+    logits, params, histories = penalized_batch(vocab)
+    want = adjust_logits(logits, params, histories)
+    got = adjust_logits_native(kernels, logits, params, histories)  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+    assert got.isfinite().all() and not torch.equal(got[6], logits[6]) and torch.equal(got[0], logits[0])
+    as_arrays = [
+        None if h is None else TokenHistory(array.array("q", h.token_ids), h.num_prompt_tokens)
+        for h in histories
+    ]
+    assert torch.equal(adjust_logits_native(kernels, logits, params, as_arrays), want)  # type: ignore[arg-type]
+    for native in (Sampler(kernels), Sampler()):  # type: ignore[arg-type]
+        greedy = [SamplingParams(**{**p.__dict__, "temperature": 0.0}) for p in params]
+        out = native.sample(logits, greedy, [None] * len(params), histories)
+        assert out.token_ids == want.argmax(dim=-1).tolist()
+
+
+def test_the_kernels_penalties_refuse_what_they_cannot_read(kernels: object) -> None:
+    scores = torch.zeros(2, 8)
+    one = torch.tensor([0])
+
+    def call(tokens: list[int], rows: torch.Tensor = one, offsets: list[int] | None = None) -> None:
+        kernels.adjust_rows_(  # type: ignore[attr-defined]
+            scores, rows, torch.tensor(tokens, dtype=torch.long), torch.tensor(offsets or [0, len(tokens)]),
+            torch.tensor([0]), torch.tensor([[1.5, 0.0, 0.0]], dtype=torch.float64),
+        )  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        call([1, 8])
+    with pytest.raises(RuntimeError, match="outside the scores"):
+        call([1], rows=torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="offsets must run from 0"):
+        call([1, 2], offsets=[0, 1])
+    assert torch.equal(scores, torch.zeros(2, 8))  # refused before anything was written

@@ -31,4 +31,5 @@ def test_a_short_bench_sampler_run_measures_every_shape(tmp_path: Path) -> None:
     assert all(r["plain"] > 0 and r["sampler"] > 0 and r["plain_over_sampler"] > 0 for r in versions)
     costs = [r for r in rows if r["rows"] == "penalized"]
     assert all(r["without"] > 0 and r["with"] > 0 and r["with_over_without"] > 0 for r in costs)
+    assert all(r["torch"] > 0 and r["native"] > 0 and r["torch_over_native"] > 0 for r in costs)
     assert proc.stdout.count("x\n") == len(rows)

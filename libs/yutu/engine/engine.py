@@ -573,7 +573,7 @@ class LLMEngine:
             logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
         histories = [
-            TokenHistory(s.token_ids, s.num_prompt_tokens) if s.params.adjusts_logits else None
+            TokenHistory(s.token_array, s.num_prompt_tokens) if s.token_array is not None else None
             for s in sampled
         ]
         result = self.sampler.sample(

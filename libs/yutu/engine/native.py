@@ -12,6 +12,8 @@
 - ``greedy_rows`` (``csrc/sampling.cpp``): each logits row's greedy token and log-normaliser, for
   the sampler (:class:`yutu.engine.sampler.Sampler`); torch's ``argmax`` and ``log_softmax`` are
   the reference.
+- ``adjust_rows_`` (``csrc/sampling.cpp``): the repetition, frequency and presence penalties of
+  a step's penalized rows in one call; :func:`yutu.engine.sampler.adjust_logits` is the reference.
 - ``spread_threads`` (``csrc/threads.cpp``): binds each thread of torch's intra-op team to its
   own CPU for a wide step, and gives them their CPUs back after it.
 - ``rms_norm``, ``add_rms_norm_``, ``rotary_``, ``silu_mul`` (``csrc/layer_ops.cpp``): a decoder

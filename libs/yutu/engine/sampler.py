@@ -199,6 +199,43 @@ def adjust_logits(
     return out
 
 
+def adjust_logits_native(
+    kernels: ModuleType,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+) -> torch.Tensor:
+    """:func:`adjust_logits` on CPU with the native kernels: the rows' biases in one ``index_add_``,
+    their penalties in one ``adjust_rows_`` call over their tokens laid end to end (a history kept
+    as an ``array`` is copied, not converted). The same values, bit for bit (a test holds it)."""
+    out = logits.clone()  # (R, V)
+    vocab = logits.shape[1]
+    rows = [r for r, p in enumerate(params) if p.adjusts_logits]
+    bias_keys = [r * vocab + t for r in rows for t, _ in params[r].logit_bias]
+    if bias_keys:
+        bias = torch.tensor([b for r in rows for _, b in params[r].logit_bias])
+        out.view(-1).index_add_(0, torch.tensor(bias_keys), bias)
+    tokens = array.array("q")
+    offsets, prompts, penalties = [0], [], []
+    for r in rows:
+        history = histories[r]
+        assert history is not None, "a row that adjusts its logits needs its tokens"
+        tokens.extend(history.token_ids)
+        offsets.append(len(tokens))
+        prompts.append(history.num_prompt_tokens)
+        p = params[r]
+        penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+    kernels.adjust_rows_(
+        out,
+        torch.tensor(rows),
+        torch.frombuffer(tokens, dtype=torch.long),  # (N,) ours alone: never resized while it is read
+        torch.tensor(offsets),
+        torch.tensor(prompts, dtype=torch.long),
+        torch.tensor(penalties, dtype=torch.float64).reshape(len(rows), 3),
+    )
+    return out
+
+
 class RowStats(NamedTuple):
     """Per logits row, from the native ``greedy_rows``: its first maximum, that maximum's value,
     ``log(sum(exp(x - top)))`` (empty when not asked), so a token's logprob is ``(x - top) - log_sum``,
@@ -255,19 +292,22 @@ class Sampler:
         adjusted = any(p.adjusts_logits for p in params)
         if adjusted and histories is None:
             raise ValueError("a row with logit_bias or a penalty needs its tokens: pass histories")
-        scores = adjust_logits(logits, params, histories or ()) if adjusted else logits  # (R, V) chosen from
-        # The native kernel's greedy token is the raw row's: an adjusted batch takes its argmax anew.
-        native_greedy = stats is not None and not adjusted
+        scores = logits  # (R, V) what the rows are chosen from
+        best = stats.token if stats is not None else None  # (R,) each row's greedy token, if known
+        if adjusted and stats is not None and self._kernels is not None:  # the native kernels, on CPU
+            scores = adjust_logits_native(self._kernels, logits, params, histories or ())
+            best = self._kernels.greedy_rows(scores, False)[0]  # the adjusted rows' own first maxima
+        elif adjusted:
+            scores = adjust_logits(logits, params, histories or ())
+            best = None
         greedy = [r for r, p in enumerate(params) if p.is_greedy]
         if len(greedy) == num_rows:  # the usual batch: no row to pick out
-            chosen = stats.token if stats is not None and native_greedy else scores.argmax(dim=-1)  # (R,)
+            chosen = best if best is not None else scores.argmax(dim=-1)  # (R,)
         else:
             chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # (R,)
             if greedy:
                 rows = torch.tensor(greedy, device=logits.device)
-                chosen[rows] = (
-                    stats.token[rows] if stats is not None and native_greedy else scores[rows].argmax(dim=-1)
-                )
+                chosen[rows] = best[rows] if best is not None else scores[rows].argmax(dim=-1)
             random = [r for r, p in enumerate(params) if not p.is_greedy]
             self._sample_random(scores, params, generators, random, chosen)
 

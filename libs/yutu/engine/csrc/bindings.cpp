@@ -40,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sum(exp(x - max)) (R,) (else empty), and whether the row is finite (R,) bool (a row that is not: "
         "what a row of zeros gives)",
         arg("logits"), arg("log_sum"), nogil);
+  m.def("adjust_rows_", &adjust_rows_,
+        "in place: rows[i] of (R, V) float32 scores penalized from tokens[offsets[i]:offsets[i+1]] (the first "
+        "prompts[i] its prompt's) with penalties[i] = (repetition, frequency, presence), then clamped finite",
+        arg("scores"), arg("rows"), arg("tokens"), arg("offsets"), arg("prompts"), arg("penalties"), nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of (T, 2I) [ gate | up ] rows into a new (T, I) tensor",
         arg("gate_up"), nogil);
 }

@@ -30,6 +30,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 // sampling.cpp: each (R, V) float32 logits row's first maximum, its value, (log_sum) the log of
 // sum(exp(x - max)), so that a token's log-probability is (x - max) - log_sum, and whether it is finite.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits, bool log_sum);
+// In place: listed rows of (R, V) float32 scores get their repetition, frequency and presence
+// penalties from their tokens (yutu/engine/sampler.py's adjust_logits is the reference).
+void adjust_rows_(at::Tensor& scores, const at::Tensor& rows, const at::Tensor& tokens, const at::Tensor& offsets,
+                  const at::Tensor& prompts, const at::Tensor& penalties);
 
 // threads.cpp: bind each thread of torch's intra-op team to its own CPU of the caller's (true),
 // or give them all the caller's CPUs back (false); false when there is nothing to spread over.
