@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from yutu.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from yutu.errors import ErrorKind, YutuError
@@ -52,6 +53,7 @@ class ChoiceUpdate:
     tokens: list[TokenInfo]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[Any] | None = None  # with the first update, when asked (TokenDelta's form)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class ChoiceState:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None  # when asked: one entry per prompt token (TokenDelta's form)
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ class Generation:
             state.num_prompt_tokens = delta.num_prompt_tokens or state.num_prompt_tokens
             state.num_cached_tokens = delta.num_cached_tokens or state.num_cached_tokens
             update = ChoiceUpdate(spec.index, "", [])
+            if delta.prompt_logprobs is not None:
+                state.prompt_logprobs = update.prompt_logprobs = delta.prompt_logprobs
             lps = delta.logprobs or []
             for i, token_id in enumerate(delta.token_ids):
                 lp = lps[i] if i < len(lps) else None
@@ -338,6 +343,7 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "stop_token_ids": list(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
         "logprobs": s.logprobs,
+        "prompt_logprobs": s.prompt_logprobs,
         "logit_bias": [list(pair) for pair in s.logit_bias],
         "repetition_penalty": s.repetition_penalty,
         "frequency_penalty": s.frequency_penalty,

@@ -3,6 +3,7 @@
 Completions (legacy): parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict of
 token text -> logprob: the top ``logprobs`` alternatives plus the sampled token, so up to
 ``logprobs + 1`` entries) and ``text_offset`` (char offset of each token in the completion text).
+With ``echo`` the prompt's tokens come first, the first of them with null logprobs.
 
 Chat: ``content`` is a list with one entry per token: ``token``, ``logprob``, ``bytes`` (its UTF-8
 bytes) and ``top_logprobs`` (exactly the top ``top_logprobs`` alternatives, best first).
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from yutu.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from services.gateway.generation import TokenInfo
 from services.gateway.tokens import TokenText
@@ -50,6 +53,42 @@ def completion_logprobs(
         tops.append(top)
         offsets.append(tok.text_offset)
     return {"tokens": names, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(
+    prompt_ids: list[int], entries: list[Any], tokenizer: Tokenizer, text: TokenText, as_ids: bool = False
+) -> dict[str, list[Any]]:
+    """Completions-style logprobs of an echoed prompt (``echo`` with ``logprobs``): ``entries`` one
+    per prompt token as a worker sends them (``TokenDelta.prompt_logprobs``: the first None, which
+    nothing comes before, shown as null as OpenAI and vLLM show it), offsets in the prompt's text."""
+    names: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    detok = IncrementalDetokenizer(tokenizer, [])
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries, strict=True):
+        token_str = _name(token_id, text, as_ids)
+        names.append(token_str)
+        offsets.append(offset)
+        offset += len(detok.push([token_id]))
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs.append(_finite(float(entry[1])))
+        top = {_name(int(alt), text, as_ids): _finite(float(lp)) for alt, lp in entry[2]}
+        top.setdefault(token_str, _finite(float(entry[1])))
+        tops.append(top)
+    return {"tokens": names, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined(echoed: dict[str, list[Any]], generated: dict[str, list[Any]], shift: int) -> dict[str, list[Any]]:
+    """An echoed prompt's logprobs followed by the generated tokens', whose offsets move by ``shift``
+    (the echoed text's length)."""
+    out = {key: echoed[key] + generated[key] for key in ("tokens", "token_logprobs", "top_logprobs")}
+    out["text_offset"] = echoed["text_offset"] + [o + shift for o in generated["text_offset"]]
+    return out
 
 
 def _top(token_id: int, logprob: float, text: TokenText, as_ids: bool) -> dict[str, Any]:

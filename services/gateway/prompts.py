@@ -178,8 +178,6 @@ def reject_unsupported(req: _GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise invalid("echo is not supported yet: leave it false", "echo")
         if req.suffix:
             raise invalid("suffix is not supported: leave it unset", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -246,6 +244,8 @@ def sampling_for(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            # echo with logprobs: the prompt's tokens are shown with theirs (OpenAI's legacy completions)
+            prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
             logit_bias=logit_bias,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,

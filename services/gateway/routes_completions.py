@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from yutu.errors import YutuError
+from yutu.errors import ErrorKind, YutuError
 
 from services.gateway.auth import require_api_key
 from services.gateway.chunks import completion_chunk
 from services.gateway.deps import GatewayDep
-from services.gateway.generation import ChoiceState, Generation
-from services.gateway.logprobs import completion_logprobs
+from services.gateway.generation import ChoiceState, Generation, TokenInfo
+from services.gateway.logprobs import completion_logprobs, echo_logprobs, joined
 from services.gateway.openapi import generation_responses
 from services.gateway.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -86,20 +87,19 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         headers = instance_headers(gen.first_routes)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen.start()  # the workers compute while the response starts (EventStream closes it)
-        return EventStream(_stream(gen, gw, body, include_usage), gen.close, headers)
+        echoes = echo_texts(body, prompts, gw)
+        return EventStream(_stream(gen, gw, body, echoes, include_usage), gen.close, headers)
     try:
         async with gen:
             choices = await unless_disconnected(gen.run_to_end(), request)
     except ClientGone:
         return Response(status_code=499)
+    echoes = echo_texts(body, prompts, gw)
     response = CompletionResponse(
         id=gen.request_id,
         created=int(gen.arrival),
         model=gw.model_name,
-        choices=[
-            _choice(choices[i], gw, body.logprobs is not None, body.return_tokens_as_token_ids)
-            for i in sorted(choices)
-        ],
+        choices=[_choice(choices[i], gw, body, echoes) for i in sorted(choices)],
         usage=usage_of(gen),
     )
     return Response(
@@ -109,37 +109,81 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     )
 
 
-def _choice(state: ChoiceState, gw: GatewayService, logprobs: bool, as_ids: bool) -> CompletionChoice:
+def echo_texts(body: CompletionRequest, prompts: list[list[int]], gw: GatewayService) -> list[str] | None:
+    """With ``echo``, each prompt's text as the response repeats it: as sent, or decoded from the
+    token ids sent; None without."""
+    if not body.echo:
+        return None
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if all(isinstance(p, str) for p in body.prompt):
+        return [str(p) for p in body.prompt]
+    return [gw.tokenizer.decode(ids) for ids in prompts]
+
+
+def _logprobs(
+    tokens: list[TokenInfo], state: ChoiceState, gw: GatewayService, body: CompletionRequest, echo: str | None,
+    with_prompt: bool,
+) -> dict[str, list[Any]]:  # fmt: skip
+    """Completions-style logprobs of ``tokens``; with ``echo``, their offsets after the echoed text,
+    and (``with_prompt``) the prompt's tokens first."""
+    as_ids = body.return_tokens_as_token_ids
+    generated = completion_logprobs(tokens, gw.token_text, as_ids)
+    if echo is None:
+        return generated
+    prompt: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if with_prompt:
+        if state.prompt_logprobs is None:
+            raise YutuError(
+                "the worker sent no prompt logprobs for an echo with logprobs", ErrorKind.INTERNAL
+            )
+        prompt = echo_logprobs(
+            state.spec.prompt_ids, state.prompt_logprobs, gw.tokenizer, gw.token_text, as_ids
+        )
+    return joined(prompt, generated, len(echo))
+
+
+def _choice(
+    state: ChoiceState, gw: GatewayService, body: CompletionRequest, echoes: list[str] | None
+) -> CompletionChoice:
+    echo = None if echoes is None else echoes[state.spec.prompt_index]
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = CompletionLogprobs.model_validate(_logprobs(state.tokens, state, gw, body, echo, True))
     return CompletionChoice(
         index=state.spec.index,
-        text=state.text,
-        logprobs=(
-            CompletionLogprobs.model_validate(completion_logprobs(state.tokens, gw.token_text, as_ids))
-            if logprobs
-            else None
-        ),
+        text=(echo or "") + state.text,
+        logprobs=logprobs,
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
     )
 
 
 async def _stream(
-    gen: Generation, gw: GatewayService, body: CompletionRequest, include_usage: bool
+    gen: Generation,
+    gw: GatewayService,
+    body: CompletionRequest,
+    echoes: list[str] | None,
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     created = int(gen.arrival)
     tail = ""
+    echoed: set[int] = set()  # choices whose first chunk (with the echoed prompt) went out
     try:
         async with gen:
             async for update in gen.updates():
-                if not (update.text or update.finish_reason or body.logprobs is not None):
+                state = gen.choices[update.index]
+                echo = None if echoes is None else echoes[state.spec.prompt_index]
+                first = echo is not None and update.index not in echoed
+                if not (update.text or update.finish_reason or body.logprobs is not None or first):
                     continue  # tokens whose text is still held back (half a character, a stop prefix)
+                echoed.add(update.index)
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = completion_logprobs(
-                        update.tokens, gw.token_text, body.return_tokens_as_token_ids
-                    )
+                    logprobs = _logprobs(update.tokens, state, gw, body, echo, first)
+                text = (echo or "") + update.text if first else update.text
                 yield completion_chunk(
-                    gen.request_id, created, gw.model_name, update.index, update.text, logprobs,
+                    gen.request_id, created, gw.model_name, update.index, text, logprobs,
                     update.finish_reason, update.stop_reason,
                 )  # fmt: skip
             if include_usage:

@@ -99,6 +99,8 @@ def _moved(request: GenerateRequest, move: int, tokens: list[int], **changes: An
     its own (``-mN``): ids in flight are unique per worker, and the lost one may still be known
     where it ran."""
     suffix = f"-m{move}" if move else ""
+    if tokens and request.sampling.get("prompt_logprobs") is not None:  # they went out with the first token
+        changes.setdefault("sampling", {**request.sampling, "prompt_logprobs": None})
     return replace(request, request_id=request.request_id + suffix, generated=list(tokens), **changes)
 
 
@@ -215,7 +217,13 @@ class DisaggRouter:
         return [k.hex() for k in block_key_digests(self.root_key, token_ids, self.block_size)]
 
     async def place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Route:
-        """Ask the conductor; place here (least loaded) when it cannot answer. Raises 429/503."""
+        """Ask the conductor; place here (least loaded) when it cannot answer. Raises 429/503.
+
+        A request scoring its prompt (``prompt_logprobs``: echo with logprobs) computes it whole on
+        one engine, no prefill instance and no reused KV: it goes to the least loaded decode
+        instance, which prefills it, without the conductor (whose placements are of reused KV)."""
+        if request.sampling.get("prompt_logprobs") is not None:
+            return Route(None, self.decodes.pick().info.instance_id, 0)
         keys = self.keys(request.prompt_token_ids)
         max_tokens = int(request.sampling.get("max_tokens", 16))
         waited = max(0.0, time.time() - request.arrival_time)  # a busy gateway's delay counts in the TTFT

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from yutu.engine.engine import RequestOutput
+from yutu.engine.outputs import TokenLogprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.hashing import block_key_digests
@@ -129,7 +130,10 @@ class GenerateRole:
             self.engine_loop.add(rid, prompt, params, import_tokens=len(prompt), await_token=True)
             return
         try:
-            import_tokens = self._plan_import(rid, msg)
+            # A prompt whose logprobs are asked is computed whole: the store's blocks are not tried.
+            import_tokens = (
+                0 if params.prompt_logprobs is not None and msg.kv is None else self._plan_import(rid, msg)
+            )
         except ProtocolError as exc:
             self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"malformed KV handle: {exc}")
             return
@@ -230,7 +234,10 @@ class GenerateRole:
     def _delta(self, out: RequestOutput) -> TokenDelta:
         logprobs = None
         if out.new_logprobs is not None:
-            logprobs = [[lp.token_id, lp.logprob, [list(alt) for alt in lp.top]] for lp in out.new_logprobs]
+            logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None if lp is None else _wire_logprobs(lp) for lp in out.prompt_logprobs]
         return TokenDelta(
             request_id=out.request_id,
             token_ids=list(out.new_token_ids),
@@ -238,6 +245,7 @@ class GenerateRole:
             finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def on_error(self, request_id: str, error: YutuError) -> None:
@@ -297,3 +305,8 @@ class GenerateRole:
     def close(self) -> None:
         self.accepting = False
         self._peer.close(_SHUTDOWN_LINGER_S)
+
+
+def _wire_logprobs(lp: TokenLogprobs) -> list[Any]:
+    """A token's logprobs as TokenDelta carries them: [token_id, logprob, [[alt_id, alt_logprob], ...]]."""
+    return [lp.token_id, lp.logprob, [list(alt) for alt in lp.top]]

@@ -108,6 +108,26 @@ def test_logit_bias_and_penalties_hold_across_the_handoff(
     assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echoed_prompt_is_scored_whole_on_a_decode_instance(
+    mixed: DisaggStack, disagg: DisaggStack, stream: bool
+) -> None:
+    """``echo`` with ``logprobs`` needs every prompt token's logits: the request skips the prefill
+    instance and reused KV (twice the same prompt: nothing cached) and the decode instance
+    computes it whole, with the mixed worker's tokens and logprobs."""
+    ids = prompt(70, seed=71 + stream)
+    want = mixed.complete(ids, 6, stream, echo=True, logprobs=1)
+    assert want.status == 200, want.body
+    assert want.tokens[:70] == ids and len(want.tokens) == 76 and want.logprobs[0] is None
+    for _ in range(2):
+        got = disagg.complete(ids, 6, stream, echo=True, logprobs=1)
+        assert got.status == 200, got.body
+        assert got.tokens == want.tokens and got.logprobs[0] is None
+        assert got.logprobs[1:] == pytest.approx(want.logprobs[1:], abs=1e-5)
+        assert got.headers["x-yutu-prefill"] == "none" and got.headers["x-yutu-decode"] == "decode-0"
+        assert got.cached == 0
+
+
 def test_the_decode_instance_is_told_while_the_prefill_runs_unless_the_first_token_is_the_last(
     disagg: DisaggStack,
 ) -> None:

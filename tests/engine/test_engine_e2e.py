@@ -148,6 +148,45 @@ def test_frequency_and_presence_penalties_match_the_formula_on_transformers_logi
         assert want != plain, (frequency, presence)  # the penalty changed what greedy picks
 
 
+@pytest.mark.parametrize("budget", [512, 16])
+def test_prompt_logprobs_match_transformers(ckpt: Path, budget: int) -> None:
+    """Each prompt token's logprob (and top alternatives) under the tokens before it, as
+    transformers' logits give them, with the first token; in one chunk and in chunks of 16; a
+    prompt the prefix cache already holds is still computed (and scored) whole."""
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(37, seed=9)
+    engine = make_engine(ckpt, max_num_batched_tokens=budget)
+    run(engine, {"warm": (ids, greedy(2))})  # the prompt's blocks now in the prefix cache
+    outs = run(engine, {"r": (ids, greedy(3, prompt_logprobs=2))})["r"]
+    scored = outs[0].prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) and scored[0] is None
+    assert outs[0].num_cached_tokens == 0 and all(o.prompt_logprobs is None for o in outs[1:])
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)  # (37, V)
+    for j in range(1, len(ids)):
+        entry = scored[j]
+        assert entry is not None and entry.token_id == ids[j]
+        assert entry.logprob == pytest.approx(logp[j - 1, ids[j]].item(), abs=1e-4)
+        want = logp[j - 1].topk(2)
+        assert [t for t, _ in entry.top] == want.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    plain = tokens(run(engine, {"p": (ids, greedy(3))})["p"])
+    assert tokens(outs) == plain  # scoring the prompt changes nothing of the generation
+    assert engine.stats().prefix_cache_hit_tokens > 0  # the others did hit the cache
+
+
+def test_prompt_logprobs_refuse_kv_from_elsewhere(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    scored = greedy(4, prompt_logprobs=0)
+    for extra in ({"import_tokens": 16}, {"generated": [5]}, {"prefill_only": True}):
+        with pytest.raises(InvalidRequestError, match="computed whole here"):
+            engine.add_request(f"r{len(extra)}", prompt(20, seed=2), scored, **extra)  # type: ignore[arg-type]
+    one = run(engine, {"one": ([7], greedy(2, prompt_logprobs=1))})["one"]
+    assert one[0].prompt_logprobs == [None]  # a one-token prompt: nothing before its token
+
+
 def test_logit_bias_ids_outside_the_vocabulary_are_refused(ckpt: Path) -> None:
     engine = make_engine(ckpt)
     with pytest.raises(InvalidRequestError, match=r"logit_bias token ids must be integers in \[0, 512\)"):

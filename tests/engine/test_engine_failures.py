@@ -112,10 +112,10 @@ def test_nonfinite_logits_fail_that_request_alone(
     real_run = engine.runner.run
     calls = 0
 
-    def nan_for_b_once(batch: Any) -> torch.Tensor:
+    def nan_for_b_once(batch: Any, *args: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        logits = real_run(batch).clone()  # an inference tensor: not writable in place
+        logits = real_run(batch, *args).clone()  # an inference tensor: not writable in place
         if calls == 1:  # the prefill step: rows are A then B
             logits[1, 7] = float("nan")
         return logits
@@ -164,10 +164,10 @@ def test_failed_steps_in_a_row_are_counted_and_reset(
     real_run = engine.runner.run
     failing = True
 
-    def run(batch: Any) -> torch.Tensor:
+    def run(batch: Any, *args: Any) -> torch.Tensor:
         if failing:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_run(batch)
+        return real_run(batch, *args)
 
     monkeypatch.setattr(engine.runner, "run", run)
     for i in range(3):

@@ -106,6 +106,7 @@ request_fields = st.fixed_dictionaries(
         "max_tokens": st.one_of(st.integers(-1, 8), st.integers(MAX_MODEL_LEN - 14, MAX_MODEL_LEN + 2)),
         "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, 2**65)), max_size=4),
         "ignore_eos": st.booleans(),
+        "echo": st.booleans(),  # with logprobs: the prompt's logprobs too
         "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, -2.0001, 2.5]), floats),
         "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, 2.0001]), floats),
         "repetition_penalty": st.one_of(

@@ -30,9 +30,9 @@ def _record_threads(engine: LLMEngine) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     run = engine.runner.run
 
-    def recording(batch):  # type: ignore[no-untyped-def]
+    def recording(batch, *args):  # type: ignore[no-untyped-def]
         seen.append((batch.num_tokens, torch.get_num_threads()))
-        return run(batch)
+        return run(batch, *args)
 
     engine.runner.run = recording  # type: ignore[method-assign]
     return seen

@@ -110,6 +110,70 @@ def test_prompt_as_token_ids_and_as_a_list(stack: Stack, client: openai.OpenAI) 
     assert [(c.index, c.text) for c in both.choices] == [(0, by_text), (1, other)]
 
 
+def test_echo_repeats_the_prompt_with_its_logprobs(
+    stack: Stack, client: openai.OpenAI, model: torch.nn.Module
+) -> None:
+    """``echo`` with ``logprobs`` (lm-evaluation-harness's loglikelihood requests): the prompt's text
+    and tokens first, the first token's logprob null, the others the model's own log-softmax under
+    the tokens before them; then the completion as without echo, its offsets after the prompt's."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    prompt_ids = tok.encode(PROMPT)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(**args, extra_body=extra).choices[0]
+    echoed = client.completions.create(**args, echo=True, extra_body=extra).choices[0]
+    assert echoed.text == PROMPT + plain.text
+    lp = echoed.logprobs
+    n = len(prompt_ids)
+    assert ids_of(lp.tokens) == prompt_ids + ids_of(plain.logprobs.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[n:] == [o + len(PROMPT) for o in plain.logprobs.text_offset]
+    (logits,) = PagedRunner(model, num_blocks=8, block_size=16).step([(0, prompt_ids)])
+    ref = torch.log_softmax(logits, dim=-1)  # (n, V): row j scores token j + 1
+    for j in range(1, n):
+        assert lp.token_logprobs[j] == pytest.approx(ref[j - 1, prompt_ids[j]].item(), abs=1e-4)
+        top = lp.top_logprobs[j]
+        want = torch.topk(ref[j - 1], 2).indices.tolist()
+        assert set(ids_of(list(top))) == set(want) | {prompt_ids[j]}  # the top 2 and the prompt's token
+    # echo alone: the text, no logprobs; token ids in, their decoded text out; two prompts, one token
+    alone = client.completions.create(**{**args, "logprobs": None}, echo=True, extra_body=extra)
+    assert alone.choices[0].text == PROMPT + plain.text and alone.choices[0].logprobs is None
+    by_ids = client.completions.create(**{**args, "prompt": prompt_ids}, echo=True, extra_body=extra)
+    assert by_ids.choices[0].text == tok.decode(prompt_ids) + plain.text
+    both = client.completions.create(
+        **{**args, "prompt": [PROMPT, "a b c"], "max_tokens": 1, "logprobs": 1}, echo=True, extra_body=extra
+    )
+    assert [c.text[: len(p)] for c, p in zip(both.choices, [PROMPT, "a b c"], strict=True)] == [
+        PROMPT,
+        "a b c",
+    ]
+    assert ids_of(both.choices[1].logprobs.tokens)[:-1] == tok.encode("a b c")
+    assert both.usage.completion_tokens == 2
+
+
+def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI) -> None:
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    args = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+    }
+    whole = client.completions.create(**args, extra_body=extra).choices[0]
+    chunks = list(client.completions.create(**args, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    logprobs = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(whole.logprobs.token_logprobs[1:])
+
+
 def test_logit_bias_and_penalties_through_the_openai_client(stack: Stack, client: openai.OpenAI) -> None:
     """A bias of 100 on one token makes greedy output that token only, in completions and chat
     (OpenAI's own parameter, token ids as keys); a bias of -100 on greedy's first token moves it;

@@ -66,7 +66,7 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ("/v1/completions", {**CMPL, "logit_bias": {"5": 150}}, "logit_bias"),
         ("/v1/completions", {**CMPL, "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
         ("/v1/completions", {**CMPL, "logit_bias": {"5": "high"}}, "logit_bias"),
-        ("/v1/completions", {**CMPL, "echo": True}, "echo"),
+        ("/v1/completions", {**CMPL, "suffix": "end"}, "suffix"),
         ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
         ("/v1/completions", {**CMPL, "stop": ["ok", ""]}, "stop"),

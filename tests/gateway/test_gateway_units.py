@@ -176,3 +176,20 @@ async def test_event_stream_closes_its_generation_however_it_ends() -> None:
     iterated.clear()
     assert await _call(EventStream(_events(iterated), lambda: closed.append("gone"), {}), True) == []
     assert closed == ["sent", "gone"] and iterated == []  # never iterated, still closed
+
+
+def test_a_moved_request_asks_for_its_prompt_logprobs_only_if_they_have_not_gone_out() -> None:
+    """Prompt logprobs go out with the first token: a request moved after it (tokens streamed) no
+    longer asks for them (the engine would refuse a request carrying generated tokens that does),
+    one moved before it still does; the request's own sampling is not changed."""
+    from yutu.protocol.generate import GenerateRequest
+
+    from services.gateway.routing import _moved
+
+    sampling = {"max_tokens": 8, "prompt_logprobs": 1, "logprobs": 1}
+    request = GenerateRequest("r", [1, 2, 3], sampling, 0.0)
+    after = _moved(request, 1, [5, 6])
+    assert after.sampling == {"max_tokens": 8, "prompt_logprobs": None, "logprobs": 1}
+    assert after.generated == [5, 6] and after.request_id == "r-m1"
+    assert _moved(request, 1, []).sampling == sampling
+    assert request.sampling["prompt_logprobs"] == 1

@@ -24,6 +24,12 @@ Disaggregation (the prefill and decode roles build on three additions to ``add_r
   comes with ``finish_load(..., token=)``, so its blocks are in place when the prefill ends and
   the copy starts at once, without a round trip through this engine first.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, the OpenAI API's ``echo`` with ``logprobs``):
+every row of such a request's prompt chunks is kept (``ModelRunner.run``'s ``hidden_of``), its
+logits computed a few hundred rows at a time, and the logprob of each prompt token under the tokens
+before it goes out with the first generated token (``RequestOutput.prompt_logprobs``). Its prompt is
+computed whole: no prefix-cache hit, no imported KV, no ``generated``, not prefill-only.
+
 Failure contract: one request never takes the engine down. ``step()`` contains whatever raises inside
 it (scheduler, model, sampler, postprocessing): the requests of that step are aborted, their blocks
 freed, and each gets a *failed* output (``RequestOutput.error``); the engine then serves the others
@@ -57,7 +63,7 @@ from yutu.engine.native import engine_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
 from yutu.engine.sampler import Sampler, TokenHistory
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.scheduler import KVLoad, ScheduledBatch, Scheduler
+from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
 from yutu.kv.block_manager import BlockManager, CacheEvent
 from yutu.kv.hashing import root_key
@@ -84,6 +90,10 @@ log = logging.getLogger(__name__)
 # interleaved runs), 64 tokens over 960 1.45-1.54x, 128 over 896 1.23-1.60x, 192 over 832
 # 1.24-1.68x, 32 over 992 1.3x (a 7 ms step).
 WIDE_STEP_TOKENS = 256
+# Prompt logprobs: rows of a chunk whose logits are computed at a time (a 128k vocabulary's 256 rows
+# are 128 MiB of float32), and what a -inf (or NaN) logprob is reported as (float32's lowest).
+PROMPT_LOGPROBS_ROWS = 256
+FLOAT32_LOWEST = torch.finfo(torch.float32).min
 WIDE_STEP_SPAN = 48 * 1024
 
 
@@ -367,6 +377,11 @@ class LLMEngine:
             )
         if prefill_only and generated:
             raise InvalidRequestError("a prefill-only request cannot carry generated tokens")
+        if params.prompt_logprobs is not None and (generated or prefill_only or import_tokens or await_token):
+            raise InvalidRequestError(
+                "a request asking for prompt logprobs is computed whole here: it carries no generated tokens"
+                " (its prompt logprobs went out with its first token), imports no KV and is not prefill-only"
+            )
         num_tokens = len(prompt_token_ids) + len(generated)
         if await_token:
             if generated or prefill_only or import_tokens != len(prompt_token_ids) or params.max_tokens < 2:
@@ -569,8 +584,11 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         """Compute ``batch``, sample, and append to ``outputs`` (as it goes: kept if a later part raises)."""
         started = time.perf_counter()
+        scored = [i for i, c in enumerate(batch.chunks) if self._scores_prompt(c)]  # prompt logprobs
         with self._threads_for(batch):
-            logits = self.runner.run(batch)  # (R, V) for chunks with sample set, in order
+            logits = self.runner.run(batch, scored)  # (R, V) for chunks with sample set, in order
+        for i in scored:
+            self._prompt_logprobs(batch.chunks[i], self.runner.last_hidden[i])
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
         histories = [
             TokenHistory(s.token_array, s.num_prompt_tokens) if s.token_array is not None else None
@@ -591,6 +609,38 @@ class LLMEngine:
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if token is not None:
                 outputs.append(self._append(seq, token, logprobs))
+
+    def _scores_prompt(self, chunk: ScheduledChunk) -> bool:
+        """Whether ``chunk`` computes rows whose logits give prompt logprobs its request asked for:
+        the row at position p scores prompt token p + 1."""
+        seq = self._seqs.get(chunk.seq_id)
+        return seq is not None and seq.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens - 1
+
+    def _prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+        """Add to the request's prompt logprobs those of the prompt tokens ``chunk``'s rows score
+        (``hidden``: the chunk's hidden states), PROMPT_LOGPROBS_ROWS rows' logits at a time."""
+        seq = self._seqs[chunk.seq_id]
+        assert seq.prompt_logprobs is not None
+        del seq.prompt_logprobs[chunk.start + 1 :]  # a prompt computed again (preempted) starts over
+        k = seq.params.prompt_logprobs or 0
+        end = min(chunk.context_len, seq.num_prompt_tokens - 1)  # rows [start, end) score tokens start+1..end
+        for first in range(chunk.start, end, PROMPT_LOGPROBS_ROWS):
+            last = min(end, first + PROMPT_LOGPROBS_ROWS)
+            logits = self.runner.logits_of(hidden[first - chunk.start : last - chunk.start])  # (n, V)
+            logp = torch.log_softmax(logits, dim=-1).nan_to_num(nan=FLOAT32_LOWEST, neginf=FLOAT32_LOWEST)
+            targets = seq.token_ids[first + 1 : last + 1]
+            picked = (
+                logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+            )
+            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+            if k:
+                values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
+                tops = [
+                    list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            seq.prompt_logprobs += [
+                TokenLogprobs(token, lp, top) for token, lp, top in zip(targets, picked, tops, strict=True)
+            ]
 
     def _record(self, batch: ScheduledBatch, seconds: float) -> None:
         """Charge each prompt chunk its share of the step's time, by tokens (a decode is one), and
@@ -660,6 +710,7 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once, with the first token
         kv_held: HeldKV | None = None
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -681,6 +732,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             kv_held=kv_held,
             prefill_s=seq.prefill_compute_s if seq.num_output_tokens == 1 else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ introspection

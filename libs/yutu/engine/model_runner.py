@@ -5,6 +5,7 @@ One forward pass per step over the flat batch (see ``yutu.engine.attention``)::
     input_ids: [ chunk0 tokens | chunk1 tokens | ... ]   (T,)
     positions: [ start0 .. end0-1 | start1 .. end1-1 | ... ]
     logits:    rows at the last token of every chunk with ``sample`` set, in chunk order (R, V)
+    hidden:    every row of the chunks the caller names (their prompt logprobs: yutu.engine.engine)
 
 Not thread-safe: one engine thread owns it.
 """
@@ -12,7 +13,7 @@ Not thread-safe: one engine thread owns it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Protocol
 
@@ -98,6 +99,7 @@ class ModelRunner:
                 )
             self.kv_cache = cache
         self.dense: DenseDecodeCache | None = None
+        self.last_hidden: dict[int, torch.Tensor] = {}  # see run()
         if dense_decode_bytes > 0:
             self.dense = DenseDecodeCache(
                 config.num_layers, config.num_kv_heads, config.head_dim,
@@ -140,23 +142,38 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute ``batch``, writing its K/V into the cache; return (R, V) float32 logits, R = sampled chunks."""
+    def run(self, batch: ScheduledBatch, hidden_of: Collection[int] = ()) -> torch.Tensor:
+        """Compute ``batch``, writing its K/V into the cache; return (R, V) float32 logits, R = sampled
+        chunks. The hidden states of every row of the chunks numbered in ``hidden_of`` are kept in
+        ``last_hidden`` (chunk number -> (n, H)) until the next call."""
         ids, pos, meta, sample_rows = self.prepare(batch)
+        self.last_hidden = {}
         try:
-            return self._forward(ids, pos, meta, sample_rows)
+            return self._forward(ids, pos, meta, sample_rows, hidden_of)
         except BaseException:
             if self.dense is not None:  # a step cut short may have filled slots halfway
                 self.dense.clear()
             raise
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, sample_rows: list[int]
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: list[int],
+        hidden_of: Collection[int],
     ) -> torch.Tensor:
         backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
         with torch.inference_mode(), backends:
             hidden = self.model(ids, pos, self.kv_cache, meta)  # (T, H)
+            for i in hidden_of:
+                self.last_hidden[i] = hidden[meta.query_start[i] : meta.query_start[i + 1]]
             if not sample_rows:
                 return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden[rows]).float()  # (R, V)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, V) float32 logits of hidden states ``hidden`` (n, H) (from ``last_hidden``)."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden).float()

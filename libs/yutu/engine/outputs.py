@@ -67,6 +67,9 @@ class RequestOutput:
     error: str | None = None  # set iff the engine failed the request (then finished, no tokens)
     kv_held: HeldKV | None = None  # a prefill-only request's blocks, held for a peer to read
     prefill_s: float | None = None  # with the first token: the prompt's share (by tokens) of its steps' time
+    # With the first token, when params.prompt_logprobs is set: one entry per prompt token, each
+    # under the tokens before it; the first token's None (nothing comes before it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def failed(self) -> bool:

@@ -65,6 +65,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
     ignore_eos: bool = False  # keep generating past the model's eos tokens
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus top-k (k <= 20)
+    # The prompt's tokens' logprobs (each under the prompt before it), like ``logprobs``: k alternatives.
+    # The engine then computes the whole prompt (no prefix-cache or imported KV for it).
+    prompt_logprobs: int | None = None
     # Logit adjustments, applied in this order before temperature, top-k and top-p (vLLM's order);
     # logprobs stay those of the raw logits.
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids distinct
@@ -101,6 +104,12 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
         self._check_adjustments()
 

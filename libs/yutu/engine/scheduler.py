@@ -198,10 +198,11 @@ class Scheduler:
             ):
                 passed.append(self.waiting.popleft())
                 continue
-            if not self.block_manager.can_allocate(seq):
+            reuse = seq.prompt_logprobs is None  # a prompt whose logprobs are asked is computed whole
+            if not self.block_manager.can_allocate(seq, reuse):
                 break
             self.waiting.popleft()
-            num_cached = self.block_manager.allocate(seq)
+            num_cached = self.block_manager.allocate(seq, reuse)
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached

@@ -7,7 +7,7 @@ import enum
 
 import torch
 
-from yutu.engine.outputs import FinishReason
+from yutu.engine.outputs import FinishReason, TokenLogprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.kv.hashing import block_key_digests, chain_key
 
@@ -98,6 +98,12 @@ class Sequence:
         # adjusts: the sampler reads them every step, and converting the list each time would cost
         # ~36 ns a token (yutu.engine.sampler.TokenHistory).
         self.token_array = array.array("q", self.token_ids) if params.adjusts_logits else None
+        # The prompt's logprobs so far (params.prompt_logprobs), entry i for token i, until they go out
+        # with the first token; None when not asked or already sent. While set, the prompt is computed
+        # whole: no prefix-cache hit (yutu.engine.scheduler).
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:

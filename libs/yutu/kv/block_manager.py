@@ -139,13 +139,14 @@ class BlockManager:
         """Block ids of ``seq_id`` in token order (a copy). Raises KeyError if it holds none."""
         return list(self._tables[seq_id])
 
-    def lookup_prefix(self, seq: KVSequence) -> list[int]:
-        """Blocks of the prefix cache that hold ``seq``'s leading full blocks (no state change).
+    def lookup_prefix(self, seq: KVSequence, reuse: bool = True) -> list[int]:
+        """Blocks of the prefix cache that hold ``seq``'s leading full blocks (no state change); none
+        when ``reuse`` is False (the sequence must compute every token).
 
         Never covers the block holding the sequence's last token: at least one token is always left to
         compute, so the model produces logits for it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not reuse:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -156,9 +157,9 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: KVSequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed now."""
-        hits = self.lookup_prefix(seq)
+    def can_allocate(self, seq: KVSequence, reuse: bool = True) -> bool:
+        """Whether ``allocate(seq, reuse)`` would succeed now."""
+        hits = self.lookup_prefix(seq, reuse)
         hit_free = sum(1 for b in hits if self._ref_counts[b] == 0)
         num_new = _cdiv(seq.num_tokens, self.block_size) - len(hits)
         return num_new <= len(self._free) - hit_free
@@ -169,19 +170,20 @@ class BlockManager:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, seq: KVSequence) -> int:
-        """Give ``seq`` blocks for all its tokens, reusing its longest cached prefix.
+    def allocate(self, seq: KVSequence, reuse: bool = True) -> int:
+        """Give ``seq`` blocks for all its tokens, reusing its longest cached prefix (unless ``reuse``
+        is False).
 
         Returns the number of leading tokens served from the prefix cache (a multiple of
         ``block_size``, at most ``num_tokens - 1``); the caller marks them computed.
         """
         if seq.seq_id in self._tables:
             raise AssertionError(f"sequence {seq.seq_id!r} already holds blocks")
-        if not self.can_allocate(seq):
+        if not self.can_allocate(seq, reuse):
             raise OutOfBlocksError(
                 f"sequence {seq.seq_id!r} needs more blocks than the {len(self._free)} free ones"
             )
-        hits = self.lookup_prefix(seq)
+        hits = self.lookup_prefix(seq, reuse)
         table: list[int] = []
         for block_id in hits:
             if self._ref_counts[block_id] == 0:

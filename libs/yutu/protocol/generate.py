@@ -47,8 +47,9 @@ from typing import Any
 
 from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=6)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
-# 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt; 6: await_kv, KVReady
+CHANNEL = Channel("generate", version=7)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
+# 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt; 6: await_kv, KVReady;
+# 7: TokenDelta.prompt_logprobs
 
 
 @CHANNEL.message("generate")
@@ -91,6 +92,9 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set on the last delta only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    # With the first token, when the sampling asked for prompt_logprobs: one entry per prompt token,
+    # the first None, the others as in ``logprobs``
+    prompt_logprobs: list[Any] | None = None
 
 
 @CHANNEL.message("deltas")
@@ -104,13 +108,13 @@ class TokenDeltas:
     @classmethod
     def of(cls, deltas: list[TokenDelta]) -> TokenDeltas:
         return cls([[d.request_id, d.token_ids, d.logprobs, d.finish_reason, d.num_prompt_tokens,
-                     d.num_cached_tokens] for d in deltas])  # fmt: skip
+                     d.num_cached_tokens, d.prompt_logprobs] for d in deltas])  # fmt: skip
 
     def unpack(self) -> list[TokenDelta]:
-        """The deltas; raises ProtocolError for a row that is not a TokenDelta's six fields."""
+        """The deltas; raises ProtocolError for a row that is not a TokenDelta's seven fields."""
         out = []
         for row in self.rows:
-            if not isinstance(row, list) or len(row) != 6 or not isinstance(row[0], str):
+            if not isinstance(row, list) or len(row) != 7 or not isinstance(row[0], str):
                 raise ProtocolError(f"malformed TokenDeltas row: {row!r:.200}")
             out.append(TokenDelta(*row))
         return out
