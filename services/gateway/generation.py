@@ -18,7 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -270,6 +270,10 @@ class Generation:
         stop_ids = set(spec.sampling.stop_token_ids)
         while True:
             delta: TokenDelta = await handle.next()
+            if spec.score_only:  # max_tokens 0 (echo): the one token the worker computed is not shown
+                delta = replace(
+                    delta, token_ids=[], logprobs=None, finish_reason=delta.finish_reason and "length"
+                )
             now = time.monotonic()
             self.metrics.observe_tokens(self.arrival_mono, last_token_at, now, len(delta.token_ids))
             if delta.token_ids:

@@ -35,6 +35,7 @@ class ChoiceSpec:
     prompt_ids: list[int]
     sampling: SamplingParams
     stops: tuple[str, ...]
+    score_only: bool = False  # max_tokens 0 with echo: the worker's one token is not shown
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -178,6 +179,11 @@ def reject_unsupported(req: _GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
+        if req.max_tokens == 0 and not req.echo:
+            raise invalid(
+                "max_tokens must be at least 1; 0 only with echo (the prompt scored, nothing generated)",
+                "max_tokens",
+            )
         if req.suffix:
             raise invalid("suffix is not supported: leave it unset", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -286,16 +292,18 @@ def choice_specs(
     reject_unsupported(req)
     stops = stop_strings(req.stop)
     logit_bias = logit_bias_for(req.logit_bias, vocab_size)
+    score_only = requested_max_tokens == 0  # (echo) the worker computes one token, not shown
     per_prompt = [
         max_tokens_for(
-            len(ids), requested_max_tokens, default_max_tokens, max_model_len, prompt_param, max_tokens_param
+            len(ids), requested_max_tokens or (1 if score_only else None), default_max_tokens, max_model_len,
+            prompt_param, max_tokens_param,
         )
         for ids in prompts
-    ]
+    ]  # fmt: skip
     limits.check_generated(sum(per_prompt) * req.n, len(prompts), req.n, max_tokens_param)
     specs = []
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
             sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias)
-            specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops))
+            specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops, score_only))
     return specs

@@ -75,6 +75,7 @@ class _GenerationRequest(_Request):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | TokenIds | list[TokenIds] | list[str]
+    max_tokens: Int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

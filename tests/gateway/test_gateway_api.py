@@ -151,14 +151,21 @@ def test_echo_repeats_the_prompt_with_its_logprobs(
     ]
     assert ids_of(both.choices[1].logprobs.tokens)[:-1] == tok.encode("a b c")
     assert both.usage.completion_tokens == 2
+    # max_tokens 0 (the old harness's scoring request): the prompt scored, nothing generated
+    scored = client.completions.create(**{**args, "max_tokens": 0}, echo=True, extra_body=extra)
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert ids_of(scored.choices[0].logprobs.tokens) == prompt_ids
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (n, 0)
 
 
-def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("max_tokens", [5, 0])
+def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI, max_tokens: int) -> None:
     extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
     args = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
-        "max_tokens": 5,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": 1,
         "echo": True,
@@ -166,6 +173,7 @@ def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI) ->
     whole = client.completions.create(**args, extra_body=extra).choices[0]
     chunks = list(client.completions.create(**args, stream=True, extra_body=extra))
     assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     logprobs = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
