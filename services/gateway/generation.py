@@ -344,6 +344,7 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "top_k": s.top_k,
         "seed": s.seed,
         "max_tokens": s.max_tokens,
+        "min_tokens": s.min_tokens,
         "stop_token_ids": list(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
         "logprobs": s.logprobs,

@@ -247,6 +247,7 @@ def sampling_for(
             top_k=top_k,
             seed=seed,
             max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,

@@ -187,6 +187,27 @@ def test_prompt_logprobs_refuse_kv_from_elsewhere(ckpt: Path) -> None:
     assert one[0].prompt_logprobs == [None]  # a one-token prompt: nothing before its token
 
 
+def test_min_tokens_holds_the_stop_token_back_as_transformers_min_new_tokens_does(ckpt: Path) -> None:
+    """A stop token greedy would emit third is held back until min_tokens are out (transformers'
+    ``min_new_tokens`` with that token as eos); then it ends the request as usual."""
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(30, seed=12)
+    plain = tokens(run(make_engine(ckpt), {"r": (ids, greedy(12))})["r"])
+    stop = next(t for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
+    early = tokens(run(make_engine(ckpt), {"r": (ids, greedy(12, stop_token_ids=(stop,)))})["r"])
+    assert early[-1] == stop and len(early) < 6
+    held = run(make_engine(ckpt), {"r": (ids, greedy(12, stop_token_ids=(stop,), min_tokens=6))})["r"]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=12,
+            min_new_tokens=6, do_sample=False, eos_token_id=stop, pad_token_id=0,
+        )  # fmt: skip
+    assert tokens(held) == gen[0, len(ids) :].tolist()
+    assert stop not in tokens(held)[:6]
+
+
 def test_logit_bias_ids_outside_the_vocabulary_are_refused(ckpt: Path) -> None:
     engine = make_engine(ckpt)
     with pytest.raises(InvalidRequestError, match=r"logit_bias token ids must be integers in \[0, 512\)"):

@@ -248,6 +248,8 @@ def test_same_seed_repeats_different_seed_differs() -> None:
         ({"logit_bias": ((True, 1),)}, r"logit_bias token ids must be integers >= 0"),
         ({"logit_bias": ((1, 1), (1, 2))}, r"logit_bias names a token id more than once"),
         ({"logit_bias": (1, 2)}, r"logit_bias must be \(token id, bias\) pairs"),
+        ({"min_tokens": 17}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
+        ({"min_tokens": -1}, r"min_tokens must be an integer in"),
         # What the sampler computes in float32 / int64:
         (
             {"top_p": 1e-50},
@@ -630,3 +632,25 @@ def test_the_kernels_penalties_refuse_what_they_cannot_read(kernels: object) -> 
     with pytest.raises(RuntimeError, match="offsets must run from 0"):
         call([1, 2], offsets=[0, 1])
     assert torch.equal(scores, torch.zeros(2, 8))  # refused before anything was written
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_held_back_tokens_are_never_chosen(kernels: object, native: bool) -> None:
+    """``min_tokens`` not reached: the engine holds back a row's eos and stop tokens (TokenHistory's
+    ``held_back``), greedy and random rows alike, the others untouched; logprobs stay raw."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 3)
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(1,), logprobs=0),
+        SamplingParams(temperature=1.0, seed=1, min_tokens=2, stop_token_ids=(1, 3)),
+        SamplingParams(temperature=0, min_tokens=1),  # reached: nothing held back
+    ]
+    histories = [TokenHistory([0], 1, (1,)), TokenHistory([0], 1, (1, 3)), TokenHistory([0, 2], 1)]
+    sampler = Sampler(kernels if native else None)  # type: ignore[arg-type]
+    for seed in range(20):
+        out = sampler.sample(logits, params, [None, gen(seed), None], histories)
+        assert out.token_ids[0] == 3 and out.token_ids[1] in (0, 2) and out.token_ids[2] == 1
+    lp = out.logprobs[0]
+    assert lp is not None and lp.logprob == pytest.approx(torch.log_softmax(logits[0], dim=-1)[3].item())
+    want = adjust_logits(logits, params, histories)
+    assert torch.equal(adjust_logits_native(kernels, logits, params, histories), want)  # type: ignore[arg-type]
+    assert want[0, 1].item() == _F32.min and want[1, 3].item() == _F32.min and torch.equal(want[2], logits[2])

@@ -78,6 +78,7 @@ def check_ran_to_the_end(engine: LLMEngine, outputs: list[RequestOutput], params
         assert len(tokens) == params.max_tokens or last.num_prompt_tokens + len(tokens) == MAX_MODEL_LEN
     else:
         assert last.finish_reason is FinishReason.STOP
+        assert len(tokens) >= params.min_tokens  # no eos or stop token before min_tokens were out
         eos = () if params.ignore_eos else engine.model_config.eos_token_ids
         assert tokens[-1] in params.stop_token_ids or tokens[-1] in eos
     if params.logprobs is None:
@@ -107,6 +108,7 @@ request_fields = st.fixed_dictionaries(
         "stop_token_ids": st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, 2**65)), max_size=4),
         "ignore_eos": st.booleans(),
         "echo": st.booleans(),  # with logprobs: the prompt's logprobs too
+        "min_tokens": st.integers(-1, 10),
         "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, -2.0001, 2.5]), floats),
         "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([-2.0, 2.0, 2.0001]), floats),
         "repetition_penalty": st.one_of(

@@ -220,6 +220,13 @@ def test_logit_bias_and_penalties_through_the_openai_client(stack: Stack, client
     )
     got = ids_of(penalized.choices[0].logprobs.tokens)
     assert len(got) == 24 and len(set(got)) > len(set(plain))
+    # min_tokens (a vLLM extra): greedy's first token, made a stop token, held back for 4 tokens
+    held = client.completions.create(
+        prompt=PROMPT, logprobs=0, extra_body={**extra, "stop_token_ids": [plain[0]], "min_tokens": 4}, **args
+    ).choices[0]
+    held_ids = ids_of(held.logprobs.tokens)
+    assert len(held_ids) >= 4 and plain[0] not in held_ids[:4]
+    assert held.finish_reason == ("stop" if held_ids[-1] == plain[0] else "length")
 
 
 def test_chat_stream_concatenates_to_the_non_streamed_text(stack: Stack, client: openai.OpenAI) -> None:

@@ -59,6 +59,8 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ("/v1/completions", {**CMPL, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {**CMPL, "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {**CMPL, "min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+        ("/v1/chat/completions", {**CHAT, "min_tokens": -1}, "min_tokens"),
         ("/v1/completions", {**CMPL, "repetition_penalty": 1e39}, "repetition_penalty"),  # past float32
         ("/v1/completions", {**CMPL, "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {**CMPL, "logit_bias": {"-1": 1}}, "logit_bias"),

@@ -590,10 +590,7 @@ class LLMEngine:
         for i in scored:
             self._prompt_logprobs(batch.chunks[i], self.runner.last_hidden[i])
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
-        histories = [
-            TokenHistory(s.token_array, s.num_prompt_tokens) if s.token_array is not None else None
-            for s in sampled
-        ]
+        histories = [self._history(s) for s in sampled]
         result = self.sampler.sample(
             logits, [s.params for s in sampled], [s.generator for s in sampled], histories
         )
@@ -609,6 +606,18 @@ class LLMEngine:
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if token is not None:
                 outputs.append(self._append(seq, token, logprobs))
+
+    def _history(self, seq: Sequence) -> TokenHistory | None:
+        """What the sampler needs to adjust ``seq``'s logits this step (None: nothing to adjust):
+        its tokens, and while fewer than ``min_tokens`` are out, the tokens that would end it."""
+        if seq.token_array is None:
+            return None
+        params = seq.params
+        held_back: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            ends = params.stop_token_ids + (() if params.ignore_eos else self.model_config.eos_token_ids)
+            held_back = tuple(t for t in ends if t < self.model_config.vocab_size)  # others never come
+        return TokenHistory(seq.token_array, seq.num_prompt_tokens, held_back)
 
     def _scores_prompt(self, chunk: ScheduledChunk) -> bool:
         """Whether ``chunk`` computes rows whose logits give prompt logprobs its request asked for:

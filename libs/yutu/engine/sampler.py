@@ -50,10 +50,12 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class TokenHistory(NamedTuple):
-    """What a row's penalties look at: its request's tokens (prompt, then output) so far."""
+    """What a row's penalties look at: its request's tokens (prompt, then output) so far; and the
+    tokens it may not be given this step (``min_tokens`` not reached: its eos and stop tokens)."""
 
     token_ids: Sequence[int]
     num_prompt_tokens: int
+    held_back: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ def adjust_logits(
         if p.presence_penalty and output.numel():
             row[output] = row[output] - p.presence_penalty
         row.clamp_(_FLOAT32_LOWEST, _FLOAT32_MAX)  # a pass over the row: cheaper than over what was touched
+        if history.held_back:
+            row[torch.tensor(list(history.held_back), device=device)] = _FLOAT32_LOWEST
     return out
 
 
@@ -233,6 +237,9 @@ def adjust_logits_native(
         torch.tensor(prompts, dtype=torch.long),
         torch.tensor(penalties, dtype=torch.float64).reshape(len(rows), 3),
     )
+    held_back = [r * vocab + t for r in rows for t in histories[r].held_back]  # type: ignore[union-attr]
+    if held_back:
+        out.view(-1)[torch.tensor(held_back)] = _FLOAT32_LOWEST
     return out
 
 

@@ -62,20 +62,23 @@ class SamplingParams:
     top_k: int | None = None  # None: no limit; else keep the top_k most likely tokens (1 <= top_k < 2**63)
     seed: int | None = None  # per-request RNG seed: same seed -> same tokens, whatever the batch
     max_tokens: int = 16  # >= 1 tokens to generate at most
+    min_tokens: int = 0  # in [0, max_tokens]: the eos and stop tokens are held back until this many are out
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these
     ignore_eos: bool = False  # keep generating past the model's eos tokens
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus top-k (k <= 20)
     # The prompt's tokens' logprobs (each under the prompt before it), like ``logprobs``: k alternatives.
     # The engine then computes the whole prompt (no prefix-cache or imported KV for it).
     prompt_logprobs: int | None = None
-    # Logit adjustments, applied in this order before temperature, top-k and top-p (vLLM's order);
-    # logprobs stay those of the raw logits.
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids distinct
-    repetition_penalty: float = (
-        1.0  # > 0: a logit of a token in the prompt or output, / it if > 0, * it if not
-    )
-    frequency_penalty: float = 0.0  # in [-2, 2], times how often a token was generated, taken off its logit
-    presence_penalty: float = 0.0  # in [-2, 2], taken off the logit of every token generated at least once
+    # Logit adjustments, applied in this order before temperature, top-k and top-p (vLLM's order),
+    # then min_tokens' hold on the eos and stop tokens; logprobs stay those of the raw logits.
+    # logit_bias: (token id, bias added to its logit), ids distinct. repetition_penalty (> 0): a
+    # logit of a token of the prompt or output is divided by it when > 0, multiplied when not.
+    # frequency_penalty (in [-2, 2]) is taken off a token's logit once per time it was generated,
+    # presence_penalty (in [-2, 2]) once if it was generated at all.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_temperature()
@@ -91,6 +94,10 @@ class SamplingParams:
             )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         stop = self.stop_token_ids
         if not isinstance(stop, tuple | list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop):
             raise ValueError(
@@ -174,9 +181,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a bias or a penalty changes this request's logits before sampling."""
+        """Whether a bias, a penalty or ``min_tokens`` changes this request's logits before sampling."""
         return (
-            bool(self.logit_bias)
+            self.min_tokens > 0
+            or bool(self.logit_bias)
             or self.repetition_penalty != 1.0
             or bool(self.frequency_penalty or self.presence_penalty)
         )
