@@ -53,7 +53,6 @@ class ChoiceUpdate:
     tokens: list[TokenInfo]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    prompt_logprobs: list[Any] | None = None  # with the first update, when asked (TokenDelta's form)
 
 
 @dataclass
@@ -282,7 +281,7 @@ class Generation:
             state.num_cached_tokens = delta.num_cached_tokens or state.num_cached_tokens
             update = ChoiceUpdate(spec.index, "", [])
             if delta.prompt_logprobs is not None:
-                state.prompt_logprobs = update.prompt_logprobs = delta.prompt_logprobs
+                state.prompt_logprobs = delta.prompt_logprobs
             lps = delta.logprobs or []
             for i, token_id in enumerate(delta.token_ids):
                 lp = lps[i] if i < len(lps) else None

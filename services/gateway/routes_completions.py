@@ -83,18 +83,17 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         limits.max_choices_in_flight,
     )
     await gen.place()  # a 429 or 503 is answered here, as a status, before any response starts
+    echoes = echo_texts(body, prompts, gw)
     if body.stream:  # the headers go out now: they name the instances placed at the start
         headers = instance_headers(gen.first_routes)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen.start()  # the workers compute while the response starts (EventStream closes it)
-        echoes = echo_texts(body, prompts, gw)
         return EventStream(_stream(gen, gw, body, echoes, include_usage), gen.close, headers)
     try:
         async with gen:
             choices = await unless_disconnected(gen.run_to_end(), request)
     except ClientGone:
         return Response(status_code=499)
-    echoes = echo_texts(body, prompts, gw)
     response = CompletionResponse(
         id=gen.request_id,
         created=int(gen.arrival),

@@ -61,7 +61,7 @@ from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.native import engine_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
-from yutu.engine.sampler import Sampler, TokenHistory
+from yutu.engine.sampler import Sampler, TokenHistory, token_logprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
@@ -90,11 +90,10 @@ log = logging.getLogger(__name__)
 # interleaved runs), 64 tokens over 960 1.45-1.54x, 128 over 896 1.23-1.60x, 192 over 832
 # 1.24-1.68x, 32 over 992 1.3x (a 7 ms step).
 WIDE_STEP_TOKENS = 256
-# Prompt logprobs: rows of a chunk whose logits are computed at a time (a 128k vocabulary's 256 rows
-# are 128 MiB of float32), and what a -inf (or NaN) logprob is reported as (float32's lowest).
-PROMPT_LOGPROBS_ROWS = 256
-FLOAT32_LOWEST = torch.finfo(torch.float32).min
 WIDE_STEP_SPAN = 48 * 1024
+# Prompt logprobs: the rows of a chunk whose logits are computed at a time (a 128k vocabulary's 256
+# rows are 128 MiB of float32).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def is_wide(batch: ScheduledBatch) -> bool:
@@ -636,20 +635,7 @@ class LLMEngine:
         for first in range(chunk.start, end, PROMPT_LOGPROBS_ROWS):
             last = min(end, first + PROMPT_LOGPROBS_ROWS)
             logits = self.runner.logits_of(hidden[first - chunk.start : last - chunk.start])  # (n, V)
-            logp = torch.log_softmax(logits, dim=-1).nan_to_num(nan=FLOAT32_LOWEST, neginf=FLOAT32_LOWEST)
-            targets = seq.token_ids[first + 1 : last + 1]
-            picked = (
-                logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
-            )
-            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
-            if k:
-                values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
-                tops = [
-                    list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-                ]
-            seq.prompt_logprobs += [
-                TokenLogprobs(token, lp, top) for token, lp, top in zip(targets, picked, tops, strict=True)
-            ]
+            seq.prompt_logprobs += token_logprobs(logits, seq.token_ids[first + 1 : last + 1], k)
 
     def _record(self, batch: ScheduledBatch, seconds: float) -> None:
         """Charge each prompt chunk its share of the step's time, by tokens (a decode is one), and

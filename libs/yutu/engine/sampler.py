@@ -3,7 +3,8 @@ per-request seeds, and logprobs.
 
 A request's ``logit_bias`` and its repetition, frequency and presence penalties change its row
 first, in that order (vLLM's; :func:`adjust_logits`), from the tokens of its prompt and output so
-far; greedy and random rows alike are then chosen from the changed row.
+far, and while fewer than its ``min_tokens`` are out its eos and stop tokens are held back; greedy
+and random rows alike are then chosen from the changed row.
 
 A random row is drawn by inverse transform from one uniform (:func:`draw_from`); top-k and top-p
 run only for rows that ask for them, on each row's largest values where those decide it
@@ -169,8 +170,9 @@ def adjust_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
 ) -> torch.Tensor:
     """``logits`` (R, V) with each row's ``logit_bias`` added, then its repetition, frequency and
-    presence penalties applied (:class:`SamplingParams`); a new tensor, rows that ask for none
-    unchanged. ``histories[r]`` must be given for every row whose params adjust its logits.
+    presence penalties applied (:class:`SamplingParams`), then its held-back tokens set to float32's
+    lowest; a new tensor, rows that ask for none unchanged. ``histories[r]`` must be given for
+    every row whose params adjust its logits.
 
     Sparse: a row's work is over the tokens it names or has seen, not its vocabulary. A token seen
     several times is simply indexed several times: a gather then a scatter of the same values
@@ -220,10 +222,11 @@ def adjust_logits_native(
         bias = torch.tensor([b for r in rows for _, b in params[r].logit_bias])
         out.view(-1).index_add_(0, torch.tensor(bias_keys), bias)
     tokens = array.array("q")
-    offsets, prompts, penalties = [0], [], []
+    offsets, prompts, penalties, held_back = [0], [], [], []
     for r in rows:
         history = histories[r]
         assert history is not None, "a row that adjusts its logits needs its tokens"
+        held_back += [r * vocab + t for t in history.held_back]
         tokens.extend(history.token_ids)
         offsets.append(len(tokens))
         prompts.append(history.num_prompt_tokens)
@@ -237,10 +240,22 @@ def adjust_logits_native(
         torch.tensor(prompts, dtype=torch.long),
         torch.tensor(penalties, dtype=torch.float64).reshape(len(rows), 3),
     )
-    held_back = [r * vocab + t for r in rows for t in histories[r].held_back]  # type: ignore[union-attr]
     if held_back:
         out.view(-1)[torch.tensor(held_back)] = _FLOAT32_LOWEST
     return out
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Row i's logprob of ``targets[i]`` under the raw ``logits`` (n, V), with its ``k`` most likely
+    tokens: a prompt's own tokens' logprobs (the engine's ``prompt_logprobs``). A -inf or NaN
+    (a row that is not finite) is reported as float32's lowest."""
+    logp = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=_FLOAT32_LOWEST, neginf=_FLOAT32_LOWEST)
+    picked = logp.gather(1, torch.tensor(list(targets), device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if k:
+        values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)  # (n, k) each, best first
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprobs(t, lp, top) for t, lp, top in zip(targets, picked, tops, strict=True)]
 
 
 class RowStats(NamedTuple):
@@ -298,7 +313,9 @@ class Sampler:
 
         adjusted = any(p.adjusts_logits for p in params)
         if adjusted and histories is None:
-            raise ValueError("a row with logit_bias or a penalty needs its tokens: pass histories")
+            raise ValueError(
+                "a row with logit_bias, a penalty or min_tokens needs its tokens: pass histories"
+            )
         scores = logits  # (R, V) what the rows are chosen from
         best = stats.token if stats is not None else None  # (R,) each row's greedy token, if known
         if adjusted and stats is not None and self._kernels is not None:  # the native kernels, on CPU
