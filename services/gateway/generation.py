@@ -263,7 +263,7 @@ class Generation:
     async def _consume(self, state: ChoiceState, handle: Handle) -> None:
         spec = state.spec
         detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
-        matcher = StopMatcher(spec.stops)
+        matcher = StopMatcher(spec.stops, spec.include_stop)
         offset = 0  # chars of detokenized text so far
         last_token_at: float | None = None
         stop_ids = set(spec.sampling.stop_token_ids)

@@ -36,6 +36,7 @@ class ChoiceSpec:
     sampling: SamplingParams
     stops: tuple[str, ...]
     score_only: bool = False  # max_tokens 0 with echo: the worker's one token is not shown
+    include_stop: bool = False  # a stop string reached ends the text (vLLM's include_stop_str_in_output)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -306,5 +307,7 @@ def choice_specs(
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
             sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias)
-            specs.append(ChoiceSpec(p * req.n + i, p, ids, sampling, stops, score_only))
+            specs.append(
+                ChoiceSpec(p * req.n + i, p, ids, sampling, stops, score_only, req.include_stop_str_in_output)
+            )
     return specs

@@ -1,7 +1,8 @@
 """Wire models of the OpenAI-compatible API (requests and responses), kept apart from internal types.
 
 Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, add_generation_prompt) are accepted too. Unknown fields are ignored.
+repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output, stop_token_ids,
+add_generation_prompt) are accepted too. Unknown fields are ignored.
 Requests are validated strictly, as OpenAI does: ``"2"`` is not an integer and ``"true"`` not a
 boolean (an integer is a number, though). Range checks here give 400s with ``param`` set (see
 errors.py); cross-field rules live in prompts.py where the prompt length is known.
@@ -68,6 +69,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0)  # 1: none; > 1 discourages repeats
     min_tokens: Int = Field(0, ge=0)  # the eos and stop tokens held back until this many are out
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a stop string reached ends the text instead of being cut
     stop_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 

@@ -10,17 +10,19 @@ class StopMatcher:
 
     Text that ends with a proper prefix of some stop string is held back until the next delta
     decides it. When a stop string appears, the text before it is released and everything from
-    the stop string on is dropped (the stop string itself is not part of the output)::
+    the stop string on is dropped (the stop string itself is not part of the output, unless
+    ``include`` is set: vLLM's ``include_stop_str_in_output``)::
 
         m = StopMatcher(["\\n\\n"])
         m.feed("a\\n")   -> ("a", None)        "\\n" held: it may start "\\n\\n"
         m.feed("\\nb")   -> ("", "\\n\\n")      stopped; the output is "a"
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self.stops = tuple(dict.fromkeys(stops))
+        self.include = include
         self._held = ""
         self.matched: str | None = None  # the stop string reached, once one is
 
@@ -38,7 +40,7 @@ class StopMatcher:
         if first is not None:
             self._held = ""
             self.matched = first[1]
-            return text[: first[0]], first[1]
+            return text[: first[0] + (len(first[1]) if self.include else 0)], first[1]
         hold = self._partial_suffix(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], None

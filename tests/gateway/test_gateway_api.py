@@ -334,6 +334,12 @@ def test_stop_strings_truncate_and_finish_with_stop(stack: Stack, client: openai
     streamed = list(client.completions.create(max_tokens=30, stop=stop, stream=True, **args))
     assert "".join(c.choices[0].text for c in streamed) == full[:cut]
     assert streamed[-1].choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output: the text ends with the stop string
+    kept = {**args, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    out = client.completions.create(max_tokens=30, stop=[stop], **kept)
+    assert out.choices[0].text == full[: cut + len(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(max_tokens=30, stop=stop, stream=True, **kept))
+    assert "".join(c.choices[0].text for c in streamed) == full[: cut + len(stop)]
 
 
 def test_cached_tokens_count_the_reused_full_blocks(stack: Stack, client: openai.OpenAI) -> None:

@@ -21,8 +21,10 @@ from services.gateway.streaming import EventStream
 from services.gateway.tokens import TokenText
 
 
-def run_matcher(stops: list[str], deltas: list[str]) -> tuple[list[str], str | None, str]:
-    m = StopMatcher(stops)
+def run_matcher(
+    stops: list[str], deltas: list[str], include: bool = False
+) -> tuple[list[str], str | None, str]:
+    m = StopMatcher(stops, include)
     shown: list[str] = []
     for d in deltas:
         text, matched = m.feed(d)
@@ -45,6 +47,13 @@ def test_stop_matcher_truncates_at_first_match_and_holds_partial_prefixes() -> N
     assert run_matcher([], ["a", "b"]) == (["a", "b"], None, "")
     # Overlapping prefix: "aab" with stop "ab" -> held "a", then match.
     assert run_matcher(["ab"], ["a", "a", "b"]) == (["", "a", ""], "ab", "")
+
+
+def test_stop_matcher_can_keep_the_stop_string_it_reached() -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, nothing after it."""
+    assert run_matcher(["STOP"], ["ab S", "T", "OP cd"], include=True) == (["ab ", "", "STOP"], "STOP", "")
+    assert run_matcher(["world", "o"], ["hello world"], include=True) == (["hello"], "o", "")
+    assert run_matcher(["ab"], ["a", "a", "b"], include=True) == (["", "a", "ab"], "ab", "")
     with pytest.raises(ValueError, match="non-empty"):
         StopMatcher([""])
 
