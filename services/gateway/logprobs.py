@@ -34,6 +34,15 @@ def _name(token_id: int, text: TokenText, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else text.text_of(token_id)
 
 
+def _top_dict(
+    token_str: str, logprob: float, alts: list[tuple[int, float]], text: TokenText, as_ids: bool
+) -> dict[str, float]:
+    """A completions-style ``top_logprobs`` entry: the alternatives, then the token itself."""
+    top = {_name(alt, text, as_ids): _finite(lp) for alt, lp in alts}
+    top.setdefault(token_str, _finite(logprob))
+    return top
+
+
 def completion_logprobs(
     tokens: list[TokenInfo], text: TokenText, as_ids: bool = False
 ) -> dict[str, list[Any]]:
@@ -48,9 +57,7 @@ def completion_logprobs(
         token_str = _name(tok.token_id, text, as_ids)
         names.append(token_str)
         logprobs.append(_finite(tok.logprob))
-        top = {_name(alt, text, as_ids): _finite(lp) for alt, lp in tok.top}
-        top.setdefault(token_str, _finite(tok.logprob))
-        tops.append(top)
+        tops.append(_top_dict(token_str, tok.logprob, tok.top, text, as_ids))
         offsets.append(tok.text_offset)
     return {"tokens": names, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -77,9 +84,8 @@ def echo_logprobs(
             tops.append(None)
             continue
         logprobs.append(_finite(float(entry[1])))
-        top = {_name(int(alt), text, as_ids): _finite(float(lp)) for alt, lp in entry[2]}
-        top.setdefault(token_str, _finite(float(entry[1])))
-        tops.append(top)
+        alts = [(int(alt), float(lp)) for alt, lp in entry[2]]
+        tops.append(_top_dict(token_str, float(entry[1]), alts, text, as_ids))
     return {"tokens": names, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

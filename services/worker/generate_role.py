@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 from yutu.engine.engine import RequestOutput
-from yutu.engine.outputs import TokenLogprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.hashing import block_key_digests
@@ -234,10 +233,10 @@ class GenerateRole:
     def _delta(self, out: RequestOutput) -> TokenDelta:
         logprobs = None
         if out.new_logprobs is not None:
-            logprobs = [_wire_logprobs(lp) for lp in out.new_logprobs]
+            logprobs = [lp.to_wire() for lp in out.new_logprobs]
         prompt_logprobs = None
         if out.prompt_logprobs is not None:
-            prompt_logprobs = [None if lp is None else _wire_logprobs(lp) for lp in out.prompt_logprobs]
+            prompt_logprobs = [None if lp is None else lp.to_wire() for lp in out.prompt_logprobs]
         return TokenDelta(
             request_id=out.request_id,
             token_ids=list(out.new_token_ids),
@@ -305,8 +304,3 @@ class GenerateRole:
     def close(self) -> None:
         self.accepting = False
         self._peer.close(_SHUTDOWN_LINGER_S)
-
-
-def _wire_logprobs(lp: TokenLogprobs) -> list[Any]:
-    """A token's logprobs as TokenDelta carries them: [token_id, logprob, [[alt_id, alt_logprob], ...]]."""
-    return [lp.token_id, lp.logprob, [list(alt) for alt in lp.top]]

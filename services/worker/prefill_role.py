@@ -156,8 +156,7 @@ class PrefillRole:
             return
         logprobs = None
         if out.new_logprobs:
-            lp = out.new_logprobs[0]
-            logprobs = [lp.token_id, lp.logprob, [list(alt) for alt in lp.top]]
+            logprobs = out.new_logprobs[0].to_wire()
         handle = None
         if out.kv_held is not None:
             hold = self.holds.add(

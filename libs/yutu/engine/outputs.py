@@ -26,6 +26,10 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]]
 
+    def to_wire(self) -> list[object]:
+        """As the worker channels carry it: [token_id, logprob, [[alt_id, alt_logprob], ...]]."""
+        return [self.token_id, self.logprob, [list(alt) for alt in self.top]]
+
 
 @dataclass(frozen=True)
 class HeldKV:
