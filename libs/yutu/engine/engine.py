@@ -65,6 +65,7 @@ from yutu.engine.sampler import Sampler, TokenHistory, token_logprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
+from yutu.engine.structured import Grammars
 from yutu.kv.block_manager import BlockManager, CacheEvent
 from yutu.kv.hashing import root_key
 
@@ -271,6 +272,9 @@ class LLMEngine:
             self.mirror = KVMirror(self.runner.kv_cache, config.kv_cache_factory(shape, self.dtype))
         self._load_blocks: dict[str, list[int]] = {}  # a loading request's imported blocks (mirror only)
         self.sampler = Sampler(native)
+        self.grammars = Grammars(
+            config.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         # Picks a wide step's threads (None: every step on the process's threads).
         self.wide_step_threads = (
             WideStepThreads(config.prefill_threads)
@@ -406,10 +410,17 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+        grammar = None if params.grammar is None else self.grammars.matcher(params.grammar)
         seq = Sequence(
-            request_id, prompt_token_ids, params, self.config.block_size, self._root_key, generator=generator
+            request_id,
+            prompt_token_ids,
+            params,
+            self.config.block_size,
+            self._root_key,
+            generator=generator,
+            grammar=grammar,
         )
-        for token in generated:
+        for token in generated:  # with a grammar, each must follow it (else InvalidRequestError)
             seq.append_token(token)
         if generator is not None and not params.is_greedy:
             Sampler.skip_draws(generator, len(generated))
@@ -590,21 +601,38 @@ class LLMEngine:
             self._prompt_logprobs(batch.chunks[i], self.runner.last_hidden[i])
         sampled = [self._seqs[c.seq_id] for c in batch.chunks if c.sample]
         histories = [self._history(s) for s in sampled]
+        bitmask, grammar_failed = self._bitmask(sampled)
         result = self.sampler.sample(
-            logits, [s.params for s in sampled], [s.generator for s in sampled], histories
+            logits, [s.params for s in sampled], [s.generator for s in sampled], histories, bitmask
         )
         self._record(batch, time.perf_counter() - started)
         # Fail non-finite rows before the prefix cache learns their blocks: their KV is suspect.
-        failed = {sampled[r].seq_id for r in result.nonfinite_rows}
-        if failed:
-            self.last_failure = f"non-finite logits from the model for {len(failed)} request(s)"
-            log.error("the model produced non-finite logits; failing %s", sorted(failed))
-        for seq_id in failed:
-            outputs.append(self._fail(self._seqs[seq_id], NONFINITE_LOGITS))
-        self.scheduler.update_after_step(batch.without(failed))
+        nonfinite = {sampled[r].seq_id for r in result.nonfinite_rows}
+        if nonfinite:
+            self.last_failure = f"non-finite logits from the model for {len(nonfinite)} request(s)"
+            log.error("the model produced non-finite logits; failing %s", sorted(nonfinite))
+        failed = {seq_id: NONFINITE_LOGITS for seq_id in nonfinite} | grammar_failed
+        for seq_id, message in failed.items():
+            outputs.append(self._fail(self._seqs[seq_id], message))
+        self.scheduler.update_after_step(batch.without(set(failed)))
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            if token is not None:
+            if token is not None and seq.seq_id not in failed:
                 outputs.append(self._append(seq, token, logprobs))
+
+    def _bitmask(self, sampled: list[Sequence]) -> tuple[torch.Tensor | None, dict[str, str]]:
+        """The tokens each of ``sampled`` with a grammar may take next, one bitmask row per
+        sequence (None when none has a grammar); and the requests whose grammar failed, with why."""
+        if all(seq.grammar is None for seq in sampled):
+            return None, {}
+        bitmask = torch.full((len(sampled), self.grammars.bitmask_words), -1, dtype=torch.int32)
+        failed: dict[str, str] = {}
+        for row, seq in enumerate(sampled):
+            if seq.grammar is not None:
+                try:
+                    seq.grammar.fill_bitmask(bitmask[row])
+                except InvalidRequestError as exc:
+                    failed[seq.seq_id] = str(exc)
+        return bitmask, failed
 
     def _history(self, seq: Sequence) -> TokenHistory | None:
         """What the sampler needs to adjust ``seq``'s logits this step (None: nothing to adjust):
@@ -695,13 +723,19 @@ class LLMEngine:
         )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq.append_token(token)
+        try:
+            seq.append_token(token)
+        except InvalidRequestError as exc:  # a sampled token its grammar refuses: the mask failed
+            log.error("request %s: %s", seq.seq_id, exc)
+            return self._fail(seq, f"the sampled token broke the request's grammar: {exc}")
         self._generation_tokens_total += 1
         params = seq.params
         status: RequestStatus | None = None
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.model_config.eos_token_ids
         ):
+            status = RequestStatus.FINISHED_STOPPED
+        elif seq.grammar is not None and seq.grammar.is_done:  # complete: nothing may follow but eos
             status = RequestStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

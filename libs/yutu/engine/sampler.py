@@ -3,8 +3,9 @@ per-request seeds, and logprobs.
 
 A request's ``logit_bias`` and its repetition, frequency and presence penalties change its row
 first, in that order (vLLM's; :func:`adjust_logits`), from the tokens of its prompt and output so
-far, and while fewer than its ``min_tokens`` are out its eos and stop tokens are held back; greedy
-and random rows alike are then chosen from the changed row.
+far, and while fewer than its ``min_tokens`` are out its eos and stop tokens are held back; a row
+with a grammar then keeps only the tokens it allows (:mod:`yutu.engine.structured`). Greedy and
+random rows alike are chosen from the changed row.
 
 A random row is drawn by inverse transform from one uniform (:func:`draw_from`); top-k and top-p
 run only for rows that ask for them, on each row's largest values where those decide it
@@ -45,6 +46,7 @@ import torch
 
 from yutu.engine.outputs import TokenLogprobs
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.structured import mask_rows_
 
 _FLOAT32_LOWEST = torch.finfo(torch.float32).min
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -288,9 +290,12 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` (R, V) with ``params[r]`` and ``generators[r]``;
-        ``histories[r]``: the row's tokens so far, needed where ``params[r]`` adjusts its logits.
+        ``histories[r]``: the row's tokens so far, needed where ``params[r]`` adjusts its logits;
+        ``bitmask`` (R, ceil(V / 32)) int32: the tokens each row with a grammar may take (rows
+        without one are not read), needed where any ``params[r].grammar`` is set.
 
         A row that is not all finite gets ``None`` (see the module docstring); the others are
         sampled as if it were not there, except that unseeded rows share torch's default RNG.
@@ -324,6 +329,19 @@ class Sampler:
         elif adjusted:
             scores = adjust_logits(logits, params, histories or ())
             best = None
+        constrained = [r for r, p in enumerate(params) if p.grammar is not None]
+        if constrained:
+            if bitmask is None:
+                raise ValueError("a row with a grammar needs its allowed tokens: pass bitmask")
+            if scores is logits:
+                scores = logits.clone()  # the logprobs are the raw logits'
+            masks = bitmask if len(constrained) == num_rows else bitmask[constrained]  # (C, W)
+            if stats is not None and self._kernels is not None:  # the native kernels, on CPU
+                self._kernels.mask_rows_(scores, torch.tensor(constrained), masks.contiguous())
+                best = self._kernels.greedy_rows(scores, False)[0]
+            else:
+                mask_rows_(scores, constrained, masks)
+                best = None
         greedy = [r for r, p in enumerate(params) if p.is_greedy]
         if len(greedy) == num_rows:  # the usual batch: no row to pick out
             chosen = best if best is not None else scores.argmax(dim=-1)  # (R,)

@@ -15,6 +15,7 @@ logits' device, token indices as int64), so an accepted request can never make i
   values in [-100, 100]; ``repetition_penalty`` is > 0 in float32 and finite. The sampler clamps
   the logits they touch to float32's finite range, so no bias or penalty can make a row infinite.
   ``logit_bias`` token ids are checked against the model's vocabulary by the engine.
+- ``grammar`` is a string; whether it compiles is the engine's to check (it needs the vocabulary).
 - ``seed`` spans what ``torch.Generator.manual_seed`` takes; ``logprobs`` is at most 20 (the sampler
   takes ``min(k, vocab)`` alternatives, and reports a ``-inf`` logprob as float32's lowest);
   ``max_tokens`` is checked against the context by the engine (``PromptTooLongError``).
@@ -79,6 +80,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Structured outputs: the output follows this llguidance grammar (yutu.engine.structured builds
+    # it from a JSON schema, a regex, choices or a Lark grammar); only its tokens are sampled, and the
+    # request ends once the grammar is complete. Compiled against the vocabulary by the engine.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self._check_temperature()
@@ -119,6 +124,8 @@ class SamplingParams:
                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
         self._check_adjustments()
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar must be a non-empty string or None, got {self.grammar!r}")
 
     def _check_temperature(self) -> None:
         value = _as_float("temperature", self.temperature, "a number >= 0")

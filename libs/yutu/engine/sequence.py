@@ -9,6 +9,7 @@ import torch
 
 from yutu.engine.outputs import FinishReason, TokenLogprobs
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.structured import Grammar
 from yutu.kv.hashing import block_key_digests, chain_key
 
 
@@ -73,6 +74,7 @@ class Sequence:
         block_size: int,
         root_key: bytes,
         generator: torch.Generator | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         assert prompt_token_ids, "the engine validates prompts before building a sequence"
         self.seq_id = seq_id
@@ -84,6 +86,7 @@ class Sequence:
         self.status = RequestStatus.WAITING
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission (+ KV imported)
         self.generator = generator  # per-request RNG when params.seed is set
+        self.grammar = grammar  # the matcher of params.grammar, following the output (None: no grammar)
         # Leading tokens whose KV is copied in from outside at admission (0: none). Consumed once
         # the copy is done: a re-admission after preemption recomputes instead.
         self.kv_import_tokens = 0
@@ -132,7 +135,11 @@ class Sequence:
         return self.num_uncomputed_tokens == 1
 
     def append_token(self, token_id: int) -> None:
-        """Append a sampled token; extend ``block_keys`` when it completes a block."""
+        """Append a sampled token; extend ``block_keys`` when it completes a block. A sequence with
+        a grammar advances it first: a token the grammar refuses raises InvalidRequestError and is
+        not appended."""
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
         self.token_ids.append(token_id)
         if self.token_array is not None:
             self.token_array.append(token_id)

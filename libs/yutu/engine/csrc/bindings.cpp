@@ -44,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in place: rows[i] of (R, V) float32 scores penalized from tokens[offsets[i]:offsets[i+1]] (the first "
         "prompts[i] its prompt's) with penalties[i] = (repetition, frequency, presence), then clamped finite",
         arg("scores"), arg("rows"), arg("tokens"), arg("offsets"), arg("prompts"), arg("penalties"), nogil);
+  m.def("mask_rows_", &mask_rows_,
+        "in place: rows[i] of (R, V) float32 scores keep the tokens whose bit is set in bitmask[i] (int32 words, "
+        "token j at bit j % 32 of word j / 32), at least float32's lowest's successor; the others become lowest",
+        arg("scores"), arg("rows"), arg("bitmask"), nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of (T, 2I) [ gate | up ] rows into a new (T, I) tensor",
         arg("gate_up"), nogil);
 }

@@ -34,6 +34,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_rows(const at:
 // penalties from their tokens (yutu/engine/sampler.py's adjust_logits is the reference).
 void adjust_rows_(at::Tensor& scores, const at::Tensor& rows, const at::Tensor& tokens, const at::Tensor& offsets,
                   const at::Tensor& prompts, const at::Tensor& penalties);
+// In place: listed rows of (R, V) float32 scores keep only the tokens of their (P, ceil(V / 32))
+// int32 bitmask rows: the others go to float32's lowest (yutu/engine/structured.py's mask_rows_).
+void mask_rows_(at::Tensor& scores, const at::Tensor& rows, const at::Tensor& bitmask);
 
 // threads.cpp: bind each thread of torch's intra-op team to its own CPU of the caller's (true),
 // or give them all the caller's CPUs back (false); false when there is nothing to spread over.

@@ -1,0 +1,261 @@
+"""Structured outputs in the engine: the mask on hand-made logits (both sampler paths), and a tiny
+random Llama's outputs under JSON schemas, regexes, choices and Lark grammars, checked by parsing
+them and, step by step, against transformers' logits masked by an independent matcher."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import pytest
+import torch
+from yutu.engine.engine import FinishReason
+from yutu.engine.errors import InvalidRequestError
+from yutu.engine.sampler import Sampler, TokenHistory
+from yutu.engine.sampling import SamplingParams
+from yutu.engine.structured import grammar_from, mask_rows_, unpack_bitmask
+from yutu.engine.tokenizer import Tokenizer
+
+from tests.engine.engine_support import make_engine, prompt
+from tests.engine.test_engine_e2e import run, tokens
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["moon", "rabbit"]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def bitmask_of(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """(R, W) int32 bitmasks allowing the given token ids per row."""
+    bits = torch.zeros(len(allowed), (vocab + 31) // 32 * 32, dtype=torch.bool)
+    for r, ids in enumerate(allowed):
+        bits[r, ids] = True
+    words = (bits.view(len(allowed), -1, 32).to(torch.int64) << torch.arange(32)).sum(-1)  # in [0, 2**32)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # the same bits, signed
+
+
+def test_bitmask_round_trip() -> None:
+    allowed = [[0, 1, 31, 32, 63, 99], [5], list(range(100))]
+    mask = bitmask_of(allowed, 100)
+    assert mask.dtype == torch.int32 and mask.shape == (3, 4)
+    got = unpack_bitmask(mask, 100)
+    assert [row.nonzero().squeeze(1).tolist() for row in got] == allowed
+
+
+def test_mask_keeps_only_allowed_tokens_and_they_beat_every_other() -> None:
+    lowest = torch.finfo(torch.float32).min
+    scores = torch.tensor([[5.0, 1.0, 3.0, lowest], [0.0, 9.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    mask_rows_(scores, [0, 1], bitmask_of([[1, 3], [0, 2]], 4))
+    assert scores[0, 1] == 1.0 and scores[0, 0] == scores[0, 2] == lowest
+    assert lowest < scores[0, 3] < scores[0, 1]  # an allowed token at float32's lowest still wins
+    assert scores[0].argmax() == 1 and scores[1].argmax() == 2
+    assert scores[2].tolist() == [1.0, 2.0, 3.0, 4.0]  # a row without a grammar is untouched
+
+
+@pytest.fixture(scope="module")
+def kernels() -> object:
+    from yutu.engine import native
+
+    return native.load()
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 100, 2_560])
+def test_native_mask_equals_the_torch_reference_bit_for_bit(kernels: object, vocab: int) -> None:
+    """Rows near float32's bounds, bitmask words all set, all clear and mixed, a vocabulary that
+    is not a multiple of 32, rows listed out of order and one left out."""
+    info = torch.finfo(torch.float32)
+    torch.manual_seed(vocab)
+    scores = torch.randn(5, vocab) * 10
+    scores[0, : min(vocab, 4)] = torch.tensor([info.min, info.max, -info.tiny, 0.0])[: min(vocab, 4)]
+    scores[3] = info.min
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    rows = [4, 0, 1, 3]
+    want, got = scores.clone(), scores.clone()
+    mask_rows_(want, rows, bitmask)
+    kernels.mask_rows_(got, torch.tensor(rows), bitmask)  # type: ignore[attr-defined]
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    assert torch.equal(got[2], scores[2])  # not listed: untouched
+    assert bool((got[rows[2]] == info.min).all())  # bitmask[2]: nothing allowed
+    assert bool((got > info.min).sum() > 0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_sampler_draws_only_allowed_tokens_on_both_paths(kernels: object, native: bool) -> None:
+    """Greedy and random rows with a grammar, beside rows without one, with a bias and min_tokens
+    held back: every token comes from its row's allowed set, and the rows without a grammar get
+    what they would get alone. Logprobs stay the raw logits'."""
+    vocab = 300
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab) * 3
+    grammar = "(compiled elsewhere: the sampler only reads the bitmask)"
+    allowed = [[7, 8, 250], [], [1, 2, 3, 299], [], [42], [10, 11]]
+    params = [
+        SamplingParams(temperature=0, grammar=grammar, logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.5, seed=3, grammar=grammar),
+        SamplingParams(temperature=1.5, seed=4),
+        # min_tokens holds 42 (an eos) back, but the grammar allows nothing else: the grammar wins
+        SamplingParams(temperature=0, grammar=grammar, min_tokens=5, max_tokens=9, stop_token_ids=(42,)),
+        SamplingParams(temperature=0.7, top_k=1, grammar=grammar, logit_bias=((10, -100.0),)),
+    ]
+    histories = [None, None, None, None, TokenHistory([1, 2], 2, (42,)), TokenHistory([1, 2], 2)]
+    sampler = Sampler(kernels if native else None)
+    for draw in range(20):
+        gens = [None, None, torch.Generator().manual_seed(draw), torch.Generator().manual_seed(9), None, None]
+        out = sampler.sample(logits, params, gens, histories, bitmask_of(allowed, vocab))
+        for r in (0, 2, 4, 5):
+            assert out.token_ids[r] in allowed[r], (draw, r)
+        assert out.token_ids[0] == max(allowed[0], key=lambda t: logits[0, t])
+        assert out.token_ids[4] == 42 and out.token_ids[5] == 11
+        plain = sampler.sample(
+            logits[[1, 3]], [params[1], params[3]], [None, torch.Generator().manual_seed(9)]
+        )
+        assert [out.token_ids[1], out.token_ids[3]] == plain.token_ids
+    assert out.logprobs[0] is not None
+    raw = torch.log_softmax(logits[0], -1)[out.token_ids[0]].item()
+    assert out.logprobs[0].logprob == pytest.approx(raw, abs=1e-5)
+    with pytest.raises(ValueError, match="bitmask"):
+        sampler.sample(logits[:1], params[:1], [None])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt: Path) -> Tokenizer:
+    return Tokenizer.from_dir(ckpt)
+
+
+CASES: dict[str, tuple[str, Any]] = {
+    "schema": ("json_schema", PERSON),
+    "regex": ("regex", r"[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]+){0,2}"),
+    "choice": ("choice", ["jade rabbit", "moon", "mooncake festival"]),
+    "lark": ("grammar", 'start: "(" num (" + " num)* ")"\nnum: /[1-9][0-9]?/'),
+}
+
+
+def follows(case: str, text: str) -> bool:
+    kind, spec = CASES[case]
+    if case == "schema":
+        value = json.loads(text)
+        return (
+            set(value) == set(PERSON["properties"])
+            and isinstance(value["name"], str) and len(value["name"]) <= 6
+            and type(value["age"]) is int and 0 <= value["age"] <= 150
+            and all(t in ("moon", "rabbit") for t in value["tags"]) and len(value["tags"]) <= 2
+            and type(value["ok"]) is bool
+        )  # fmt: skip
+    if case == "regex":
+        return re.fullmatch(spec, text) is not None
+    if case == "choice":
+        return text in spec
+    return re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", text) is not None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_outputs_follow_their_grammar_and_end_when_it_does(
+    ckpt: Path, tokenizer: Tokenizer, case: str
+) -> None:
+    """Greedy and sampled (temperature 2: the random model's flattest choices), in one batch with
+    a request without a grammar: each constrained output parses and ends with stop once complete."""
+    grammar = grammar_from(*CASES[case])
+    requests = {
+        "greedy": (prompt(20, seed=1), SamplingParams(temperature=0, max_tokens=120, grammar=grammar)),
+        **{
+            f"random{s}": (
+                prompt(20, seed=2),
+                SamplingParams(temperature=2.0, seed=s, max_tokens=120, grammar=grammar),
+            )
+            for s in range(4)
+        },
+        "free": (prompt(9, seed=3), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+    }
+    outs = run(make_engine(ckpt), requests)
+    texts = set()
+    for rid in requests:
+        if rid == "free":
+            continue
+        text = tokenizer.decode(tokens(outs[rid]))
+        assert outs[rid][-1].finish_reason is FinishReason.STOP, (rid, text)
+        assert follows(case, text), (rid, text)
+        texts.add(text)
+    assert len(texts) > 1  # sampling explores the grammar, not one fixed string
+    alone = run(make_engine(ckpt), {"free": requests["free"]})
+    assert tokens(outs["free"]) == tokens(alone["free"])
+
+
+def test_greedy_under_a_schema_is_the_best_allowed_token_of_transformers_logits(ckpt: Path) -> None:
+    """The reference: at every step, transformers' logits for the sequence so far, masked by a
+    matcher built here from the tokenizer and the schema, give the engine's token as their argmax."""
+    from transformers import AutoModelForCausalLM
+
+    ids = prompt(30, seed=5)
+    grammar = grammar_from("json_schema", PERSON)
+    got = tokens(
+        run(make_engine(ckpt), {"r": (ids, SamplingParams(temperature=0, max_tokens=80, grammar=grammar))})[
+            "r"
+        ]
+    )
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    eos = hf.config.eos_token_id
+    llt = llguidance.LLTokenizer((ckpt / "tokenizer.json").read_text(), n_vocab=hf.config.vocab_size,
+                                 eos_token=eos if isinstance(eos, int) else list(eos))  # fmt: skip
+    matcher = llguidance.LLMatcher(llt, grammar)
+    assert len(got) > 10
+    seq = list(ids)
+    for token in got:
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1]
+        allowed = torch.tensor(list(matcher.compute_logit_bias())) > 0
+        want = int(torch.where(allowed, logits, float("-inf")).argmax())
+        assert token == want
+        assert matcher.consume_token(token)
+        seq.append(token)
+    assert matcher.is_stopped()
+
+
+def test_a_continuation_replays_the_tokens_generated_elsewhere(ckpt: Path) -> None:
+    """A decode instance (or a migration) adds the request with the tokens generated so far: its
+    matcher is rebuilt from them and the output goes on as in one run; tokens the grammar refuses
+    are an invalid request."""
+    ids = prompt(25, seed=6)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=100, grammar=grammar_from(*CASES["schema"]))
+    whole = tokens(run(make_engine(ckpt), {"r": (ids, params)})["r"])
+    assert len(whole) > 6
+    engine = make_engine(ckpt)
+    engine.add_request("r", ids, params, generated=whole[:5])
+    outputs: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs += out.new_token_ids
+    assert whole[:5] + outputs == whole
+    with pytest.raises(InvalidRequestError, match="does not follow the request's grammar"):
+        engine.add_request("bad", ids, params, generated=[whole[1]])  # a JSON object starts with "{"
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_does_not_compile_is_an_invalid_request(ckpt: Path) -> None:
+    engine = make_engine(ckpt)
+    with pytest.raises(InvalidRequestError, match="grammar"):
+        engine.add_request(
+            "r", prompt(5, seed=7), SamplingParams(grammar='{"grammars": [{"lark_grammar": "x"}]}')
+        )
+    for kind, spec, problem in [
+        ("json_schema", {"type": "objectx"}, "objectx"),
+        ("json_schema", "{not json", "not valid JSON"),
+        ("regex", "((", "unclosed group"),
+        ("choice", [], "non-empty list"),
+        ("grammar", "start: undefined_rule", "undefined_rule"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            grammar_from(kind, spec)  # type: ignore[arg-type]
