@@ -352,4 +352,5 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "repetition_penalty": s.repetition_penalty,
         "frequency_penalty": s.frequency_penalty,
         "presence_penalty": s.presence_penalty,
+        "grammar": s.grammar,
     }

@@ -21,6 +21,7 @@ from services.gateway.schemas import (
     CompletionRequest,
     _GenerationRequest,
 )
+from services.gateway.structured import grammar_for
 from services.gateway.tokenization import PromptTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -185,8 +186,6 @@ def reject_unsupported(req: _GenerationRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise invalid("tools (function calling) are not supported yet: leave tools unset", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise invalid('only response_format {"type": "text"} is supported', "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -229,9 +228,11 @@ def sampling_for(
     logprobs: int | None,
     choice: int,
     logit_bias: tuple[tuple[int, float], ...] = (),
+    grammar: str | None = None,
 ) -> SamplingParams:
     """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ);
-    ``logit_bias`` as :func:`logit_bias_for` made it."""
+    ``logit_bias`` as :func:`logit_bias_for` made it, ``grammar`` as
+    :func:`services.gateway.structured.grammar_for` did."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     seed = None if req.seed is None else req.seed + choice
     try:
@@ -251,6 +252,7 @@ def sampling_for(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
+            grammar=grammar,
         )
     except ValueError as exc:  # SamplingParams names the field first: "top_p must be ..."
         field = str(exc).split(" ", 1)[0]
@@ -287,6 +289,7 @@ def choice_specs(
     reject_unsupported(req)
     stops = stop_strings(req.stop)
     logit_bias = logit_bias_for(req.logit_bias, vocab_size)
+    grammar = grammar_for(req)
     score_only = requested_max_tokens == 0  # (echo) the worker computes one token, not shown
     per_prompt = [
         max_tokens_for(
@@ -299,7 +302,7 @@ def choice_specs(
     specs = []
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
-            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias)
+            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias, grammar)
             specs.append(
                 ChoiceSpec(p * req.n + i, p, ids, sampling, stops, score_only, req.include_stop_str_in_output)
             )

@@ -8,6 +8,7 @@ disaggregated response names the prefill and the decode instance that served it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from yutu.engine.structured import grammar_from
 
 from tests.disagg.disagg_support import DisaggStack, Reply, prompt
 
@@ -105,6 +107,33 @@ def test_logit_bias_and_penalties_hold_across_the_handoff(
         reply = stack.complete(ids, 20, stream, **api)
         assert reply.status == 200, reply.body
         assert reply.tokens == want
+    assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_holds_across_the_handoff(
+    mixed: DisaggStack, disagg: DisaggStack, stream: bool
+) -> None:
+    """The prefill instance samples the first token under the schema; the decode instance rebuilds
+    the request's matcher from that token and goes on: the tokens of an engine running it alone,
+    on both stacks, a JSON document of the schema, ended with stop when complete."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+              "tag": {"enum": ["moon", "jade", "rabbit"]}}, "required": ["id", "tag"], "additionalProperties": False}  # fmt: skip
+    ids = prompt(50, seed=50)
+    want = disagg.reference(ids, 40, grammar=grammar_from("json_schema", schema))
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}
+    for stack in (mixed, disagg):
+        reply = stack.complete(ids, 40, stream, response_format=fmt)
+        assert reply.status == 200, reply.body
+        assert reply.tokens == want
+        value = json.loads(reply.text)
+        assert (
+            set(value) == {"id", "tag"}
+            and 0 <= value["id"] <= 999
+            and value["tag"] in ("moon", "jade", "rabbit")
+        )
+        assert stream or reply.body["choices"][0]["finish_reason"] == "stop"
+    assert len(want) < 40  # ended by the grammar, not by max_tokens
     assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
 
 

@@ -229,6 +229,87 @@ def test_logit_bias_and_penalties_through_the_openai_client(stack: Stack, client
     assert held.finish_reason == ("stop" if held_ids[-1] == plain[0] else "length")
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                   "pet": {"enum": ["rabbit", "cat"]}},
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def is_person(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        set(value) == {"name", "age", "pet"} and len(value["name"]) <= 8 and type(value["age"]) is int
+        and 0 <= value["age"] <= 150 and value["pet"] in ("rabbit", "cat")
+    )  # fmt: skip
+
+
+def test_structured_outputs_through_the_openai_client(stack: Stack, client: openai.OpenAI) -> None:
+    """OpenAI's response_format (a schema; any JSON object) and vLLM's structured_outputs and
+    guided_* extras: every output follows its constraint, streamed as whole, and ends with stop."""
+    messages = [{"role": "user", "content": "Describe a person."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=100,
+        temperature=0,
+        response_format=fmt,  # type: ignore[arg-type]
+    )
+    text = whole.choices[0].message.content
+    assert text is not None and is_person(text), text
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=100,
+        temperature=0,
+        response_format=fmt,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    sampled = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=100,
+        temperature=1.5,
+        seed=5,
+        n=4,
+        response_format=fmt,  # type: ignore[arg-type]
+    )
+    assert all(c.finish_reason == "stop" and is_person(c.message.content or "") for c in sampled.choices)
+    anything = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    text = anything.choices[0].message.content or ""
+    assert text.startswith("{")
+    if anything.choices[0].finish_reason == "stop":  # a random model may not close it in 60 tokens
+        assert isinstance(json.loads(text), dict)
+    for extra, check in [
+        (
+            {"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2} (am|pm)"}},
+            lambda t: len(t) == 8 and t[2] == ":",
+        ),
+        ({"guided_choice": ["the jade rabbit", "the moon"]}, lambda t: t in ("the jade rabbit", "the moon")),
+        ({"guided_json": json.dumps(PERSON)}, is_person),
+        (
+            {"structured_outputs": {"grammar": 'start: "yes" | "no" ("!")*'}},
+            lambda t: t == "yes" or t.startswith("no"),
+        ),
+    ]:
+        out = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=60, temperature=1.0, seed=2, n=3, extra_body=extra
+        )
+        for c in out.choices:
+            assert c.finish_reason == "stop" and check(c.text), (extra, c.text)
+
+
 def test_chat_stream_concatenates_to_the_non_streamed_text(stack: Stack, client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
     args = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0}

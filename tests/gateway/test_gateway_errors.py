@@ -74,6 +74,35 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ("/v1/completions", {**CMPL, "stop": ["ok", ""]}, "stop"),
         ("/v1/completions", {**CMPL, "prompt": [1, 2, 100000]}, "prompt"),
         ("/v1/completions", {**CMPL, "prompt": []}, "prompt"),
+        # structured outputs: malformed, not compiling, or two at once
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": 3}},
+                },
+            },
+            "response_format",
+        ),
+        ("/v1/completions", {**CMPL, "guided_regex": "(("}, "guided_regex"),
+        ("/v1/completions", {**CMPL, "guided_json": "{not json"}, "guided_json"),
+        ("/v1/completions", {**CMPL, "guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {**CMPL, "guided_grammar": "start: missing"}, "guided_grammar"),
+        (
+            "/v1/completions",
+            {**CMPL, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+        ),
+        ("/v1/completions", {**CMPL, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+        ),
     ],
 )
 def test_invalid_requests_are_400_invalid_request_error(

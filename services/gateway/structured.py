@@ -1,0 +1,102 @@
+"""Structured outputs at the HTTP edge: a request's output constraint, as one llguidance grammar.
+
+Accepted, one per request (two are a 400 naming the second):
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON
+  object), ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``;
+- vLLM's ``structured_outputs``: one of ``json`` (a schema, or its JSON text), ``regex``,
+  ``choice`` (a list of strings), ``grammar`` (Lark or GBNF), ``json_object: true``;
+- vLLM's older extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+
+Each is compiled here (:func:`yutu.engine.structured.grammar_from`) so a schema, regex or grammar
+that does not compile is a 400 naming its field before any worker sees it; the workers get the
+compiled grammar (``SamplingParams.grammar``) and mask every token with it. JSON comes out compact
+(no whitespace beyond ", " and ": "), and a schema's keys in its ``properties`` order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from yutu.engine.structured import GrammarKind, grammar_from
+
+from services.gateway.errors import invalid
+from services.gateway.schemas import _GenerationRequest
+
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+_STRUCTURED_OUTPUTS_KEYS: dict[str, GrammarKind] = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+_GUIDED: dict[str, GrammarKind] = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _response_format(value: dict[str, Any]) -> tuple[GrammarKind, Any] | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", ANY_JSON_OBJECT
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise invalid(
+                'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}',
+                "response_format",
+            )
+        return "json_schema", spec["schema"]
+    raise invalid(
+        f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+    )
+
+
+def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, GrammarKind, Any]]:
+    unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS_KEYS) - {"json_object"})
+    if unknown:
+        raise invalid(
+            f"structured_outputs takes json, regex, choice, grammar or json_object; {', '.join(unknown)}"
+            " is not supported",
+            "structured_outputs",
+        )
+    found: list[tuple[str, GrammarKind, Any]] = [
+        (f"structured_outputs.{key}", kind, value[key])
+        for key, kind in _STRUCTURED_OUTPUTS_KEYS.items()
+        if value.get(key) is not None
+    ]
+    if value.get("json_object") is True:
+        found.append(("structured_outputs.json_object", "json_schema", ANY_JSON_OBJECT))
+    elif value.get("json_object") not in (None, False):
+        raise invalid("structured_outputs.json_object must be a boolean", "structured_outputs")
+    return found
+
+
+def grammar_for(req: _GenerationRequest) -> str | None:
+    """The compiled grammar the request's output must follow, or None; 400 naming the field when
+    the constraint is malformed, does not compile, or comes with another one."""
+    found: list[tuple[str, GrammarKind, Any]] = []
+    if req.response_format is not None and (spec := _response_format(req.response_format)) is not None:
+        found.append(("response_format", *spec))
+    if req.structured_outputs is not None:
+        found += _structured_outputs(req.structured_outputs)
+    found += [
+        (name, kind, getattr(req, name)) for name, kind in _GUIDED.items() if getattr(req, name) is not None
+    ]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise invalid(
+            f"give one output constraint: {found[0][0]} and {found[1][0]} are both set",
+            found[1][0].split(".")[0],
+        )
+    param, kind, spec = found[0]
+    try:
+        return grammar_from(kind, spec)
+    except ValueError as exc:
+        raise invalid(f"{param}: {exc}", param.split(".")[0]) from None
