@@ -20,6 +20,12 @@ What a bias and the penalties cost, rows ``penalized`` (greedy with a 10-token `
 of 1,000 prompt and 200 output tokens): the engine's sampler on those rows against the same rows
 plain greedy, printed as the ratio with / without.
 
+What a grammar costs (structured outputs), rows ``constrained`` (greedy, every row with a grammar
+allowing a random half of the vocabulary): the sampler with the bitmask against plain greedy; the
+mask alone on torch's operations (``yutu.engine.structured.mask_rows_``) against the native
+kernel; and ``fill us``, llguidance computing one row's bitmask for a JSON schema mid-string, at the demo
+model's vocabulary only (the one tokenizer at hand; the other widths print ``-``).
+
 Shapes: a batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
 Llama-3's (128,256). Each figure is the median of ``--rounds`` calls, the two versions taking
 turns; printed with the ratio plain / Sampler.
@@ -39,6 +45,8 @@ from types import ModuleType
 
 import torch
 from yutu.engine import native
+from yutu.engine.default_model import ensure_default_model
+from yutu.engine.model_config import ModelConfig
 from yutu.engine.sampler import (
     Sampler,
     TokenHistory,
@@ -48,6 +56,8 @@ from yutu.engine.sampler import (
     scale_by_temperature,
 )
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.structured import Grammars, grammar_from, mask_rows_
+from yutu.engine.tokenizer import Tokenizer
 
 VOCABS = (2_560, 32_000, 128_256)
 BATCHES = (1, 16)
@@ -84,6 +94,16 @@ PENALIZED = SamplingParams(
 )
 
 
+DEMO_VOCAB = 2_560
+GUIDED = SamplingParams(
+    temperature=0.0,
+    grammar=grammar_from(
+        "json_schema",
+        {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}},
+    ),
+)
+
+
 def penalties(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[str, object]]:
     """The ``penalized`` rows: the sampler with a bias and penalties against without (same logits),
     and the adjustment alone on torch's operations against the native kernel."""
@@ -116,6 +136,70 @@ def penalties(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[s
             print(f"{'penalized':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>8.0f} {cost:>12.2f}x"
                   f" {got['torch']:>9.0f} {got['native']:>9.0f} {gain:>12.2f}x")  # fmt: skip
     return rows
+
+
+def constrained(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[str, object]]:
+    """The ``constrained`` rows: the sampler with a grammar's bitmask against without (same
+    logits), and llguidance's bitmask for one row at the demo model's vocabulary."""
+    rows: list[dict[str, object]] = []
+    print(f"\n{'rows':>16} {'vocab':>8} {'batch':>5} {'without us':>10} {'with us':>8} {'with/without':>13}"
+          f" {'torch us':>9} {'native us':>9} {'torch/native':>13} {'fill us':>8}")  # fmt: skip
+    fill = demo_fill_us(rounds)
+    for vocab in VOCABS:
+        for batch in BATCHES:
+            logits = torch.randn(batch, vocab) * 4
+            allowed = torch.randint(0, 2, (batch, (vocab + 31) // 32 * 32), dtype=torch.int64)
+            words = (allowed.view(batch, -1, 32) << torch.arange(32)).sum(-1)
+            bitmask = (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+            gens: list[torch.Generator | None] = [None] * batch
+            got = median_us(
+                {
+                    "without": partial(
+                        sampler.sample, logits, [SamplingParams(temperature=0.0)] * batch, gens
+                    ),
+                    "with": partial(sampler.sample, logits, [GUIDED] * batch, gens, None, bitmask),
+                    "torch": partial(masked, None, logits, bitmask),
+                    "native": partial(masked, kernels, logits, bitmask),
+                },
+                rounds,
+            )
+            cost, gain = got["with"] / got["without"], got["torch"] / got["native"]
+            per_row = fill if vocab == DEMO_VOCAB else None
+            rows.append({"rows": "constrained", "vocab": vocab, "batch": batch, **got, "with_over_without": cost,
+                         "torch_over_native": gain, "fill_us_per_row": per_row})  # fmt: skip
+            shown = "-" if per_row is None else f"{per_row:.1f}"
+            print(f"{'constrained':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>8.0f}"
+                  f" {cost:>12.2f}x {got['torch']:>9.0f} {got['native']:>9.0f} {gain:>12.2f}x {shown:>8}")  # fmt: skip
+    return rows
+
+
+def masked(kernels: ModuleType | None, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` with every row masked by ``bitmask``: on torch's operations, or native."""
+    scores = logits.clone()
+    if kernels is None:
+        mask_rows_(scores, range(len(scores)), bitmask)
+    else:
+        kernels.mask_rows_(scores, torch.arange(len(scores)), bitmask)
+    return scores
+
+
+def demo_fill_us(rounds: int) -> float:
+    """llguidance's bitmask of one row at the demo model's vocabulary, for a JSON schema, inside
+    a string value (the widest choice: most tokens may come next), median over ``rounds`` x 100."""
+    model_dir = ensure_default_model()
+    config = ModelConfig.from_dir(model_dir)
+    grammars = Grammars(model_dir, config.vocab_size, config.eos_token_ids)
+    grammar = grammars.matcher(GUIDED.grammar or "")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    for token in tokenizer.encode('{"name":"The jade', add_special_tokens=False):
+        grammar.advance(token)
+    row = torch.zeros(grammars.bitmask_words, dtype=torch.int32)
+
+    def hundred() -> None:
+        for _ in range(100):
+            grammar.fill_bitmask(row)
+
+    return median_us({"fill": hundred}, rounds)["fill"] / 100
 
 
 def main() -> None:
@@ -157,6 +241,7 @@ def main() -> None:
                     f"{name:>16} {vocab:>8} {batch:>5} {got['plain']:>10.0f} {got['sampler']:>11.0f} {ratio:>13.2f}x"
                 )
     rows += penalties(sampler, kernels, args.rounds)
+    rows += constrained(sampler, kernels, args.rounds)
     if args.out is not None:
         args.out.write_text(
             json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=1)
