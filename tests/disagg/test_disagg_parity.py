@@ -134,6 +134,12 @@ def test_a_json_schema_holds_across_the_handoff(
         )
         assert stream or reply.body["choices"][0]["finish_reason"] == "stop"
     assert len(want) < 40  # ended by the grammar, not by max_tokens
+    # A grammar complete at its first token ends the request on the prefill instance.
+    for stack in (mixed, disagg):
+        reply = stack.complete(ids, 40, stream, guided_choice=["x"])
+        assert reply.status == 200, reply.body
+        assert reply.text == "x" and len(reply.tokens) == 1
+        assert stream or reply.body["choices"][0]["finish_reason"] == "stop"
     assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
 
 

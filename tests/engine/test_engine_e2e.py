@@ -14,6 +14,7 @@ import torch
 from yutu.engine.engine import EngineConfig, FinishReason, LLMEngine, RequestOutput
 from yutu.engine.errors import InvalidRequestError, PromptTooLongError
 from yutu.engine.sampling import SamplingParams
+from yutu.engine.structured import grammar_from
 from yutu.engine.testing import make_tiny_checkpoint
 
 from tests.engine.engine_support import make_engine, prompt
@@ -290,8 +291,10 @@ def test_preemption_gives_same_tokens(ckpt: Path) -> None:
         )
         for i, (n, m) in enumerate([(20, 30), (25, 40), (30, 30), (18, 44)])
     }
+    # a grammar keeps its matcher through a preemption (the recompute takes no token again)
+    requests["p4"] = (prompt(22, seed=204), greedy(40, grammar=grammar_from("regex", "[a-z]{20,30}")))
     alone = run_alone(ckpt, requests)
-    # 12 blocks of 8 tokens = 96 token slots; the four requests need 50 + 65 + 60 + 62.
+    # 12 blocks of 8 tokens = 96 token slots; the five requests need 50 + 65 + 60 + 62 + up to 62.
     engine = make_engine(ckpt, block_size=8, num_kv_blocks=12, max_model_len=96)
     outs = run(engine, requests)
     assert engine.stats().num_preemptions > 0
