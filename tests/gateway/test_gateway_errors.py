@@ -98,6 +98,8 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
             "structured_outputs",
         ),
         ("/v1/completions", {**CMPL, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+        ("/v1/completions", {**CMPL, "structured_outputs": {"regex": 5}}, "structured_outputs"),
+        ("/v1/completions", {**CMPL, "structured_outputs": {"choice": "a"}}, "structured_outputs"),
         (
             "/v1/chat/completions",
             {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
