@@ -66,14 +66,18 @@ def chat_choice(
     logprobs: list[dict[str, Any]] | None = None,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One ``ChatChunkChoice``: its delta holds only what is set (``ChatDelta``'s rule);
-    ``logprobs`` are the ``content`` entries of ``ChatChoiceLogprobs``."""
+    ``logprobs`` are the ``content`` entries of ``ChatChoiceLogprobs``; ``tool_calls`` are
+    ``ToolCallDelta`` s."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     return {
         "index": index,
         "delta": delta,

@@ -6,6 +6,7 @@ learns which field to change. Nothing here talks to a worker.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -119,6 +120,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["content"] = "\n".join(texts)
         elif content is None:
             item["content"] = ""
+        for call in item.get("tool_calls") or ():  # templates read arguments as an object (vLLM's way)
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # left as the client sent it
         out.append(item)
     return out
 
@@ -128,14 +136,16 @@ async def chat_prompt(
     tokens: PromptTokenizer,
     add_generation_prompt: bool = True,
     max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the chat prompt rendered with the model's template.
+    """Token ids of the chat prompt rendered with the model's template (``tools``: the request's
+    tool definitions, which the template may show the model).
 
     With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
     """
     dicts = template_messages(messages)
     try:
-        ids = await tokens.encode_chat(dicts, add_generation_prompt, max_model_len)
+        ids = await tokens.encode_chat(dicts, add_generation_prompt, max_model_len, tools=tools)
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None
     if not ids:
@@ -184,8 +194,6 @@ def reject_unsupported(req: _GenerationRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise invalid("best_of is not supported: use n to get several completions", "best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise invalid("tools (function calling) are not supported yet: leave tools unset", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -279,6 +287,7 @@ def choice_specs(
     vocab_size: int,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
+    tool_schema: dict[str, Any] | None = None,
 ) -> list[ChoiceSpec]:
     """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
 
@@ -289,7 +298,7 @@ def choice_specs(
     reject_unsupported(req)
     stops = stop_strings(req.stop)
     logit_bias = logit_bias_for(req.logit_bias, vocab_size)
-    grammar = grammar_for(req)
+    grammar = grammar_for(req, tool_schema)
     score_only = requested_max_tokens == 0  # (echo) the worker computes one token, not shown
     per_prompt = [
         max_tokens_for(

@@ -6,7 +6,8 @@ Accepted, one per request (two are a 400 naming the second):
   object), ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``;
 - vLLM's ``structured_outputs``: one of ``json`` (a schema, or its JSON text), ``regex``,
   ``choice`` (a list of strings), ``grammar`` (Lark or GBNF), ``json_object: true``;
-- vLLM's older extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+- vLLM's older extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
+- on chat completions, a ``tool_choice`` that asks for tool calls (services/gateway/tools.py).
 
 Each is compiled here (:func:`yutu.engine.structured.grammar_from`) so a schema, regex or grammar
 that does not compile is a 400 naming its field before any worker sees it; the workers get the
@@ -80,10 +81,13 @@ def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, GrammarKind, A
     return found
 
 
-def grammar_for(req: _GenerationRequest) -> str | None:
+def grammar_for(req: _GenerationRequest, tool_schema: dict[str, Any] | None = None) -> str | None:
     """The compiled grammar the request's output must follow, or None; 400 naming the field when
-    the constraint is malformed, does not compile, or comes with another one."""
+    the constraint is malformed, does not compile, or comes with another one. ``tool_schema``: the
+    schema its ``tool_choice`` puts on the output (services/gateway/tools.py), one constraint too."""
     found: list[tuple[str, GrammarKind, Any]] = []
+    if tool_schema is not None:
+        found.append(("tool_choice", "json_schema", tool_schema))
     if req.response_format is not None and (spec := _response_format(req.response_format)) is not None:
         found.append(("response_format", *spec))
     if req.structured_outputs is not None:

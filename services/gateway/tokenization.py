@@ -116,14 +116,17 @@ class PromptTokenizer:
         add_generation_prompt: bool,
         max_model_len: int | None,
         param: str = "messages",
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of the messages rendered with the chat template (as ``Tokenizer.encode_chat``).
+        """Token ids of the messages rendered with the chat template (as ``Tokenizer.encode_chat``),
+        ``tools`` (OpenAI's tool definitions) passed to it as the template variable ``tools``.
 
         The rendered text is what gets refused by length: a template may add to the messages or
         leave some out. Raises ChatTemplateError.
         """
-        size = sum(len(str(m.get("content", ""))) for m in messages)
-        text = await self.run(size, self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+        size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+        render = partial(self.tokenizer.apply_chat_template, tools=tools)
+        text = await self.run(size, render, messages, add_generation_prompt)
         (ids,) = await self.encode([text], max_model_len, param, add_special_tokens=False)
         return ids
 

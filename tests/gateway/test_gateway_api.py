@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import httpx
 import openai
@@ -308,6 +309,81 @@ def test_structured_outputs_through_the_openai_client(stack: Stack, client: open
         )
         for c in out.choices:
             assert c.finish_reason == "stop" and check(c.text), (extra, c.text)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                          "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+       "additionalProperties": False}}}  # fmt: skip
+
+
+def test_a_named_tool_call_streamed_and_whole(stack: Stack, client: openai.OpenAI) -> None:
+    """tool_choice naming a function: one call of it, arguments that follow its schema, content
+    null, finish_reason stop (OpenAI's); streamed, the id and name first, then the arguments."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args: dict[str, Any] = dict(model=MODEL_NAME, messages=messages, tools=[WEATHER, NOW], max_tokens=80, temperature=0,
+                                tool_choice={"type": "function", "function": {"name": "weather"}})  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    value = json.loads(call.function.arguments)
+    assert set(value) == {"city", "unit"} and len(value["city"]) <= 10 and value["unit"] in ("c", "f")
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function and deltas[0].function.name == "weather"
+    assert all(d.id is None and d.index == 0 for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_required_tool_calls_streamed_and_whole(stack: Stack, client: openai.OpenAI) -> None:
+    """tool_choice required: one or more calls of the tools, finish_reason tool_calls. A bias on
+    "]" and "}" makes the tiny random model close its array as soon as the schema lets it."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    bias = {str(tok.token_to_id(c)): 100 for c in ("]", "}")}
+    messages = [{"role": "user", "content": "What time is it, and the weather in Oslo?"}]
+    args: dict[str, Any] = dict(model=MODEL_NAME, messages=messages, tools=[WEATHER, NOW], max_tokens=120,
+                                temperature=0, tool_choice="required", logit_bias=bias)  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert calls and all(c.function.name in ("weather", "now") for c in calls)
+    for c in calls:
+        assert isinstance(json.loads(c.function.arguments), dict)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas if d.function] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # cut short by max_tokens: no call, the text as it is, finish_reason length
+    short = client.chat.completions.create(**{**args, "max_tokens": 3, "logit_bias": None})
+    assert short.choices[0].finish_reason == "length" and short.choices[0].message.tool_calls is None
+    assert (short.choices[0].message.content or "").startswith("[")
+
+
+def test_a_tool_result_turn_and_tool_choice_none(stack: Stack, client: openai.OpenAI) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=5,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_chat_stream_concatenates_to_the_non_streamed_text(stack: Stack, client: openai.OpenAI) -> None:

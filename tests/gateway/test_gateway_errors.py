@@ -32,6 +32,9 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
     return err
 
 
+NOW = {"type": "function", "function": {"name": "now"}}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -55,7 +58,26 @@ def envelope(resp: httpx.Response, status: int, type_: str, param: str | None = 
         ),
         ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ("/v1/chat/completions", {**CHAT, "tools": [NOW]}, "tool_choice"),  # "auto": needs a parser
+        ("/v1/chat/completions", {**CHAT, "tools": [NOW], "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "later"}}},
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", {**CHAT, "tools": [NOW, NOW], "tool_choice": "required"}, "tools"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [NOW], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ("/v1/completions", {**CMPL, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {**CMPL, "repetition_penalty": 0}, "repetition_penalty"),

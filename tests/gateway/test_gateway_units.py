@@ -202,3 +202,32 @@ def test_a_moved_request_asks_for_its_prompt_logprobs_only_if_they_have_not_gone
     assert after.generated == [5, 6] and after.request_id == "r-m1"
     assert _moved(request, 1, []).sampling == sampling
     assert request.sampling["prompt_logprobs"] == 1
+
+
+async def test_the_chat_template_sees_the_tools_and_call_arguments_as_objects(tiny_model: Path) -> None:
+    """``tools`` reach the template as its variable, and an earlier assistant turn's tool-call
+    arguments (JSON text on the wire) as an object, as transformers' templates read them."""
+    from services.gateway.memory import MemoryReleaser
+    from services.gateway.prompts import chat_prompt
+    from services.gateway.schemas import ChatMessage
+    from services.gateway.tokenization import PromptTokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    tok.chat_template = (
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+        "{% endfor %}"
+    )
+    prompts = PromptTokenizer(tok, threads=1, releaser=MemoryReleaser())
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [ChatMessage(role="assistant", content=None, tool_calls=[call])]
+    tools = [
+        {"type": "function", "function": {"name": "weather"}},
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    try:
+        ids = await chat_prompt(messages, prompts, tools=tools)
+    finally:
+        prompts.close()
+    assert tok.decode(ids) == "weather;now;Paris"
+    assert messages[0].model_dump()["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
