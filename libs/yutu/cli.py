@@ -202,6 +202,14 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(
         parser,
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="the model's tool-call format, for chat requests with tools and tool_choice auto (the"
+        " gateway's --tool-call-parser: hermes for Hermes and Qwen, llama3_json for Llama 3.1-3.3)",
+    )
+    option(
+        parser,
         "--log-dir",
         default=None,
         help="write each service's log to DIR/<name>.log instead of the terminal",
@@ -462,6 +470,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
     ready_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     gateway = python_module("yutu.cli", "gateway", "--model", str(model_dir), "--served-model-name", served,
                             "--host", args.host, "--port", str(args.port), "--redis-url", args.redis_url)  # fmt: skip
+    if args.tool_call_parser:
+        gateway += ["--tool-call-parser", args.tool_call_parser]
     specs.append(ChildSpec("gateway", tuple(gateway), gateway_env, f"http://{ready_host}:{args.port}/ready"))
     return specs
 

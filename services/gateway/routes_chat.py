@@ -13,7 +13,7 @@ from services.gateway.auth import require_api_key
 from services.gateway.chunks import chat_choice, chat_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.errors import invalid
-from services.gateway.generation import ChoiceState, ChoiceUpdate, Generation
+from services.gateway.generation import ChoiceState, Generation
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.openapi import generation_responses
 from services.gateway.prompts import chat_prompt, check_cost_before_tokenizing, check_model, choice_specs
@@ -29,7 +29,8 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
-from services.gateway.tools import ToolPlan, new_call, tool_plan
+from services.gateway.tool_parsers import parser_named
+from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
 from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -58,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limits = gw.settings.limits
     check_cost_before_tokenizing(body, limits, 1, requested, param)
-    plan = tool_plan(body)
+    plan = tool_plan(body, parser_named(gw.settings.tool_call_parser))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     prompt = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -109,10 +110,10 @@ def _choice(
         lp = ChatChoiceLogprobs.model_validate(
             {"content": chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)}
         )
-    calls = plan.tool_calls(state.text)
+    content, calls = plan.message(state.text)
     return ChatChoice(
         index=state.spec.index,
-        message=AssistantMessage(content=None if calls else state.text, tool_calls=calls),
+        message=AssistantMessage(content=content, tool_calls=calls),
         logprobs=lp,
         finish_reason=plan.finish_reason(state.finish_reason, calls),
         stop_reason=state.stop_reason,
@@ -122,56 +123,14 @@ def _choice(
 async def _stream(
     gen: Generation, gw: GatewayService, body: ChatCompletionRequest, plan: ToolPlan, include_usage: bool
 ) -> AsyncIterator[str]:
-    """The chunks: text as it comes; a named tool call's arguments as they come (its id and name
-    with the first); ``required`` tool calls whole at the end (a partial array is no call yet)."""
+    """The chunks: each choice's deltas as its tools shape them (services.gateway.tools.ChoiceStream)."""
     created = int(gen.arrival)
     logprobs, as_ids = body.logprobs, body.return_tokens_as_token_ids
 
     def chunk(choice: dict[str, Any]) -> str:
         return chat_chunk(gen.request_id, created, gw.model_name, [choice])
 
-    def lp_of(update: ChoiceUpdate) -> list[dict[str, Any]] | None:
-        return chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
-
-    named: set[int] = set()  # choices whose named call has gone out (its id and name)
-    held: dict[int, tuple[list[str], list[dict[str, Any]]]] = {}  # required: text and logprobs so far
-
-    def output(update: ChoiceUpdate) -> tuple[str, str | None]:
-        """The update's chunk of output (maybe none), and the finish reason to send with it."""
-        has_news = bool(update.text or (logprobs and update.tokens))
-        if plan.mode == "named":
-            if not has_news and (update.finish_reason is None or update.index in named):
-                return "", update.finish_reason
-            first = update.index not in named
-            named.add(update.index)
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": update.text}}
-            if first:
-                assert plan.function is not None
-                call = {"index": 0, "id": new_call(plan.function, "").id, "type": "function",
-                        "function": {"name": plan.function, "arguments": update.text}}  # fmt: skip
-            return chunk(
-                chat_choice(update.index, tool_calls=[call], logprobs=lp_of(update))
-            ), update.finish_reason
-        if plan.mode == "required":
-            texts, lps = held.setdefault(update.index, ([], []))
-            texts.append(update.text)
-            lps += lp_of(update) or []
-            if update.finish_reason is None:
-                return "", None
-            text = "".join(texts)
-            calls = plan.tool_calls(text)
-            lp = lps if logprobs else None
-            if calls is None:
-                return chunk(chat_choice(update.index, content=text, logprobs=lp)), update.finish_reason
-            deltas = [{"index": i, "id": c.id, "type": "function", "function": c.function.model_dump()}
-                      for i, c in enumerate(calls)]  # fmt: skip
-            reason = plan.finish_reason(update.finish_reason, calls)
-            return chunk(chat_choice(update.index, tool_calls=deltas, logprobs=lp)), reason
-        if not has_news:
-            return "", update.finish_reason
-        return chunk(
-            chat_choice(update.index, content=update.text, logprobs=lp_of(update))
-        ), update.finish_reason
+    streams = {index: ChoiceStream(index, plan) for index in gen.choices}
 
     # Events that go out together are yielded as one string: one socket write each time.
     tail = ""
@@ -184,7 +143,9 @@ async def _stream(
                 chunk(chat_choice(index, role="assistant", content=opening)) for index in sorted(gen.choices)
             )
             async for update in gen.updates():
-                out, finish_reason = output(update)
+                lp = chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
+                deltas, finish_reason = streams[update.index].feed(update.text, lp, update.finish_reason)
+                out = "".join(map(chunk, deltas))
                 if finish_reason is not None:
                     out += chunk(
                         chat_choice(update.index, finish_reason=finish_reason, stop_reason=update.stop_reason)

@@ -15,6 +15,7 @@ from services.gateway.limits import (
     DEFAULT_MAX_TOTAL_TOKENS,
     RequestLimits,
 )
+from services.gateway.tool_parsers import PARSERS
 
 
 def split_api_keys(values: list[str] | str | None) -> tuple[str, ...]:
@@ -60,6 +61,9 @@ class GatewaySettings(ServiceSettings):
     failover_wait_s: float = 30.0  # a stream whose worker was lost waits this long for one to take it over
     limits: RequestLimits = RequestLimits()  # what one request may cost, and how many choices run at once
     tokenizer_threads: int = 0  # threads tokenizing large prompts; 0: sized to the machine
+    tool_call_parser: str | None = (
+        None  # the model's tool-call format, for tool_choice "auto" (tool_parsers.py)
+    )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -74,6 +78,10 @@ class GatewaySettings(ServiceSettings):
         if args.worker_liveness_timeout <= 0:
             raise ValueError(
                 f"--worker-liveness-timeout must be positive, got {args.worker_liveness_timeout}"
+            )
+        if args.tool_call_parser and args.tool_call_parser not in PARSERS:  # from the environment
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}, got {args.tool_call_parser!r}"
             )
         if args.failover_wait < 0:
             raise ValueError(
@@ -95,6 +103,7 @@ class GatewaySettings(ServiceSettings):
                 max_choices_in_flight=args.max_choices_in_flight,
             ),
             tokenizer_threads=args.tokenizer_threads,
+            tool_call_parser=args.tool_call_parser or None,
         )
 
 
@@ -127,6 +136,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a stream whose decode instance or mixed worker was lost waits for another one to"
         " take it over with every token so far, when none is usable now (yutu up restarts a lost one"
         " in seconds); 0: the stream ends with an error at once",
+    )
+    own(
+        api,
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="the model's tool-call format, which chat requests with tools and tool_choice auto (the"
+        " default with tools) need to find its calls in its text: hermes (Hermes, Qwen2.5, Qwen3),"
+        " llama3_json (Llama 3.1-3.3); unset: such requests get a 400 (required and named tool"
+        " choices need none)",
     )
     cost = parser.add_argument_group("request limits")
     own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")

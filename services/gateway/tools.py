@@ -10,12 +10,14 @@ and ``tool_choice`` decides what comes back:
 - ``"required"``: the output follows a JSON array of one or more ``{"name", "parameters"}``
   objects of the tools' (vLLM's shape), and comes back as that many tool calls with
   ``finish_reason`` ``tool_calls``;
-- ``"auto"`` (the default with tools) lets the model choose between text and a call in its own
-  format, which only a parser for that model family can find in free text: not implemented, so a
-  400 (vLLM refuses it too unless started with a tool-call parser).
+- ``"auto"`` (the default with tools) lets the model choose between text and calls in its own
+  format, which the gateway finds with the parser it was started with (``--tool-call-parser``,
+  services/gateway/tool_parsers.py): calls found come back as tool calls, with the text before
+  them as content and ``finish_reason`` ``tool_calls``; without a parser, a 400 (as vLLM).
 
 A call cut short by ``max_tokens`` keeps ``finish_reason`` ``length``: a named call with the
-arguments as far as they got, a ``required`` array that does not parse as the text.
+arguments as far as they got, a ``required`` array or an ``auto`` call that does not parse as the
+text.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.gateway.chunks import chat_choice
 from services.gateway.errors import invalid
 from services.gateway.schemas import ChatCompletionRequest, FunctionCall, ToolCall, ToolSpec
+from services.gateway.tool_parsers import PARSERS, ToolCallParser
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -35,43 +39,57 @@ NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 class ToolPlan:
     """What a chat request's tools make of its output."""
 
-    mode: Literal["none", "named", "required"]
+    mode: Literal["none", "named", "required", "auto"]
     function: str | None = None  # the named function
     schema: dict[str, Any] | None = None  # the JSON schema the output follows (named, required)
+    parser: ToolCallParser | None = None  # finds the calls in free text (auto)
 
     @property
     def calls(self) -> bool:
         """The output is tool calls, not text."""
-        return self.mode != "none"
+        return self.mode in ("named", "required")
 
-    def finish_reason(self, finish_reason: str | None, calls: list[ToolCall] | None) -> str | None:
-        if self.mode == "required" and calls and finish_reason == "stop":
-            return "tool_calls"
-        return finish_reason
-
-    def tool_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls in a choice's whole output text; None where it holds none (``required``
-        cut short: the text is all there is)."""
+    def split(self, text: str) -> tuple[str, list[ToolCall] | None]:
+        """A choice's whole output text as the text that is content (``""`` when none) and its
+        tool calls (None where there are none, and where a ``required`` array or an ``auto``
+        call was cut short: the text is all there is)."""
         if self.mode == "named":
             assert self.function is not None
-            return [new_call(self.function, text)]
+            return "", [new_call(self.function, text)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
             except json.JSONDecodeError:
-                return None
-            return [
-                new_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items
-            ]
-        return None
+                return text, None
+            return "", [new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        if self.mode == "auto":
+            assert self.parser is not None
+            parsed = self.parser.parse(text)
+            if parsed is not None:
+                return parsed[0], [new_call(c.name, c.arguments) for c in parsed[1]]
+        return text, None
+
+    def message(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """The message's content and tool calls: content None beside calls unless text came
+        before them (``auto``)."""
+        content, calls = self.split(text)
+        return (content if calls is None or content.strip() else None), calls
+
+    def finish_reason(self, finish_reason: str | None, calls: list[ToolCall] | None) -> str | None:
+        """``tool_calls`` where calls came of ``required`` (not cut short) or of ``auto``; else the
+        choice's own (a named call's is ``stop``, as OpenAI answers)."""
+        if calls and (self.mode == "auto" or (self.mode == "required" and finish_reason == "stop")):
+            return "tool_calls"
+        return finish_reason
 
 
 def new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
-    """The request's tool plan; 400 naming ``tools`` or ``tool_choice`` when they do not agree."""
+def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) -> ToolPlan:
+    """The request's tool plan (``parser``: the gateway's ``--tool-call-parser``, which ``auto``
+    needs); 400 naming ``tools`` or ``tool_choice`` when they do not agree."""
     tools = req.tools or []
     names = [tool.function.name for tool in tools]
     if len(set(names)) != len(names):
@@ -82,12 +100,15 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     if not tools:
         raise invalid("tool_choice other than none needs tools", "tool_choice")
     if choice == "auto":
-        raise invalid(
-            'tool_choice "auto" (the default with tools) is not supported: it needs a parser for the'
-            ' model\'s own tool-call format. Use "required", name a function ({"type": "function",'
-            ' "function": {"name": ...}}), or "none"',
-            "tool_choice",
-        )
+        if parser is None:
+            raise invalid(
+                'tool_choice "auto" (the default with tools) needs the model\'s tool-call format, which'
+                f" this gateway was not given: start it with --tool-call-parser ({', '.join(PARSERS)}),"
+                ' or use "required", name a function ({"type": "function", "function": {"name": ...}})'
+                ' or "none"',
+                "tool_choice",
+            )
+        return ToolPlan("auto", parser=parser)
     if choice == "required":
         return ToolPlan("required", schema=_any_of_the_calls(tools))
     assert not isinstance(choice, str)
@@ -121,3 +142,62 @@ def _any_of_the_calls(tools: list[ToolSpec]) -> dict[str, Any]:
     if definitions:
         schema["$defs"] = definitions
     return schema
+
+
+class ChoiceStream:
+    """One streamed choice's deltas, as its text comes (``ChatChunkChoice`` dicts, by
+    ``services.gateway.chunks.chat_choice``): text as content; a named call's arguments as they
+    come, its id and name with the first; ``required`` calls whole at the end (a partial array is
+    no call yet); under ``auto``, content up to where a call may begin (the parser says), the
+    rest held until the end and sent as calls if it parses as calls, else as content. Logprobs go
+    with the first delta sent after their tokens."""
+
+    def __init__(self, index: int, plan: ToolPlan) -> None:
+        self.index = index
+        self.plan = plan
+        self._text = ""  # the output so far (held modes)
+        self._sent = 0  # characters of it sent as content
+        self._logprobs: list[dict[str, Any]] = []  # of tokens not sent yet
+        self._call_id: str | None = None  # a named call's, once its first delta went out
+
+    def feed(
+        self, text: str, logprobs: list[dict[str, Any]] | None, finish_reason: str | None
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """The deltas for the next piece of output (maybe none), and the finish reason to send."""
+        self._logprobs += logprobs or []
+        if self.plan.mode == "none":
+            return ([self._delta(content=text)] if text or self._logprobs else []), finish_reason
+        if self.plan.mode == "named":
+            if not text and not self._logprobs and (finish_reason is None or self._call_id is not None):
+                return [], finish_reason
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if self._call_id is None:
+                assert self.plan.function is not None
+                self._call_id = new_call(self.plan.function, "").id
+                call = {"index": 0, "id": self._call_id, "type": "function",
+                        "function": {"name": self.plan.function, "arguments": text}}  # fmt: skip
+            return [self._delta(tool_calls=[call])], finish_reason
+        self._text += text
+        deltas = []
+        if finish_reason is None:
+            if self.plan.parser is not None:  # auto: the content that no call can follow
+                end = self.plan.parser.content_end(self._text)
+                if end > self._sent:
+                    deltas.append(self._delta(content=self._text[self._sent : end]))
+                    self._sent = end
+            return deltas, None
+        content, calls = self.plan.split(self._text)
+        if content[self._sent :]:
+            deltas.append(self._delta(content=content[self._sent :]))
+        if calls:
+            deltas.append(self._delta(tool_calls=[
+                {"index": i, "id": c.id, "type": "function", "function": c.function.model_dump()}
+                for i, c in enumerate(calls)
+            ]))  # fmt: skip
+        elif self._logprobs:
+            deltas.append(self._delta())
+        return deltas, self.plan.finish_reason(finish_reason, calls)
+
+    def _delta(self, **fields: Any) -> dict[str, Any]:
+        logprobs, self._logprobs = self._logprobs, []
+        return chat_choice(self.index, logprobs=logprobs or None, **fields)

@@ -52,11 +52,12 @@ async def fake_worker(redis_url: str, registry_prefix: str) -> AsyncIterator[Fak
 
 @pytest.fixture(scope="session")
 def stack(tiny_model: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One real worker (64 KV blocks of 16 tokens, context 256) and one gateway, shared by the gateway tests."""
+    """One real worker (64 KV blocks of 16 tokens, context 256) and one gateway (tool calls in the
+    hermes format), shared by the gateway tests."""
     prefix = f"yutu-gw-{uuid.uuid4().hex[:8]}"
     logs = tmp_path_factory.mktemp("gw-stack")
     worker = start_worker(logs, tiny_model, redis_url, prefix)
-    gateway = start_gateway(logs, tiny_model, redis_url, prefix)
+    gateway = start_gateway(logs, tiny_model, redis_url, prefix, "--tool-call-parser", "hermes")
     try:
         url = gateway_url(redis_url, prefix, gateway)
         wait_ready(url, [worker, gateway])

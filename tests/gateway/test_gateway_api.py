@@ -367,6 +367,33 @@ def test_required_tool_calls_streamed_and_whole(stack: Stack, client: openai.Ope
     assert (short.choices[0].message.content or "").startswith("[")
 
 
+def test_auto_tool_calls_found_in_the_text(stack: Stack, client: openai.OpenAI) -> None:
+    """tool_choice auto (the default with tools; this gateway parses the hermes format): the text
+    before a call is content, the call a tool call, finish_reason tool_calls, streamed as whole.
+    A regex makes the random model write the format; text that only looks like its start is content."""
+    messages = [{"role": "user", "content": "What time is it?"}]
+    call = r'Sure\. <tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
+    args: dict[str, Any] = dict(model=MODEL_NAME, messages=messages, tools=[WEATHER, NOW], max_tokens=60, temperature=0,
+                                extra_body={"guided_regex": call})  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    (got,) = choice.message.tool_calls or []
+    assert (got.function.name, got.function.arguments) == ("now", "{}")
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure. "
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas if d.function] == [("now", "{}")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for text in ["<tool_cal>not a call", "<tool_call>{nope}</tool_call>"]:
+        args["extra_body"] = {"guided_regex": "".join("\\" + c if c in "{}" else c for c in text)}
+        plain = client.chat.completions.create(**args)
+        assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
+        assert plain.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(**args, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
 def test_a_tool_result_turn_and_tool_choice_none(stack: Stack, client: openai.OpenAI) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},

@@ -1,0 +1,125 @@
+"""Tool calling's pure parts: the tool plan a request makes, the model families' call formats,
+and a streamed choice's deltas (the real stack's answers are in test_gateway_api.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from services.gateway.errors import ApiError
+from services.gateway.schemas import ChatCompletionRequest
+from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
+from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
+
+NOW = {"type": "function", "function": {"name": "now"}}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"$ref": "#/$defs/city"}},
+    "$defs": {"city": {"type": "string"}},
+}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": CITY}}
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+def test_tool_plans() -> None:
+    assert tool_plan(request()).mode == "none"
+    assert tool_plan(request(tools=[NOW], tool_choice="none")).mode == "none"
+    named = tool_plan(
+        request(tools=[NOW, WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}})
+    )
+    assert (named.mode, named.function, named.schema) == ("named", "weather", CITY)
+    required = tool_plan(request(tools=[NOW, WEATHER], tool_choice="required"))
+    assert required.schema is not None and required.schema["$defs"] == {"city": {"type": "string"}}  # lifted
+    options = required.schema["items"]["anyOf"]
+    assert [o["properties"]["name"] for o in options] == [{"enum": ["now"]}, {"enum": ["weather"]}]
+    assert "$defs" not in options[1]["properties"]["parameters"]
+    assert tool_plan(request(tools=[NOW]), HermesParser()).mode == "auto"
+    for fields, param in [
+        ({"tools": [NOW]}, "tool_choice"),  # auto without a parser
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "later"}}}, "tool_choice"),
+        ({"tools": [NOW, NOW], "tool_choice": "none"}, "tools"),
+    ]:
+        with pytest.raises(ApiError) as err:
+            tool_plan(request(**fields))
+        assert err.value.param == param
+
+
+def test_hermes_calls() -> None:
+    p = HermesParser()
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert p.parse("It is " + call + "\n" + call.replace("Oslo", "Rome")) == (
+        "It is ",
+        [ParsedCall("weather", '{"city": "Oslo"}'), ParsedCall("weather", '{"city": "Rome"}')],
+    )
+    assert p.parse(call)[1] == [ParsedCall("weather", '{"city": "Oslo"}')]  # type: ignore[index]
+    assert p.parse('<tool_call>{"name": "now"}</tool_call>') == ("", [ParsedCall("now", "{}")])
+    for not_calls in ["plain text", call[:-3], call + " and more", "<tool_call>{oops}</tool_call>",
+                      '<tool_call>{"name": 3}</tool_call>', '<tool_call>{"name": "a", "arguments": [1]}</tool_call>']:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    assert p.content_end("Hello") == 5
+    assert p.content_end("Hello <tool") == 6  # a start tag may be coming: held
+    assert p.content_end("Hello <b>") == 9
+    assert p.content_end("Hello <tool_call>{") == 6
+
+
+def test_llama3_json_calls() -> None:
+    p = Llama3JsonParser()
+    assert p.parse('{"name": "weather", "parameters": {"city": "Oslo"}}') == (
+        "",
+        [ParsedCall("weather", '{"city": "Oslo"}')],
+    )
+    assert p.parse('<|python_tag|>{"name": "now", "parameters": {}}; {"name": "now", "arguments": {}}') == (
+        "",
+        [ParsedCall("now", "{}"), ParsedCall("now", "{}")],
+    )
+    for not_calls in ["The weather is fine.", '{"name": "now", "parameters": {}} and text', '{"name": "now"',
+                      '{"city": "Oslo"}', '{"name": "a", "parameters": 5}']:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    assert p.content_end("  {") == 0 and p.content_end("") == 0 and p.content_end("<|py") == 0
+    assert p.content_end("Sure") == 4
+
+
+def feed(plan: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list[dict[str, Any]], str | None]:
+    stream = ChoiceStream(0, plan)
+    deltas: list[dict[str, Any]] = []
+    reason = None
+    for i, piece in enumerate(pieces):
+        got, reason = stream.feed(piece, None, finish if i == len(pieces) - 1 else None)
+        deltas += [d["delta"] for d in got]
+    return deltas, reason
+
+
+def test_streamed_choices() -> None:
+    assert feed(ToolPlan("none"), ["a", "b"]) == ([{"content": "a"}, {"content": "b"}], "stop")
+    named, reason = feed(ToolPlan("named", function="now"), ["{", "}"])
+    assert named[0]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{"}
+    assert named[0]["tool_calls"][0]["id"].startswith("call_") and reason == "stop"
+    assert named[1] == {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
+    required, reason = feed(ToolPlan("required"), ['[{"name": "now", ', '"parameters": {}}]'])
+    assert reason == "tool_calls" and len(required) == 1
+    assert required[0]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    cut, reason = feed(ToolPlan("required"), ['[{"name": "now", '], "length")
+    assert cut == [{"content": '[{"name": "now", '}] and reason == "length"
+    auto = ToolPlan("auto", parser=HermesParser())
+    deltas, reason = feed(auto, ["Sure <to", "ol_call>", '{"name": "now", "arguments": {}}', "</tool_call>"])
+    assert deltas[0] == {"content": "Sure "} and reason == "tool_calls"
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    deltas, reason = feed(auto, ["a <to", "y> b"])
+    assert "".join(d["content"] for d in deltas) == "a <toy> b" and reason == "stop"
+    deltas, reason = feed(auto, ["a <tool_call>{", '"name"'], "length")  # cut short: all content
+    assert "".join(d["content"] for d in deltas) == 'a <tool_call>{"name"' and reason == "length"
+    message = auto.message("Sure " + '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    assert (
+        message[0] == "Sure "
+        and message[1] is not None
+        and json.loads(message[1][0].function.arguments) == {}
+    )
+    assert auto.message('<tool_call>{"name": "now"}</tool_call>')[0] is None
