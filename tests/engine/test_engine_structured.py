@@ -259,3 +259,36 @@ def test_a_grammar_that_does_not_compile_is_an_invalid_request(ckpt: Path) -> No
     ]:
         with pytest.raises(ValueError, match=problem):
             grammar_from(kind, spec)  # type: ignore[arg-type]
+
+
+def test_a_grammar_that_fails_fails_its_request_alone(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control paths the mask never takes on its own: a matcher that errs while computing its mask,
+    and a mask that let through a token the grammar refuses (here tampered with to allow all).
+    Each fails its own request with the reason; the request beside them runs on."""
+    engine = make_engine(ckpt)
+    letters = SamplingParams(temperature=0, max_tokens=30, grammar=grammar_from("regex", "[a-z]{25,30}"))
+    engine.add_request("errs", prompt(10, seed=8), letters)
+    engine.add_request("leaks", prompt(11, seed=9), letters)
+    engine.add_request(
+        "free", prompt(12, seed=10), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+
+    def errs(row: torch.Tensor) -> None:
+        raise InvalidRequestError("the request's grammar failed: a limit")
+
+    def leaks(row: torch.Tensor) -> None:
+        row.fill_(-1)
+
+    monkeypatch.setattr(engine._seqs["errs"].grammar, "fill_bitmask", errs)
+    monkeypatch.setattr(engine._seqs["leaks"].grammar, "fill_bitmask", leaks)
+    outs: dict[str, list[Any]] = {"errs": [], "leaks": [], "free": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert outs["errs"][-1].finish_reason is FinishReason.ABORT and "a limit" in (
+        outs["errs"][-1].error or ""
+    )
+    assert outs["leaks"][-1].finish_reason is FinishReason.ABORT
+    assert "broke the request's grammar" in (outs["leaks"][-1].error or "")
+    assert len(tokens(outs["free"])) == 8 and outs["free"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.block_manager.num_used_blocks == 0
