@@ -23,8 +23,10 @@ plain greedy, printed as the ratio with / without.
 What a grammar costs (structured outputs), rows ``constrained`` (greedy, every row with a grammar
 allowing a random half of the vocabulary): the sampler with the bitmask against plain greedy; the
 mask alone on torch's operations (``yutu.engine.structured.mask_rows_``) against the native
-kernel; and ``fill us``, llguidance computing one row's bitmask for a JSON schema mid-string, at the demo
-model's vocabulary only (the one tokenizer at hand; the other widths print ``-``).
+kernel; and ``fill us``, llguidance computing one row's bitmask for a JSON schema mid-string, with
+what building the tokenizer view and compiling the schema cost (the demo model's tokenizer at
+2,560 tokens; at the other widths a synthetic byte-level BPE vocabulary of that size, seeded, as
+none is at hand here).
 
 Shapes: a batch of 1 and 16 rows over the demo model's vocabulary (2,560), Llama-2's (32,000) and
 Llama-3's (128,256). Each figure is the median of ``--rounds`` calls, the two versions taking
@@ -36,7 +38,9 @@ from __future__ import annotations
 import argparse
 import array
 import json
+import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -44,6 +48,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 from yutu.engine import native
 from yutu.engine.default_model import ensure_default_model
 from yutu.engine.model_config import ModelConfig
@@ -57,7 +63,6 @@ from yutu.engine.sampler import (
 )
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.structured import Grammars, grammar_from, mask_rows_
-from yutu.engine.tokenizer import Tokenizer
 
 VOCABS = (2_560, 32_000, 128_256)
 BATCHES = (1, 16)
@@ -140,11 +145,11 @@ def penalties(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[s
 
 def constrained(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict[str, object]]:
     """The ``constrained`` rows: the sampler with a grammar's bitmask against without (same
-    logits), and llguidance's bitmask for one row at the demo model's vocabulary."""
+    logits), and what llguidance costs at each vocabulary (:func:`grammar_costs`)."""
     rows: list[dict[str, object]] = []
     print(f"\n{'rows':>16} {'vocab':>8} {'batch':>5} {'without us':>10} {'with us':>8} {'with/without':>13}"
           f" {'torch us':>9} {'native us':>9} {'torch/native':>13} {'fill us':>8}")  # fmt: skip
-    fill = demo_fill_us(rounds)
+    costs = {vocab: grammar_costs(vocab, rounds) for vocab in VOCABS}
     for vocab in VOCABS:
         for batch in BATCHES:
             logits = torch.randn(batch, vocab) * 4
@@ -164,12 +169,14 @@ def constrained(sampler: Sampler, kernels: ModuleType, rounds: int) -> list[dict
                 rounds,
             )
             cost, gain = got["with"] / got["without"], got["torch"] / got["native"]
-            per_row = fill if vocab == DEMO_VOCAB else None
             rows.append({"rows": "constrained", "vocab": vocab, "batch": batch, **got, "with_over_without": cost,
-                         "torch_over_native": gain, "fill_us_per_row": per_row})  # fmt: skip
-            shown = "-" if per_row is None else f"{per_row:.1f}"
+                         "torch_over_native": gain, **costs[vocab]})  # fmt: skip
+            shown = f"{costs[vocab]['fill_us']:.1f}"
             print(f"{'constrained':>16} {vocab:>8} {batch:>5} {got['without']:>10.0f} {got['with']:>8.0f}"
                   f" {cost:>12.2f}x {got['torch']:>9.0f} {got['native']:>9.0f} {gain:>12.2f}x {shown:>8}")  # fmt: skip
+    for vocab, c in costs.items():
+        print(f"{'grammar':>16} {vocab:>8}  tokenizer view {c['view_s']:.2f} s, schema compiled in"
+              f" {c['compile_ms']:.1f} ms, one row's bitmask {c['fill_us']:.1f} us")  # fmt: skip
     return rows
 
 
@@ -183,23 +190,58 @@ def masked(kernels: ModuleType | None, logits: torch.Tensor, bitmask: torch.Tens
     return scores
 
 
-def demo_fill_us(rounds: int) -> float:
-    """llguidance's bitmask of one row at the demo model's vocabulary, for a JSON schema, inside
-    a string value (the widest choice: most tokens may come next), median over ``rounds`` x 100."""
-    model_dir = ensure_default_model()
-    config = ModelConfig.from_dir(model_dir)
-    grammars = Grammars(model_dir, config.vocab_size, config.eos_token_ids)
-    grammar = grammars.matcher(GUIDED.grammar or "")
-    tokenizer = Tokenizer.from_dir(model_dir)
-    for token in tokenizer.encode('{"name":"The jade', add_special_tokens=False):
-        grammar.advance(token)
+def synthetic_tokenizer(vocab: int, directory: Path) -> Path:
+    """A directory holding a byte-level BPE ``tokenizer.json`` of ``vocab`` tokens (id 0 an eos),
+    whose merges join a random token with a letter or a short token (seeded): a stand-in for a
+    real vocabulary of that size (the demo model's is the only one at hand here)."""
+    rng = random.Random(vocab)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    table: dict[str, int] = {"<|eos|>": 0, **{c: i + 1 for i, c in enumerate(alphabet)}}
+    tokens, merges = list(alphabet), []
+    short = [c for c in alphabet if c.isascii() and c.isalpha()] + ["\u0120"]  # letters and the space
+    while len(table) < vocab:
+        left = rng.choice(tokens[-2_000:] if rng.random() < 0.5 else tokens)
+        right = rng.choice(short if rng.random() < 0.7 else tokens[: len(alphabet) + 2_000])
+        if len(left) + len(right) > 16 or left + right in table:
+            continue
+        table[left + right] = len(table)
+        tokens.append(left + right)
+        merges.append((left, right))
+    tokenizer = HFTokenizer(models.BPE(table, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|eos|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def grammar_costs(vocab: int, rounds: int) -> dict[str, float]:
+    """At ``vocab`` tokens (the demo model's tokenizer at its size, else a synthetic one): building
+    the tokenizer view (once per engine), compiling the bench's schema (once per grammar), and
+    one row's bitmask inside a JSON string (the widest choice: most tokens may come next)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        if vocab == DEMO_VOCAB:
+            model_dir = ensure_default_model()
+            eos = ModelConfig.from_dir(model_dir).eos_token_ids
+        else:
+            model_dir, eos = synthetic_tokenizer(vocab, Path(scratch)), (0,)
+        grammars = Grammars(model_dir, vocab, eos)
+        started = time.perf_counter()
+        grammars.matcher(grammar_from("regex", "x"))  # builds the tokenizer view
+        view_s = time.perf_counter() - started
+        started = time.perf_counter()
+        grammar = grammars.matcher(GUIDED.grammar or "")
+        compile_ms = (time.perf_counter() - started) * 1e3
+        for token in HFTokenizer.from_file(str(model_dir / "tokenizer.json")).encode('{"name":"The jade').ids:
+            grammar.advance(token)
     row = torch.zeros(grammars.bitmask_words, dtype=torch.int32)
 
     def hundred() -> None:
         for _ in range(100):
             grammar.fill_bitmask(row)
 
-    return median_us({"fill": hundred}, rounds)["fill"] / 100
+    fill = median_us({"fill": hundred}, rounds)["fill"] / 100
+    return {"view_s": view_s, "compile_ms": compile_ms, "fill_us": fill}
 
 
 def main() -> None:
