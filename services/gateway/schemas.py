@@ -132,6 +132,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolSpec] | None = None
     # None: "auto" with tools, "none" without (OpenAI's defaults); services/gateway/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: one call at most (services/gateway/tools.py)
     add_generation_prompt: bool = True  # extra
 
 

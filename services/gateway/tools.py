@@ -8,12 +8,13 @@ and ``tool_choice`` decides what comes back:
   function's ``parameters`` schema (``yutu.engine.structured``), and comes back as one tool call
   whose ``arguments`` are the output; ``finish_reason`` stays ``stop``, as OpenAI answers;
 - ``"required"``: the output follows a JSON array of one or more ``{"name", "parameters"}``
-  objects of the tools' (vLLM's shape), and comes back as that many tool calls with
-  ``finish_reason`` ``tool_calls``;
+  objects of the tools' (vLLM's shape; exactly one with ``parallel_tool_calls: false``), and
+  comes back as that many tool calls with ``finish_reason`` ``tool_calls``;
 - ``"auto"`` (the default with tools) lets the model choose between text and calls in its own
   format, which the gateway finds with the parser it was started with (``--tool-call-parser``,
   services/gateway/tool_parsers.py): calls found come back as tool calls, with the text before
-  them as content and ``finish_reason`` ``tool_calls``; without a parser, a 400 (as vLLM).
+  them as content and ``finish_reason`` ``tool_calls``; without a parser, a 400 (as vLLM). Free
+  text cannot be held to ``parallel_tool_calls: false``: every call the model wrote comes back.
 
 A call cut short by ``max_tokens`` keeps ``finish_reason`` ``length``: a named call with the
 arguments as far as they got, a ``required`` array or an ``auto`` call that does not parse as the
@@ -110,7 +111,7 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
             )
         return ToolPlan("auto", parser=parser)
     if choice == "required":
-        return ToolPlan("required", schema=_any_of_the_calls(tools))
+        return ToolPlan("required", schema=_any_of_the_calls(tools, req.parallel_tool_calls))
     assert not isinstance(choice, str)
     name = choice.function.name
     if name not in names:
@@ -120,9 +121,10 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
     )
 
 
-def _any_of_the_calls(tools: list[ToolSpec]) -> dict[str, Any]:
-    """A JSON array of one or more calls of the tools: ``{"name": ..., "parameters": {...}}`` each;
-    the tools' ``$defs`` lifted to the top, where their ``$ref`` s find them."""
+def _any_of_the_calls(tools: list[ToolSpec], parallel: bool = True) -> dict[str, Any]:
+    """A JSON array of one or more calls of the tools (exactly one unless ``parallel``):
+    ``{"name": ..., "parameters": {...}}`` each; the tools' ``$defs`` lifted to the top, where
+    their ``$ref`` s find them."""
     definitions: dict[str, Any] = {}
     options = []
     for tool in tools:
@@ -139,6 +141,8 @@ def _any_of_the_calls(tools: list[ToolSpec]) -> dict[str, Any]:
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+    if not parallel:
+        schema["maxItems"] = 1
     if definitions:
         schema["$defs"] = definitions
     return schema

@@ -40,6 +40,9 @@ def test_tool_plans() -> None:
     options = required.schema["items"]["anyOf"]
     assert [o["properties"]["name"] for o in options] == [{"enum": ["now"]}, {"enum": ["weather"]}]
     assert "$defs" not in options[1]["properties"]["parameters"]
+    assert "maxItems" not in required.schema
+    single = tool_plan(request(tools=[NOW, WEATHER], tool_choice="required", parallel_tool_calls=False))
+    assert single.schema is not None and single.schema["maxItems"] == 1
     assert tool_plan(request(tools=[NOW]), HermesParser()).mode == "auto"
     for fields, param in [
         ({"tools": [NOW]}, "tool_choice"),  # auto without a parser
