@@ -194,6 +194,17 @@ def reject_unsupported(req: _GenerationRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise invalid("best_of is not supported: use n to get several completions", "best_of")
     if isinstance(req, ChatCompletionRequest):
+        for legacy in ("functions", "function_call"):
+            if getattr(req, legacy) is not None:
+                raise invalid(
+                    f"{legacy} (deprecated by OpenAI) is not supported: send tools and tool_choice", legacy
+                )
+        if req.modalities is not None and set(req.modalities) - {"text"}:
+            raise invalid("only the text modality is supported", "modalities")
+        if req.audio is not None:
+            raise invalid("audio output is not supported: leave audio unset", "audio")
+        if req.web_search_options is not None:
+            raise invalid("web search is not supported: leave web_search_options unset", "web_search_options")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 

@@ -133,6 +133,12 @@ class ChatCompletionRequest(_GenerationRequest):
     # None: "auto" with tools, "none" without (OpenAI's defaults); services/gateway/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # False: one call at most (services/gateway/tools.py)
+    # OpenAI's, refused rather than ignored (prompts.reject_unsupported)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extra
 
 

@@ -59,6 +59,11 @@ NOW = {"type": "function", "function": {"name": "now"}}
         ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "now"}]}, "functions"),
+        ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+        ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
         (
             "/v1/chat/completions",
