@@ -232,7 +232,11 @@ def grammar_costs(vocab: int, rounds: int) -> dict[str, float]:
         started = time.perf_counter()
         grammar = grammars.matcher(GUIDED.grammar or "")
         compile_ms = (time.perf_counter() - started) * 1e3
-        for token in HFTokenizer.from_file(str(model_dir / "tokenizer.json")).encode('{"name":"The jade').ids:
+        for token in (
+            HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+            .encode('{"name":"The jade', add_special_tokens=False)
+            .ids
+        ):
             grammar.advance(token)
     row = torch.zeros(grammars.bitmask_words, dtype=torch.int32)
 
