@@ -16,7 +16,7 @@ from yutu.engine.engine import FinishReason
 from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampler import Sampler, TokenHistory
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.structured import grammar_from, mask_rows_, unpack_bitmask
+from yutu.engine.structured import Grammars, grammar_from, mask_rows_, unpack_bitmask
 from yutu.engine.tokenizer import Tokenizer
 
 from tests.engine.engine_support import make_engine, prompt
@@ -242,6 +242,15 @@ def test_a_continuation_replays_the_tokens_generated_elsewhere(ckpt: Path) -> No
     with pytest.raises(InvalidRequestError, match="does not follow the request's grammar"):
         engine.add_request("bad", ids, params, generated=[whole[1]])  # a JSON object starts with "{"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_checkpoint_without_a_tokenizer_refuses_grammars_only(tmp_path: Path, ckpt: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="tokenizer.json"):
+        Grammars(tmp_path, 512, [1]).matcher(grammar_from("regex", "a"))
+    with pytest.raises(InvalidRequestError, match="eos token"):
+        Grammars(ckpt, 512, []).matcher(grammar_from("regex", "a"))
+    with pytest.raises(InvalidRequestError, match="cannot use this model's tokenizer"):
+        Grammars(ckpt, 100, [1]).matcher(grammar_from("regex", "a"))  # a vocabulary smaller than it
 
 
 def test_a_grammar_that_does_not_compile_is_an_invalid_request(ckpt: Path) -> None:
