@@ -58,11 +58,14 @@ class ToolPlan:
             assert self.function is not None
             return "", [new_call(self.function, text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
+            try:  # the grammar's shape, unless a stop string or max_tokens cut it
+                calls = [
+                    new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
+                    for i in json.loads(text)
+                ]
+            except (json.JSONDecodeError, KeyError, TypeError):
                 return text, None
-            return "", [new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+            return "", calls
         if self.mode == "auto":
             assert self.parser is not None
             parsed = self.parser.parse(text)

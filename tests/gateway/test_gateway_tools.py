@@ -109,6 +109,8 @@ def test_streamed_choices() -> None:
     required, reason = feed(ToolPlan("required"), ['[{"name": "now", ', '"parameters": {}}]'])
     assert reason == "tool_calls" and len(required) == 1
     assert required[0]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    assert ToolPlan("required").message('[{"nom": "now"}]') == ('[{"nom": "now"}]', None)  # not the shape
+    assert ToolPlan("required").message("5") == ("5", None)
     cut, reason = feed(ToolPlan("required"), ['[{"name": "now", '], "length")
     assert cut == [{"content": '[{"name": "now", '}] and reason == "length"
     auto = ToolPlan("auto", parser=HermesParser())
