@@ -91,12 +91,11 @@ class Grammar:
         self._matcher = matcher
 
     def advance(self, token: int) -> None:
-        """Take ``token``, the request's next output token. Raises InvalidRequestError, and leaves
-        the matcher as it was, if the grammar does not allow it."""
-        if self._matcher.validate_tokens([token]) != 1:
+        """Take ``token``, the request's next output token. Raises InvalidRequestError if the
+        grammar does not allow it; the matcher is then broken, and so is its request (every caller
+        refuses or fails it): one call per token, no check before it."""
+        if not self._matcher.consume_token(token):
             raise InvalidRequestError(f"token {token} does not follow the request's grammar here")
-        if not self._matcher.consume_token(token):  # validated above: only a matcher bug gets here
-            raise InvalidRequestError(f"the grammar's matcher failed: {self._matcher.get_error()}")
 
     @property
     def is_done(self) -> bool:
