@@ -15,7 +15,8 @@ come from (a :class:`Commands` source) and where events go (an :class:`Events` s
 
 Failures, from the smallest to the largest:
 
-- a request the engine refuses (a ValueError from ``add_request``): ``error(id, exc)``;
+- a request the engine refuses (a ValueError from ``add_request``, or an output ``refused`` later:
+  its grammar did not compile): ``error(id, exc)``;
 - a request the engine failed in a step (``RequestOutput.error``: the step raised, or its logits were
   not finite): ``error(id, RequestFailedError)``, kind INTERNAL; the engine goes on;
 - the engine is *broken*: ``max_failed_steps`` steps failed in a row with no success, ``step()``
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from yutu.engine.engine import EngineStats, KVLoad, LLMEngine, RequestOutput
-from yutu.engine.errors import EngineBrokenError, RequestFailedError
+from yutu.engine.errors import EngineBrokenError, InvalidRequestError, RequestFailedError
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
 from yutu.kv.block_manager import CacheEvent
@@ -286,7 +287,9 @@ class EngineCore:
     def _deliver(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self._events.outputs([out for out in outputs if not out.failed], stats)
         for out in outputs:  # after the tokens: a request may have got some before its step failed
-            if out.failed:
+            if out.refused:  # its grammar, found once compiled: as add_request's refusals are
+                self._events.error(out.request_id, InvalidRequestError(out.error or "refused"))
+            elif out.failed:
                 self._events.error(
                     out.request_id, RequestFailedError(out.error or "the engine failed this request")
                 )

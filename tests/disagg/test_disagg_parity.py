@@ -110,6 +110,22 @@ def test_logit_bias_and_penalties_hold_across_the_handoff(
     assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
 
 
+def test_a_grammar_the_model_refuses_is_a_400_on_either_stack(
+    mixed: DisaggStack, disagg: DisaggStack
+) -> None:
+    """The gateway passes ``<[99999]>`` (valid Lark: a token id), the engine that compiles it
+    against the model's vocabulary refuses it, off its step: on the prefill instance as on the
+    mixed worker, a 400 with the compiler's reason (not a failure to place elsewhere, not a 500)."""
+    for stack in (mixed, disagg):
+        reply = stack.complete(
+            prompt(30, seed=30), 8, False, structured_outputs={"grammar": "start: <[99999]>"}
+        )
+        assert reply.status == 400, reply.body
+        assert reply.body["error"]["type"] == "invalid_request_error"
+        assert "does not compile" in reply.body["error"]["message"]
+        assert stack.complete(prompt(30, seed=30), 8, False).status == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_json_schema_holds_across_the_handoff(
     mixed: DisaggStack, disagg: DisaggStack, stream: bool

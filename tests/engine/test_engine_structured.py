@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 import llguidance
 import pytest
 import torch
-from yutu.engine.engine import FinishReason
+from yutu.engine import structured
+from yutu.engine.engine import FinishReason, LLMEngine, RequestOutput
 from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampler import Sampler, TokenHistory
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.structured import Grammars, grammar_from, mask_rows_, unpack_bitmask
+from yutu.engine.structured import GrammarFailed, Grammars, grammar_from, mask_rows_, unpack_bitmask
 from yutu.engine.tokenizer import Tokenizer
 
 from tests.engine.engine_support import make_engine, prompt
@@ -239,9 +241,18 @@ def test_a_continuation_replays_the_tokens_generated_elsewhere(ckpt: Path) -> No
         for out in engine.step():
             outputs += out.new_token_ids
     assert whole[:5] + outputs == whole
+    # the grammar is compiled now: refused at once; on a fresh engine, once compiled, by the step
     with pytest.raises(InvalidRequestError, match="does not follow the request's grammar"):
         engine.add_request("bad", ids, params, generated=[whole[1]])  # a JSON object starts with "{"
     assert not engine.has_unfinished_requests()
+    fresh = make_engine(ckpt)
+    fresh.add_request("bad", ids, params, generated=[whole[1]])
+    refused = [out for out in fresh.step()]
+    while not refused and fresh.has_unfinished_requests():
+        refused = fresh.step()
+    assert [out.request_id for out in refused] == ["bad"] and refused[0].refused
+    assert "does not follow the request's grammar" in (refused[0].error or "")
+    assert not fresh.has_unfinished_requests() and fresh.block_manager.num_used_blocks == 0
 
 
 def test_a_checkpoint_without_a_tokenizer_refuses_grammars_only(tmp_path: Path, ckpt: Path) -> None:
@@ -254,11 +265,19 @@ def test_a_checkpoint_without_a_tokenizer_refuses_grammars_only(tmp_path: Path, 
 
 
 def test_a_grammar_that_does_not_compile_is_an_invalid_request(ckpt: Path) -> None:
+    """Found by the compile (off the step): a refused output, not the engine's failure; the engine
+    steps on."""
     engine = make_engine(ckpt)
-    with pytest.raises(InvalidRequestError, match="grammar"):
-        engine.add_request(
-            "r", prompt(5, seed=7), SamplingParams(grammar='{"grammars": [{"lark_grammar": "x"}]}')
-        )
+    engine.add_request(
+        "r", prompt(5, seed=7), SamplingParams(grammar='{"grammars": [{"lark_grammar": "x"}]}')
+    )
+    engine.add_request(
+        "free", prompt(6, seed=7), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
+    outs = run_on(engine)
+    assert len(outs["r"]) == 1 and outs["r"][0].refused and outs["r"][0].failed
+    assert "the request's grammar does not compile" in (outs["r"][0].error or "")
+    assert len(tokens(outs["free"])) == 4 and engine.consecutive_failed_steps == 0
     for kind, spec, problem in [
         ("json_schema", {"type": "objectx"}, "objectx"),
         ("json_schema", "{not json", "not valid JSON"),
@@ -276,6 +295,7 @@ def test_a_grammar_that_fails_fails_its_request_alone(ckpt: Path, monkeypatch: p
     Each fails its own request with the reason; the request beside them runs on."""
     engine = make_engine(ckpt)
     letters = SamplingParams(temperature=0, max_tokens=30, grammar=grammar_from("regex", "[a-z]{25,30}"))
+    engine.grammars.matcher(letters.grammar or "")  # compiled here: the requests are admitted at once
     engine.add_request("errs", prompt(10, seed=8), letters)
     engine.add_request("leaks", prompt(11, seed=9), letters)
     engine.add_request(
@@ -283,7 +303,7 @@ def test_a_grammar_that_fails_fails_its_request_alone(ckpt: Path, monkeypatch: p
     )
 
     def errs(row: torch.Tensor) -> None:
-        raise InvalidRequestError("the request's grammar failed: a limit")
+        raise GrammarFailed("the request's grammar failed: a limit")
 
     def leaks(row: torch.Tensor) -> None:
         row.fill_(-1)
@@ -297,7 +317,99 @@ def test_a_grammar_that_fails_fails_its_request_alone(ckpt: Path, monkeypatch: p
     assert outs["errs"][-1].finish_reason is FinishReason.ABORT and "a limit" in (
         outs["errs"][-1].error or ""
     )
-    assert outs["leaks"][-1].finish_reason is FinishReason.ABORT
+    assert outs["errs"][-1].refused  # the grammar's fault, not the engine's
+    assert outs["leaks"][-1].finish_reason is FinishReason.ABORT and not outs["leaks"][-1].refused
     assert "broke the request's grammar" in (outs["leaks"][-1].error or "")
     assert len(tokens(outs["free"])) == 8 and outs["free"][-1].finish_reason is FinishReason.LENGTH
     assert engine.block_manager.num_used_blocks == 0
+
+
+def run_on(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    """Step ``engine`` until it has nothing left; its outputs by request."""
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert engine.block_manager.num_used_blocks == 0
+    return outs
+
+
+@pytest.fixture
+def held_compiles(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Grammar compiles wait on the compiling thread until the returned event is set."""
+    gate = threading.Event()
+    real = structured._compile
+
+    def held(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+        assert gate.wait(30), "the test never let the compile go on"
+        return real(tokenizer, grammar)
+
+    monkeypatch.setattr(structured, "_compile", held)
+    return gate
+
+
+def test_requests_step_on_while_a_grammar_compiles_and_it_then_runs_as_if_compiled_before(
+    ckpt: Path, held_compiles: threading.Event
+) -> None:
+    """The compile happens off the step: a running request keeps getting tokens while a new
+    request's grammar compiles, and the constrained output is then the one of an engine that had
+    the grammar compiled on its own thread first (the plain path)."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, grammar=grammar_from(*CASES["schema"]))
+    free = (prompt(9, seed=3), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine = make_engine(ckpt)
+    engine.add_request("free", *free)
+    engine.add_request("json", prompt(20, seed=12), params)
+    engine.add_request("json2", prompt(21, seed=13), params)  # the same grammar: one compile
+    assert engine.stats().num_waiting == 3 and engine.has_unfinished_requests()
+    early = [out for _ in range(5) for out in engine.step()]
+    assert [out.request_id for out in early] == ["free"] * 5  # none of json's until its grammar is in
+    assert engine.stats().num_waiting == 2
+    held_compiles.set()
+    outs = run_on(engine)
+    reference = make_engine(ckpt)
+    reference.grammars.matcher(params.grammar or "")
+    want = run(reference, {"json": (prompt(20, seed=12), params), "json2": (prompt(21, seed=13), params)})
+    assert tokens(outs["json"]) == tokens(want["json"]) and tokens(outs["json2"]) == tokens(want["json2"])
+    assert outs["json"][-1].finish_reason is FinishReason.STOP
+    assert tokens(early) + tokens(outs["free"]) == tokens(run(make_engine(ckpt), {"free": free})["free"])
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(
+    ckpt: Path, tokenizer: Tokenizer, held_compiles: threading.Event
+) -> None:
+    engine = make_engine(ckpt)
+    params = SamplingParams(temperature=0, max_tokens=20, grammar=grammar_from("regex", "[a-z]{5,9}"))
+    engine.add_request("a", prompt(8, seed=14), params)
+    engine.add_request("b", prompt(9, seed=15), params)
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        engine.add_request("a", prompt(8, seed=14), params)
+    engine.abort_request("a")
+    assert engine.abort_all() == ["b"]
+    assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
+    held_compiles.set()
+    assert engine.step() == [] and engine.block_manager.num_used_blocks == 0
+    engine.add_request("a", prompt(8, seed=14), params)  # its id is free again, the compile done
+    assert re.fullmatch("[a-z]{5,9}", tokenizer.decode(tokens(run_on(engine)["a"])))
+
+
+def test_a_grammar_beyond_the_parsers_limits_refuses_its_request_with_the_reason(ckpt: Path) -> None:
+    """An object of 600 optional properties compiles, and its mask allows an opening key, but
+    taking it puts more items in the parser's row than llguidance allows (2,000): the request is
+    refused (its grammar's fault, not the engine's) with the parser's reason; the request beside it
+    runs on."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    engine = make_engine(ckpt)
+    engine.add_request(
+        "wide",
+        prompt(10, seed=16),
+        SamplingParams(temperature=0, max_tokens=20, grammar=grammar_from("json_schema", wide)),
+    )
+    engine.add_request(
+        "free", prompt(11, seed=17), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    outs = run_on(engine)
+    (refused,) = outs["wide"]
+    assert refused.refused and refused.finish_reason is FinishReason.ABORT
+    assert "the request's grammar failed" in (refused.error or "") and "max is 2000" in (refused.error or "")
+    assert "\n" not in (refused.error or "")  # the reason's first line, not the parser's state
+    assert len(tokens(outs["free"])) == 6 and engine.stats().failed_requests_total == 0

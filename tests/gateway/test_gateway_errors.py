@@ -138,6 +138,16 @@ def test_invalid_requests_are_400_invalid_request_error(
     envelope(post(stack, path, json=body), 400, "invalid_request_error", param)
 
 
+def test_a_grammar_only_the_model_refuses_is_a_400_and_the_stack_serves_on(stack: Stack) -> None:
+    """``<[N]>`` names a token id: valid Lark, so the gateway passes it, but the model has no token
+    99999. Its worker finds that when it compiles the grammar, off the engine's step, after it took
+    the request: still a 400 invalid_request_error, with the compiler's words."""
+    body = {**CMPL, "structured_outputs": {"grammar": "start: <[99999]>"}}
+    err = envelope(post(stack, "/v1/completions", json=body), 400, "invalid_request_error")
+    assert "does not compile" in err["message"] and "99999" in err["message"]
+    assert post(stack, "/v1/completions", json=CMPL).status_code == 200
+
+
 def test_invalid_json_and_unknown_routes(stack: Stack) -> None:
     err = envelope(
         post(

@@ -24,6 +24,13 @@ Disaggregation (the prefill and decode roles build on three additions to ``add_r
   comes with ``finish_load(..., token=)``, so its blocks are in place when the prefill ends and
   the copy starts at once, without a round trip through this engine first.
 
+Grammars (``SamplingParams.grammar``, yutu.engine.structured): a request whose grammar the engine has
+not compiled yet waits outside the scheduler while a thread compiles it (a large JSON schema takes
+tens to hundreds of milliseconds, which on the step's thread would stall every running request);
+``step()`` admits it once compiled, or returns it failed (``RequestOutput.refused``) if its grammar
+does not compile or its ``generated`` tokens do not follow it. A cached grammar is admitted at once.
+A grammar that gives up mid-output (one of llguidance's limits: ``GrammarFailed``) is refused too.
+
 Prompt logprobs (``SamplingParams.prompt_logprobs``, the OpenAI API's ``echo`` with ``logprobs``):
 every row of such a request's prompt chunks is kept (``ModelRunner.run``'s ``hidden_of``), its
 logits computed a few hundred rows at a time, and the logprob of each prompt token under the tokens
@@ -45,10 +52,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import torch
 
 from yutu.config import KERNEL_CHOICES
@@ -65,7 +75,7 @@ from yutu.engine.sampler import Sampler, TokenHistory, token_logprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
-from yutu.engine.structured import Grammars
+from yutu.engine.structured import GrammarFailed, Grammars
 from yutu.kv.block_manager import BlockManager, CacheEvent
 from yutu.kv.hashing import root_key
 
@@ -92,9 +102,22 @@ log = logging.getLogger(__name__)
 # 1.24-1.68x, 32 over 992 1.3x (a 7 ms step).
 WIDE_STEP_TOKENS = 256
 WIDE_STEP_SPAN = 48 * 1024
+# With nothing to step but requests whose grammars are compiling, step() waits this long for one to be
+# done (rather than return at once to a caller that would call it again and spin on a CPU the compile
+# needs); a caller's next command waits at most as long.
+GRAMMAR_WAIT_S = 0.002
 # Prompt logprobs: the rows of a chunk whose logits are computed at a time (a 128k vocabulary's 256
 # rows are 128 MiB of float32).
 PROMPT_LOGPROBS_ROWS = 256
+
+
+@dataclass(frozen=True)
+class _Compiling:
+    """A request waiting for its grammar: admitted (``LLMEngine._admit``) once ``future`` is done."""
+
+    seq: Sequence
+    generated: list[int]
+    future: Future[llguidance.LLMatcher]
 
 
 def is_wide(batch: ScheduledBatch) -> bool:
@@ -285,6 +308,7 @@ class LLMEngine:
         self._root_key = root_key(self.kv_salt)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id (loading ones included)
         self._held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept until release
+        self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar, in order
         self._loads: list[KVLoad] = []  # admitted imports not yet taken by the caller
         # Given a step's admitted imports once it is scheduled, before its forward pass (instead of
         # leaving them to take_loads after it): a caller that fills them on another thread or process
@@ -365,7 +389,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._seqs or request_id in self._held:
+        if request_id in self._seqs or request_id in self._held or request_id in self._compiling:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
@@ -410,7 +434,6 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        grammar = None if params.grammar is None else self.grammars.matcher(params.grammar)
         seq = Sequence(
             request_id,
             prompt_token_ids,
@@ -418,18 +441,54 @@ class LLMEngine:
             self.config.block_size,
             self._root_key,
             generator=generator,
-            grammar=grammar,
         )
-        for token in generated:  # with a grammar, each must follow it (else InvalidRequestError)
-            seq.append_token(token)
-        if generator is not None and not params.is_greedy:
-            Sampler.skip_draws(generator, len(generated))
         seq.kv_import_tokens = import_tokens
         seq.prefill_only = prefill_only
         seq.awaiting_token = await_token
-        self._seqs[request_id] = seq
+        if params.grammar is not None and not self.grammars.is_compiled(params.grammar):
+            self._compiling[request_id] = _Compiling(seq, generated, self.grammars.compile(params.grammar))
+            return
+        self._admit(seq, generated)
+
+    def _admit(
+        self, seq: Sequence, generated: list[int], compiled: llguidance.LLMatcher | None = None
+    ) -> None:
+        """Give ``seq`` its grammar's matcher (``compiled``: its compile's result), replay the tokens
+        ``generated`` elsewhere, and queue it. Raises InvalidRequestError if its grammar does not
+        compile or the tokens do not follow it."""
+        params = seq.params
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar, compiled)
+        for token in generated:  # with a grammar, each must follow it (else InvalidRequestError)
+            seq.append_token(token)
+        if seq.generator is not None and not params.is_greedy:
+            Sampler.skip_draws(seq.generator, len(generated))
+        self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
-        self._prompt_tokens_total += len(prompt_token_ids)
+        self._prompt_tokens_total += seq.num_prompt_tokens
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Admit the requests whose grammars have compiled (waiting up to GRAMMAR_WAIT_S for one when
+        nothing else is to be stepped); a refused output for each whose grammar failed."""
+        if not self.scheduler.has_unfinished():
+            wait_for([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        refused = []
+        for request_id, waiting in list(self._compiling.items()):
+            if not waiting.future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._admit(waiting.seq, waiting.generated, waiting.future.result())
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a Rust panic in llguidance is a BaseException
+                message = (
+                    str(exc)
+                    if isinstance(exc, InvalidRequestError)
+                    else (f"the request's grammar does not compile: {type(exc).__name__}: {exc}")
+                )
+                refused.append(self._refuse(waiting.seq, message))
+        return refused
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
         vocab = self.model_config.vocab_size
@@ -503,7 +562,7 @@ class LLMEngine:
         the load report's view of this engine."""
         queued: list[list[Any]] = []
         decoding: list[list[int]] = []
-        for seq in self.scheduler.waiting:
+        for seq in [c.seq for c in self._compiling.values()] + list(self.scheduler.waiting):
             queued.append([seq.num_tokens, 0, 0, seq.seq_id])
         for seq in list(self.scheduler.loading.values()) + self.scheduler.running:
             if seq.num_computed_tokens + 1 < seq.num_tokens:  # still in its prompt (or a recompute)
@@ -530,18 +589,19 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
-        else:
+        elif self._compiling.pop(request_id, None) is None:
             self.release(request_id)
 
     def abort_all(self) -> list[str]:
         """Abort every unfinished request and free its blocks; return their ids."""
-        ids = list(self._seqs)
+        ids = list(self._seqs) + list(self._compiling)
         for request_id in ids:
             self.abort_request(request_id)
         return ids
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether ``step()`` has anything to do: requests to step, or grammars compiling."""
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ------------------------------------------------------------------ the step
 
@@ -553,7 +613,7 @@ class LLMEngine:
         module docstring). Raises EngineBrokenError if the block pool is inconsistent afterwards.
         What ``on_loads`` raises is the caller's failure, not the step's: it is not contained.
         """
-        outputs: list[RequestOutput] = []
+        outputs = self._admit_compiled() if self._compiling else []
         batch: ScheduledBatch | None = None
         try:
             batch = self.scheduler.schedule()
@@ -563,17 +623,18 @@ class LLMEngine:
                     (load.seq_id, load.block_ids) for load in batch.loads if load.block_ids
                 )
         except Exception as exc:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
-            return self._fail_step(batch, exc)
+            return outputs + self._fail_step(batch, exc)
         if self.on_loads is not None and self._loads:
             self.on_loads(self.take_loads())
         if batch.is_empty:
-            return []
+            return outputs
         try:
             self._run(batch, outputs)
         except Exception as exc:  # noqa: BLE001 - contained, as above
             outputs += self._fail_step(batch, exc)
             return outputs
-        if outputs and all(out.failed for out in outputs):
+        ran = [out for out in outputs if not out.refused]
+        if ran and all(out.failed for out in ran):
             self.consecutive_failed_steps += 1  # the model answered, but with nothing usable
         else:
             self.consecutive_failed_steps = 0
@@ -613,7 +674,7 @@ class LLMEngine:
             log.error("the model produced non-finite logits; failing %s", sorted(nonfinite))
         failed = {seq_id: NONFINITE_LOGITS for seq_id in nonfinite} | grammar_failed
         for seq_id, message in failed.items():
-            outputs.append(self._fail(self._seqs[seq_id], message))
+            outputs.append(self._fail(self._seqs[seq_id], message, refused=seq_id in grammar_failed))
         self.scheduler.update_after_step(batch.without(set(failed)))
         for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if token is not None and seq.seq_id not in failed:
@@ -621,7 +682,8 @@ class LLMEngine:
 
     def _bitmask(self, sampled: list[Sequence]) -> tuple[torch.Tensor | None, dict[str, str]]:
         """The tokens each of ``sampled`` with a grammar may take next, one bitmask row per
-        sequence (None when none has a grammar); and the requests whose grammar failed, with why."""
+        sequence (None when none has a grammar); and the requests whose grammar gave up, with why
+        (the request's fault: GrammarFailed)."""
         if all(seq.grammar is None for seq in sampled):
             return None, {}
         bitmask = torch.full((len(sampled), self.grammars.bitmask_words), -1, dtype=torch.int32)
@@ -630,7 +692,7 @@ class LLMEngine:
             if seq.grammar is not None:
                 try:
                     seq.grammar.fill_bitmask(bitmask[row])
-                except InvalidRequestError as exc:
+                except GrammarFailed as exc:
                     failed[seq.seq_id] = str(exc)
         return bitmask, failed
 
@@ -706,11 +768,13 @@ class LLMEngine:
             raise EngineBrokenError(f"the KV block pool is inconsistent after a failed step: {err}") from exc
         return failures
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        """Abort ``seq``, free its blocks, and return its failed output."""
+    def _fail(self, seq: Sequence, message: str, refused: bool = False) -> RequestOutput:
+        """Abort ``seq``, free its blocks, and return its failed output (``refused``: the request's
+        own fault, its grammar's, not counted as the engine's failure)."""
         self.scheduler.abort(seq)
         del self._seqs[seq.seq_id]
-        self._failed_requests_total += 1
+        if not refused:
+            self._failed_requests_total += 1
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[],
@@ -720,12 +784,29 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             error=message,
+            refused=refused,
+        )
+
+    def _refuse(self, seq: Sequence, message: str) -> RequestOutput:
+        """The refused output of ``seq``, never admitted (it holds no blocks)."""
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[],
+            new_logprobs=None if seq.params.logprobs is None else [],
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=0,
+            error=message,
+            refused=True,
         )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         try:
             seq.append_token(token)
-        except InvalidRequestError as exc:  # a sampled token its grammar refuses: the mask failed
+        except GrammarFailed as exc:  # its grammar gave up on a token its mask allowed (a limit)
+            return self._fail(seq, str(exc), refused=True)
+        except InvalidRequestError as exc:  # a sampled token its mask did not allow: the mask failed
             log.error("request %s: %s", seq.seq_id, exc)
             return self._fail(seq, f"the sampled token broke the request's grammar: {exc}")
         self._generation_tokens_total += 1
@@ -770,7 +851,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             num_kv_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             kv_usage=bm.usage,

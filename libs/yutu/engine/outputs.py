@@ -55,7 +55,10 @@ class RequestOutput:
 
     A *failed* output has ``error`` set (a message for the user): the engine gave up on the request
     in this step (see ``LLMEngine.step``). It is aborted and its blocks are freed: ``finished`` is
-    True, ``finish_reason`` is ``ABORT``, and it carries no tokens. No further output follows.
+    True, ``finish_reason`` is ``ABORT``, and it carries no tokens. No further output follows. A
+    *refused* one (``refused``) is the request's own fault, found after ``add_request`` returned:
+    its grammar did not compile, the tokens generated elsewhere do not follow it, or it gave up
+    (a limit of the grammar engine's).
 
     A prefill-only request's first token comes with ``kv_held`` set and ``finished`` True but no
     ``finish_reason``: the engine is done with it, its blocks are held until ``LLMEngine.release``.
@@ -69,6 +72,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
     error: str | None = None  # set iff the engine failed the request (then finished, no tokens)
+    refused: bool = False  # with error: the request's own fault (its grammar, say), not the engine's
     kv_held: HeldKV | None = None  # a prefill-only request's blocks, held for a peer to read
     prefill_s: float | None = None  # with the first token: the prompt's share (by tokens) of its steps' time
     # With the first token, when params.prompt_logprobs is set: one entry per prompt token, each

@@ -15,9 +15,12 @@ a 128k vocabulary in ~1 ms against ~16 ms here); :func:`mask_rows_` here is the 
 bit for bit in a test, and what runs on other devices.
 
 llguidance (Microsoft's grammar engine, one of vLLM's structured-output backends) computes a mask
-in ~2-12 us at the demo model's 2,560 tokens; a matcher is built in under a millisecond there,
-from a per-grammar copy (:class:`Grammars` caches one pristine matcher per grammar). Its tokenizer
-view is built once per engine, from the checkpoint's ``tokenizer.json``, when the engine starts.
+in ~2-12 us at the demo model's 2,560 tokens; a request's matcher is a copy of a per-grammar pristine
+one (:class:`Grammars` caches 64), made in microseconds. Compiling a grammar the cache lacks takes
+longer -- ~9 ms for 28 KB of JSON schema, ~0.8 s for 630 KB -- and releases the GIL, so it runs on a
+thread of its own (:meth:`Grammars.compile`) while the engine steps the other requests; the request
+waits for it outside the scheduler (``LLMEngine.add_request``). Its tokenizer view is built once per
+engine, from the checkpoint's ``tokenizer.json``, when the engine starts.
 
 Nothing here depends on where the matcher lives: a decode instance or a migrated request rebuilds
 it by replaying the tokens generated so far (``LLMEngine.add_request(generated=...)``), so the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -84,18 +88,35 @@ def grammar_from(kind: GrammarKind, spec: Any) -> str:
     return grammar
 
 
+class GrammarFailed(InvalidRequestError):
+    """A request's grammar gave up: its parser refused a token its own mask allowed, or could not
+    compute a mask -- a resource limit of llguidance's (an object of hundreds of optional
+    properties, say). The request's own fault, not the engine's."""
+
+
 class Grammar:
     """One request's matcher: which tokens may come next, and the tokens it has taken."""
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
+        self._mask: torch.Tensor | None = None  # the bitmask row fill_bitmask last wrote
 
     def advance(self, token: int) -> None:
         """Take ``token``, the request's next output token. Raises InvalidRequestError if the
-        grammar does not allow it; the matcher is then broken, and so is its request (every caller
-        refuses or fails it): one call per token, no check before it."""
-        if not self._matcher.consume_token(token):
-            raise InvalidRequestError(f"token {token} does not follow the request's grammar here")
+        grammar does not allow it (GrammarFailed if the mask last filled allowed it: the grammar
+        gave up); the matcher is then broken, and so is its request (every caller refuses or fails
+        it): one call per token, no check before it."""
+        mask, self._mask = self._mask, None
+        if self._matcher.consume_token(token):
+            return
+        problem = self._problem()
+        if mask is not None and int(mask[token // 32]) >> (token % 32) & 1:
+            raise GrammarFailed(f"the request's grammar failed at token {token}: {problem}")
+        raise InvalidRequestError(f"token {token} does not follow the request's grammar here ({problem})")
+
+    def _problem(self) -> str:
+        """The matcher's error, its first line (the rest is its state: long, and the grammar's)."""
+        return self._matcher.get_error().split("\n", 1)[0]
 
     @property
     def is_done(self) -> bool:
@@ -108,7 +129,8 @@ class Grammar:
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self._matcher.is_error():  # a resource limit of a pathological grammar
-            raise InvalidRequestError(f"the request's grammar failed: {self._matcher.get_error()}")
+            raise GrammarFailed(f"the request's grammar failed: {self._problem()}")
+        self._mask = row
 
 
 class Grammars:
@@ -122,6 +144,8 @@ class Grammars:
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self._pristine: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}  # started, not yet cached
+        self._pool: ThreadPoolExecutor | None = None  # the compiling thread, started with the first
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._problem = ""  # why there is no tokenizer view
         path = Path(model_dir) / "tokenizer.json"
@@ -151,11 +175,38 @@ class Grammars:
             raise InvalidRequestError(self._problem)
         return self._tokenizer
 
-    def matcher(self, grammar: str) -> Grammar:
-        """A fresh matcher of ``grammar``. Raises InvalidRequestError if it does not compile."""
+    def is_compiled(self, grammar: str) -> bool:
+        """Whether :meth:`matcher` has ``grammar`` at hand (else it compiles it). Raises
+        InvalidRequestError if this model cannot take grammars at all."""
+        self._tokenizer_view()
+        return grammar in self._pristine
+
+    def compile(self, grammar: str) -> Future[llguidance.LLMatcher]:
+        """Start compiling ``grammar`` on the compiling thread (or join the compile already under
+        way); pass the future's result to :meth:`matcher` once it is done. Requests of grammars
+        the cache lacks wait for this instead of holding up the step (compiles release the GIL)."""
+        tokenizer = self._tokenizer_view()
+        for started in [g for g, future in self._compiling.items() if future.done() and g != grammar]:
+            del self._compiling[started]  # its requests hold the future (if all were aborted: none)
+        future = self._compiling.get(grammar)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="yutu-grammar")
+            future = self._pool.submit(_compile, tokenizer, grammar)
+            self._compiling[grammar] = future
+        return future
+
+    def matcher(self, grammar: str, compiled: llguidance.LLMatcher | None = None) -> Grammar:
+        """A fresh matcher of ``grammar``: a copy of the cached one, else of ``compiled`` (a
+        :meth:`compile` result), else compiled here, on the caller's thread (the plain path).
+        Raises InvalidRequestError if it does not compile."""
         pristine = self._pristine.get(grammar)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._tokenizer_view(), grammar, log_level=0)
+            pristine = (
+                compiled
+                if compiled is not None
+                else llguidance.LLMatcher(self._tokenizer_view(), grammar, log_level=0)
+            )
             if pristine.is_error():
                 raise InvalidRequestError(f"the request's grammar does not compile: {pristine.get_error()}")
             self._pristine[grammar] = pristine
@@ -164,6 +215,11 @@ class Grammars:
         else:
             self._pristine.move_to_end(grammar)
         return Grammar(pristine.deep_copy())
+
+
+def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A pristine matcher of ``grammar``; one that does not compile says so (``is_error``)."""
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
