@@ -22,7 +22,6 @@ from services.gateway.schemas import (
     CompletionRequest,
     _GenerationRequest,
 )
-from services.gateway.structured import grammar_for
 from services.gateway.tokenization import PromptTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -298,18 +297,18 @@ def choice_specs(
     vocab_size: int,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
-    tool_schema: dict[str, Any] | None = None,
+    grammar: str | None = None,
 ) -> list[ChoiceSpec]:
     """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
 
     Refuses (400, ``max_tokens_param``) a request whose choices may generate more tokens in all
     than ``limits`` allow, counting each choice's exact max_tokens; and (400, ``prompt_param`` or
-    ``max_tokens_param``) one whose prompt and max_tokens do not fit the context.
+    ``max_tokens_param``) one whose prompt and max_tokens do not fit the context. ``grammar``: the
+    output constraint :func:`services.gateway.structured.grammar_for` compiled.
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
     logit_bias = logit_bias_for(req.logit_bias, vocab_size)
-    grammar = grammar_for(req, tool_schema)
     score_only = requested_max_tokens == 0  # (echo) the worker computes one token, not shown
     per_prompt = [
         max_tokens_for(

@@ -29,6 +29,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
+from services.gateway.structured import grammar_for
 from services.gateway.tool_parsers import parser_named
 from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
 from services.gateway.valid_text import require_valid_text
@@ -64,10 +65,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompt = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
+    grammar = await grammar_for(body, gw.prompts, plan.schema)
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
         limits=limits, vocab_size=gw.tokenizer.vocab_size,
-        max_tokens_param=param, prompt_param="messages", tool_schema=plan.schema,
+        max_tokens_param=param, prompt_param="messages", grammar=grammar,
     )  # fmt: skip
     gen = Generation(
         gw.router,

@@ -34,6 +34,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import GatewayService
 from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
+from services.gateway.structured import grammar_for
 from services.gateway.valid_text import require_valid_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -64,6 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     limits = gw.settings.limits
     check_cost_before_tokenizing(body, limits, num_prompts(body), body.max_tokens, "max_tokens")
     prompts = await completion_prompts(body, gw.prompts, max_model_len)
+    grammar = await grammar_for(body, gw.prompts)
     specs = choice_specs(
         body,
         prompts,
@@ -73,6 +75,7 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         body.logprobs,
         limits=limits,
         vocab_size=gw.tokenizer.vocab_size,
+        grammar=grammar,
     )
     gen = Generation(
         gw.router,

@@ -67,10 +67,14 @@ class PromptTokenizer:
         if size <= INLINE_CHARS:
             return fn(*args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
+            return await self.off_loop(fn, *args)
         finally:
             if size >= LARGE_REQUEST_BYTES:
                 self.releaser.soon()
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the pool (other CPU work of a request's: a grammar's compile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
 
     def check_length(self, text: str, max_model_len: int | None, param: str) -> None:
         """Refuse ``text`` (413, context_length_exceeded) if it cannot fit ``max_model_len`` tokens.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,46 @@ async def test_the_chat_template_sees_the_tools_and_call_arguments_as_objects(ti
         prompts.close()
     assert tok.decode(ids) == "weather;now;Paris"
     assert messages[0].model_dump()["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+async def test_a_grammar_compiles_off_the_event_loop_once_then_comes_from_the_cache(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A constraint the gateway's cache lacks compiles on a tokenizer-pool thread, not on the event
+    loop that streams the other responses (a large schema takes tens to hundreds of milliseconds);
+    the same spec again comes from the cache; one that does not compile is a 400 naming its field,
+    every time (not cached)."""
+    from collections import OrderedDict
+
+    from yutu.engine.structured import grammar_from
+
+    from services.gateway import structured
+    from services.gateway.memory import MemoryReleaser
+    from services.gateway.schemas import CompletionRequest
+    from services.gateway.tokenization import PromptTokenizer
+
+    threads: list[str] = []
+    real = structured._compile
+
+    def spy(kind: Any, text: str) -> str:
+        threads.append(threading.current_thread().name)
+        return real(kind, text)
+
+    monkeypatch.setattr(structured, "_compile", spy)
+    monkeypatch.setattr(structured, "_compiled", OrderedDict())
+    prompts = PromptTokenizer(Tokenizer.from_dir(tiny_model), threads=1, releaser=MemoryReleaser())
+    schema = {"type": "object", "properties": {"moon": {"type": "integer"}}, "required": ["moon"]}
+    try:
+        request = CompletionRequest(model="m", prompt="x", guided_json=schema)
+        first = await structured.grammar_for(request, prompts)
+        assert await structured.grammar_for(request, prompts) == first == grammar_from("json_schema", schema)
+        assert len(threads) == 1 and threads[0].startswith("tokenize")
+        assert threads[0] != threading.current_thread().name
+        bad = CompletionRequest(model="m", prompt="x", guided_regex="((")
+        for _ in range(2):
+            with pytest.raises(ApiError, match="unclosed group") as refused:
+                await structured.grammar_for(bad, prompts)
+            assert refused.value.status == 400 and refused.value.param == "guided_regex"
+        assert len(threads) == 3
+    finally:
+        prompts.close()
