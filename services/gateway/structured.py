@@ -21,10 +21,9 @@ that streams every other response.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import Any
 
-from yutu.engine.structured import GrammarKind, grammar_from
+from yutu.engine.structured import GrammarKind, LRUCache, grammar_from
 
 from services.gateway.errors import invalid
 from services.gateway.schemas import _GenerationRequest
@@ -32,6 +31,7 @@ from services.gateway.tokenization import PromptTokenizer
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 COMPILED_CACHE_SIZE = 256  # compiled grammars the gateway keeps, by their spec's text
+COMPILED_CACHE_BYTES = 32 * 2**20  # ... of at most this much text, specs and grammars (a spec may be MBs)
 _STRUCTURED_OUTPUTS_KEYS: dict[str, GrammarKind] = {
     "json": "json_schema",
     "regex": "regex",
@@ -114,22 +114,20 @@ async def grammar_for(
         raise invalid(f"{param} must be a string, got {type(spec).__name__}", param.split(".")[0])
     key = (kind, spec if isinstance(spec, str) and kind != "choice" else json.dumps(spec))
     grammar = _compiled.get(key)
-    if grammar is not None:
-        _compiled.move_to_end(key)
-        return grammar
-    try:
-        grammar = await pool.off_loop(_compile, *key)
-    except ValueError as exc:
-        raise invalid(f"{param}: {exc}", param.split(".")[0]) from None
-    _compiled[key] = grammar
-    if len(_compiled) > COMPILED_CACHE_SIZE:
-        _compiled.popitem(last=False)
+    if grammar is None:
+        try:
+            grammar = await pool.off_loop(_compile, *key)
+        except ValueError as exc:
+            raise invalid(f"{param}: {exc}", param.split(".")[0]) from None
+        _compiled.put(key, grammar)
     return grammar
 
 
 # Compiled grammars by (kind, the spec as text): clients tend to send one schema again and again. A
 # spec that does not compile is not kept (it raises every time). Used on the event loop only.
-_compiled: OrderedDict[tuple[GrammarKind, str], str] = OrderedDict()
+_compiled: LRUCache[tuple[GrammarKind, str], str] = LRUCache(
+    COMPILED_CACHE_SIZE, COMPILED_CACHE_BYTES, lambda key, grammar: len(key[1]) + len(grammar)
+)
 
 
 def _compile(kind: GrammarKind, text: str) -> str:

@@ -18,7 +18,7 @@ from yutu.engine.engine import FinishReason, LLMEngine, RequestOutput
 from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampler import Sampler, TokenHistory
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.structured import GrammarFailed, Grammars, grammar_from, mask_rows_, unpack_bitmask
+from yutu.engine.structured import GrammarFailed, Grammars, LRUCache, grammar_from, mask_rows_, unpack_bitmask
 from yutu.engine.tokenizer import Tokenizer
 
 from tests.engine.engine_support import make_engine, prompt
@@ -413,3 +413,29 @@ def test_a_grammar_beyond_the_parsers_limits_refuses_its_request_with_the_reason
     assert "the request's grammar failed" in (refused.error or "") and "max is 2000" in (refused.error or "")
     assert "\n" not in (refused.error or "")  # the reason's first line, not the parser's state
     assert len(tokens(outs["free"])) == 6 and engine.stats().failed_requests_total == 0
+
+
+def test_the_lru_cache_keeps_the_recent_within_its_count_and_its_bytes() -> None:
+    cache: LRUCache[str, str] = LRUCache(3, 10, lambda key, value: len(value))
+    for key, value in [("a", "xx"), ("b", "xxx"), ("c", "x")]:
+        cache.put(key, value)
+    assert cache.get("a") == "xx" and cache.bytes == 6  # now the most recent
+    cache.put("d", "xx")  # a fourth: the least recently used goes (b, not a)
+    assert "b" not in cache and list(map(cache.get, "acd")) == ["xx", "x", "xx"] and cache.bytes == 5
+    cache.put("e", "xxxxxxx")  # 12 bytes: a (the least recently read) goes, 10 fit
+    assert "a" not in cache and len(cache) == 3 and cache.bytes == 10
+    cache.put("f", "x" * 50)  # over the bound alone: kept, the rest go
+    assert len(cache) == 1 and cache.get("f") and cache.bytes == 50
+    cache.put("f", "y")  # put again: its cost replaced, not added
+    assert cache.bytes == 1 and cache.get("f") == "y" and cache.get("zz") is None
+
+
+def test_an_engine_caches_grammars_within_its_bytes(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each grammar's matcher takes ~50-70x its text in memory: the cache holds at most
+    GRAMMAR_CACHE_BYTES of grammar text, dropping the least recently used."""
+    grammars = [grammar_from("regex", f"{'a' * n}[0-9]+") for n in (1, 2, 3)]
+    monkeypatch.setattr(structured, "GRAMMAR_CACHE_BYTES", len(grammars[1]) + len(grammars[2]))
+    cache = Grammars(ckpt, 512, [1])
+    for grammar in grammars:
+        cache.matcher(grammar)
+    assert [cache.is_compiled(g) for g in grammars] == [False, True, True]

@@ -241,9 +241,7 @@ async def test_a_grammar_compiles_off_the_event_loop_once_then_comes_from_the_ca
     loop that streams the other responses (a large schema takes tens to hundreds of milliseconds);
     the same spec again comes from the cache; one that does not compile is a 400 naming its field,
     every time (not cached)."""
-    from collections import OrderedDict
-
-    from yutu.engine.structured import grammar_from
+    from yutu.engine.structured import LRUCache, grammar_from
 
     from services.gateway import structured
     from services.gateway.memory import MemoryReleaser
@@ -258,7 +256,9 @@ async def test_a_grammar_compiles_off_the_event_loop_once_then_comes_from_the_ca
         return real(kind, text)
 
     monkeypatch.setattr(structured, "_compile", spy)
-    monkeypatch.setattr(structured, "_compiled", OrderedDict())
+    monkeypatch.setattr(
+        structured, "_compiled", LRUCache(4, 2**20, lambda key, grammar: len(key[1]) + len(grammar))
+    )
     prompts = PromptTokenizer(Tokenizer.from_dir(tiny_model), threads=1, releaser=MemoryReleaser())
     schema = {"type": "object", "properties": {"moon": {"type": "integer"}}, "required": ["moon"]}
     try:
