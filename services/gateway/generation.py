@@ -262,11 +262,18 @@ class Generation:
 
     async def _consume(self, state: ChoiceState, handle: Handle) -> None:
         spec = state.spec
-        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids, spec.skip_special_tokens)
         matcher = StopMatcher(spec.stops, spec.include_stop)
         offset = 0  # chars of detokenized text so far
         last_token_at: float | None = None
         stop_ids = set(spec.sampling.stop_token_ids)
+        # Kept special tokens are text, but not the one that ends the output (an eos, a stop token
+        # id): the text is the same as with them skipped, up to where the model stopped.
+        enders = (
+            set()
+            if spec.skip_special_tokens
+            else self.tokenizer.special_token_ids & (stop_ids | set(self.tokenizer.eos_token_ids))
+        )
         while True:
             delta: TokenDelta = await handle.next()
             if spec.score_only:  # max_tokens 0 (echo): the one token the worker computed is not shown
@@ -293,7 +300,8 @@ class Generation:
                         top=[] if lp is None else [(int(a), float(b)) for a, b in lp[2]],
                     )
                 )
-                piece = detok.push([token_id])
+                ends = delta.finish_reason == "stop" and i == len(delta.token_ids) - 1 and token_id in enders
+                piece = "" if ends else detok.push([token_id])
                 offset += len(piece)
                 shown, matched = matcher.feed(piece)
                 update.text += shown

@@ -38,6 +38,7 @@ class ChoiceSpec:
     stops: tuple[str, ...]
     score_only: bool = False  # max_tokens 0 with echo: the worker's one token is not shown
     include_stop: bool = False  # a stop string reached ends the text (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool = True  # special tokens are left out of the text (vLLM's, by default)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -298,13 +299,15 @@ def choice_specs(
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
     grammar: str | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> list[ChoiceSpec]:
     """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
 
     Refuses (400, ``max_tokens_param``) a request whose choices may generate more tokens in all
     than ``limits`` allow, counting each choice's exact max_tokens; and (400, ``prompt_param`` or
     ``max_tokens_param``) one whose prompt and max_tokens do not fit the context. ``grammar``: the
-    output constraint :func:`services.gateway.structured.grammar_for` compiled.
+    output constraint :func:`services.gateway.structured.grammar_for` compiled;
+    ``skip_special_tokens``: the request's own unless given (a tool-call format may need them).
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
@@ -323,6 +326,15 @@ def choice_specs(
         for i in range(req.n):
             sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias, grammar)
             specs.append(
-                ChoiceSpec(p * req.n + i, p, ids, sampling, stops, score_only, req.include_stop_str_in_output)
+                ChoiceSpec(
+                    p * req.n + i,
+                    p,
+                    ids,
+                    sampling,
+                    stops,
+                    score_only,
+                    req.include_stop_str_in_output,
+                    req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                )  # fmt: skip
             )
     return specs

@@ -70,6 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         body, [prompt], max_model_len, requested, None, logprobs,
         limits=limits, vocab_size=gw.tokenizer.vocab_size,
         max_tokens_param=param, prompt_param="messages", grammar=grammar,
+        skip_special_tokens=plan.skip_special_tokens(body.skip_special_tokens),
     )  # fmt: skip
     gen = Generation(
         gw.router,

@@ -2,7 +2,7 @@
 
 Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k,
 repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output, stop_token_ids,
-add_generation_prompt, structured_outputs and the guided_* fields) are accepted too. Unknown fields are ignored.
+skip_special_tokens, add_generation_prompt, structured_outputs and the guided_* fields) are accepted too. Unknown fields are ignored.
 Requests are validated strictly, as OpenAI does: ``"2"`` is not an integer and ``"true"`` not a
 boolean (an integer is a number, though). Range checks here give 400s with ``param`` set (see
 errors.py); cross-field rules live in prompts.py where the prompt length is known.
@@ -72,6 +72,7 @@ class _GenerationRequest(_Request):
     include_stop_str_in_output: bool = False  # a stop string reached ends the text instead of being cut
     stop_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    skip_special_tokens: bool = True  # False: special tokens the model writes are in the text
     # structured outputs (services/gateway/structured.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

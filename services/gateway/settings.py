@@ -144,8 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's tool-call format, which chat requests with tools and tool_choice auto (the"
         " default with tools) need to find its calls in its text: hermes (Hermes, Qwen2.5, Qwen3),"
-        " llama3_json (Llama 3.1-3.3); unset: such requests get a 400 (required and named tool"
-        " choices need none)",
+        " llama3_json (Llama 3.1-3.3), mistral (Mistral, Mixtral); unset: such requests get a 400"
+        " (required and named tool choices need none)",
     )
     cost = parser.add_argument_group("request limits")
     own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")

@@ -8,7 +8,15 @@ flag of the same name):
   "arguments": {...}}</tool_call>`` blocks after any text;
 - ``llama3_json`` (Llama 3.1-3.3 with their JSON tool template): the whole answer is one call
   ``{"name": ..., "parameters": {...}}`` (several separated by ``;``), after an optional
-  ``<|python_tag|>``.
+  ``<|python_tag|>``;
+- ``mistral`` (Mistral 7B v0.3, Mixtral, Mistral Nemo / Small / Large): calls follow the special
+  token ``[TOOL_CALLS]``, as a JSON array ``[{"name": ..., "arguments": {...}}, ...]`` or, in newer
+  tokenizers (v11 and up), as ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``;
+  call ids are nine letters and digits, which Mistral's chat templates require of the ids sent back.
+
+Where a format's markers are special tokens (``[TOOL_CALLS]``; ``<tool_call>`` in some Hermes
+models), the text must keep them: with ``auto`` the choice is detokenized with
+``skip_special_tokens`` false, whatever the request asked (vLLM does the same).
 
 A parser reads a choice's whole text (:meth:`ToolCallParser.parse`); streamed, the text before
 the point where a call may begin goes out as content as it comes (:meth:`ToolCallParser.content_end`)
@@ -19,6 +27,9 @@ one is content, whole, as the model wrote it.
 from __future__ import annotations
 
 import json
+import secrets
+import string
+import uuid
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
@@ -34,6 +45,11 @@ class ToolCallParser:
     """A model family's tool-call format."""
 
     name: ClassVar[str]
+    skip_special_tokens: ClassVar[bool] = True  # False: its markers may be special tokens, kept in the text
+
+    def call_id(self) -> str:
+        """A new tool call's id."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
         """(the content before the calls, the calls) when ``text`` holds calls, else None."""
@@ -53,8 +69,17 @@ def _call(item: Any, arguments_key: str) -> ParsedCall | None:
     return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def _partial_start(text: str, start: str) -> int:
+    """Where ``text`` ends in the beginning of ``start`` (a marker coming in pieces), else its length."""
+    for keep in range(min(len(start) - 1, len(text)), 0, -1):
+        if start.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
 class HermesParser(ToolCallParser):
     name = "hermes"
+    skip_special_tokens = False  # Hermes 2 Pro and 3 (Llama 3 based) make <tool_call> a special token
     START, END = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
@@ -81,12 +106,7 @@ class HermesParser(ToolCallParser):
 
     def content_end(self, text: str) -> int:
         first = text.find(self.START)
-        if first >= 0:
-            return first
-        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):  # a start tag coming in pieces
-            if self.START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return first if first >= 0 else _partial_start(text, self.START)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -120,7 +140,56 @@ class Llama3JsonParser(ToolCallParser):
         return len(text)
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+class MistralParser(ToolCallParser):
+    name = "mistral"
+    skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    ID_CHARACTERS = string.ascii_letters + string.digits
+
+    def call_id(self) -> str:
+        return "".join(secrets.choice(self.ID_CHARACTERS) for _ in range(9))
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+        first = text.find(self.START)
+        if first < 0:
+            return None
+        rest = text[first + len(self.START) :].lstrip()
+        calls: list[ParsedCall] = []
+        if rest.startswith("["):  # a JSON array of calls (tokenizers before v11)
+            try:
+                items, end = json.JSONDecoder().raw_decode(rest)
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(items, list) or not items or rest[end:].strip():
+                return None
+            for item in items:
+                call = _call(item, "arguments")
+                if call is None:
+                    return None
+                calls.append(call)
+        else:  # name[ARGS]{...}, each call after its own [TOOL_CALLS] (v11 and up)
+            for part in text[first + len(self.START) :].split(self.START):
+                name, args, arguments = part.partition(self.ARGS)
+                if not args or not name.strip():
+                    return None
+                try:
+                    value, end = json.JSONDecoder().raw_decode(arguments.strip())
+                except json.JSONDecodeError:
+                    return None
+                call = _call({"name": name.strip(), "arguments": value}, "arguments")
+                if call is None or arguments.strip()[end:].strip():
+                    return None
+                calls.append(call)
+        return text[:first], calls
+
+    def content_end(self, text: str) -> int:
+        first = text.find(self.START)
+        return first if first >= 0 else _partial_start(text, self.START)
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
 
 
 @cache

@@ -43,12 +43,24 @@ class ToolPlan:
     mode: Literal["none", "named", "required", "auto"]
     function: str | None = None  # the named function
     schema: dict[str, Any] | None = None  # the JSON schema the output follows (named, required)
-    parser: ToolCallParser | None = None  # finds the calls in free text (auto)
+    parser: ToolCallParser | None = None  # the gateway's: finds the calls in free text (auto), names calls
 
     @property
     def calls(self) -> bool:
         """The output is tool calls, not text."""
         return self.mode in ("named", "required")
+
+    def skip_special_tokens(self, requested: bool) -> bool:
+        """Whether the output's text leaves special tokens out: as ``requested``, unless calls in
+        free text are marked by special tokens, which the parser must see."""
+        return requested and not (
+            self.mode == "auto" and self.parser is not None and not self.parser.skip_special_tokens
+        )
+
+    def new_call(self, name: str, arguments: str) -> ToolCall:
+        """A tool call with a new id (of the model family's form, where the gateway knows it)."""
+        call_id = self.parser.call_id() if self.parser is not None else f"call_{uuid.uuid4().hex[:24]}"
+        return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
 
     def split(self, text: str) -> tuple[str, list[ToolCall] | None]:
         """A choice's whole output text as the text that is content (``""`` when none) and its
@@ -56,11 +68,11 @@ class ToolPlan:
         call was cut short: the text is all there is)."""
         if self.mode == "named":
             assert self.function is not None
-            return "", [new_call(self.function, text)]
+            return "", [self.new_call(self.function, text)]
         if self.mode == "required":
             try:  # the grammar's shape, unless a stop string or max_tokens cut it
                 calls = [
-                    new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
+                    self.new_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
                     for i in json.loads(text)
                 ]
             except (json.JSONDecodeError, KeyError, TypeError):
@@ -70,7 +82,7 @@ class ToolPlan:
             assert self.parser is not None
             parsed = self.parser.parse(text)
             if parsed is not None:
-                return parsed[0], [new_call(c.name, c.arguments) for c in parsed[1]]
+                return parsed[0], [self.new_call(c.name, c.arguments) for c in parsed[1]]
         return text, None
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
@@ -87,10 +99,6 @@ class ToolPlan:
         return finish_reason
 
 
-def new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
-
-
 def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) -> ToolPlan:
     """The request's tool plan (``parser``: the gateway's ``--tool-call-parser``, which ``auto``
     needs); 400 naming ``tools`` or ``tool_choice`` when they do not agree."""
@@ -100,7 +108,7 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
         raise invalid("tools must name distinct functions", "tools")
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", parser=parser)
     if not tools:
         raise invalid("tool_choice other than none needs tools", "tool_choice")
     if choice == "auto":
@@ -114,13 +122,16 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
             )
         return ToolPlan("auto", parser=parser)
     if choice == "required":
-        return ToolPlan("required", schema=_any_of_the_calls(tools, req.parallel_tool_calls))
+        return ToolPlan("required", schema=_any_of_the_calls(tools, req.parallel_tool_calls), parser=parser)
     assert not isinstance(choice, str)
     name = choice.function.name
     if name not in names:
         raise invalid(f"tool_choice names function {name!r}, which is not among tools", "tool_choice")
     return ToolPlan(
-        "named", function=name, schema=tools[names.index(name)].function.parameters or NO_ARGUMENTS
+        "named",
+        function=name,
+        schema=tools[names.index(name)].function.parameters or NO_ARGUMENTS,
+        parser=parser,
     )
 
 
@@ -180,14 +191,15 @@ class ChoiceStream:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self._call_id is None:
                 assert self.plan.function is not None
-                self._call_id = new_call(self.plan.function, "").id
+                self._call_id = self.plan.new_call(self.plan.function, "").id
                 call = {"index": 0, "id": self._call_id, "type": "function",
                         "function": {"name": self.plan.function, "arguments": text}}  # fmt: skip
             return [self._delta(tool_calls=[call])], finish_reason
         self._text += text
         deltas = []
         if finish_reason is None:
-            if self.plan.parser is not None:  # auto: the content that no call can follow
+            if self.plan.mode == "auto":  # the content that no call can follow
+                assert self.plan.parser is not None
                 end = self.plan.parser.content_end(self._text)
                 if end > self._sent:
                     deltas.append(self._delta(content=self._text[self._sent : end]))

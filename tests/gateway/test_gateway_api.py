@@ -311,6 +311,35 @@ def test_structured_outputs_through_the_openai_client(stack: Stack, client: open
             assert c.finish_reason == "stop" and check(c.text), (extra, c.text)
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_one_that_ends_it(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """vLLM's ``skip_special_tokens``: a grammar makes the model write the special token
+    <|start_header_id|> (id 2) between plain text; by default it is not in the text, with false it
+    is, streamed or not, on both endpoints. A special token that ends the output (a stop token id
+    here) is not text either way."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    assert tok.id_to_token(2) == "<|start_header_id|>" and 2 in tok.special_token_ids
+    forced = {"structured_outputs": {"grammar": 'start: "ab" <[2]> "cd"'}}
+    for skip, want in [(True, "abcd"), (False, "ab<|start_header_id|>cd")]:
+        body = {**forced, "skip_special_tokens": skip}
+        whole = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0, extra_body=body
+        )
+        assert whole.choices[0].text == want and whole.choices[0].finish_reason == "stop"
+        chunks = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                                           extra_body=body, stream=True)  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=20, temperature=0, extra_body=body)  # fmt: skip
+        assert chat.choices[0].message.content == want
+    ended = {"structured_outputs": {"grammar": 'start: "ab" <[3]> "zz"'}, "stop_token_ids": [3]}
+    for skip in (True, False):
+        out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                                        extra_body={**ended, "skip_special_tokens": skip})  # fmt: skip
+        assert out.choices[0].text == "ab" and out.choices[0].finish_reason == "stop"
+
+
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                           "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip

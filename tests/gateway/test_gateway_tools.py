@@ -10,7 +10,7 @@ import pytest
 
 from services.gateway.errors import ApiError
 from services.gateway.schemas import ChatCompletionRequest
-from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
+from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, ParsedCall
 from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
 
 NOW = {"type": "function", "function": {"name": "now"}}
@@ -88,6 +88,44 @@ def test_llama3_json_calls() -> None:
         assert p.parse(not_calls) is None, not_calls
     assert p.content_end("  {") == 0 and p.content_end("") == 0 and p.content_end("<|py") == 0
     assert p.content_end("Sure") == 4
+
+
+def test_mistral_calls() -> None:
+    """Both of Mistral's formats after [TOOL_CALLS]: a JSON array, and name[ARGS]{...} per call;
+    the text before is content; nine-character ids of letters and digits."""
+    p = MistralParser()
+    weather = ParsedCall("weather", '{"city": "Oslo"}')
+    assert p.parse('[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now"}]') == (
+        "",
+        [weather, ParsedCall("now", "{}")],
+    )
+    assert p.parse('Let me look.[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}') == (
+        "Let me look.",
+        [weather, ParsedCall("now", "{}")],
+    )
+    for not_calls in ["The weather is fine.", "[TOOL_CALLS]", '[TOOL_CALLS][{"name": "now"}] and text',
+                      '[TOOL_CALLS][{"name": "now"', "[TOOL_CALLS][]", '[TOOL_CALLS]now{"a": 1}',
+                      "[TOOL_CALLS]now[ARGS]{", '[TOOL_CALLS][ARGS]{}', '[TOOL_CALLS]now[ARGS]{} more',
+                      '[TOOL_CALLS]now[ARGS]5', '[TOOL_CALLS][{"name": "a", "arguments": [1]}]']:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    assert p.content_end("Sure [TOOL_CALLS]now") == 5 and p.content_end("Sure [TOOL") == 5
+    assert p.content_end("Sure") == 4
+    ids = {p.call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    assert ToolPlan("auto", parser=p).split("[TOOL_CALLS]now[ARGS]{}")[1][0].id.isalnum()  # type: ignore[index]
+
+
+def test_special_tokens_are_kept_where_the_format_needs_them() -> None:
+    """auto with a format whose markers may be special tokens detokenizes with them; any other
+    plan keeps what the request asked."""
+    assert ToolPlan("auto", parser=MistralParser()).skip_special_tokens(True) is False
+    assert ToolPlan("auto", parser=HermesParser()).skip_special_tokens(True) is False
+    assert ToolPlan("auto", parser=Llama3JsonParser()).skip_special_tokens(True) is True
+    assert ToolPlan("none", parser=MistralParser()).skip_special_tokens(True) is True
+    assert ToolPlan("named", function="now", parser=MistralParser()).skip_special_tokens(False) is False
+    named = ToolPlan("named", function="now", parser=MistralParser()).split("{}")[1]
+    assert named is not None and len(named[0].id) == 9  # the family's ids in every mode
+    assert ToolPlan("named", function="now").split("{}")[1][0].id.startswith("call_")  # type: ignore[index]
 
 
 def feed(plan: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list[dict[str, Any]], str | None]:

@@ -56,6 +56,10 @@ class Tokenizer:
             eos_ids.append(eos_id)
         eos_ids.extend(int(i) for i in extra_eos_token_ids)
         self._eos_token_ids = tuple(dict.fromkeys(eos_ids))
+        # The added tokens marked special: those decode(skip_special_tokens=True) leaves out.
+        self.special_token_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
