@@ -14,7 +14,8 @@ and ``tool_choice`` decides what comes back:
   format, which the gateway finds with the parser it was started with (``--tool-call-parser``,
   services/gateway/tool_parsers.py): calls found come back as tool calls, with the text before
   them as content and ``finish_reason`` ``tool_calls``; without a parser, a 400 (as vLLM). Free
-  text cannot be held to ``parallel_tool_calls: false``: every call the model wrote comes back.
+  text cannot be held to ``parallel_tool_calls: false`` as it is written: the first call the
+  model wrote comes back, the others are dropped (as vLLM does).
 
 A call cut short by ``max_tokens`` keeps ``finish_reason`` ``length``: a named call with the
 arguments as far as they got, a ``required`` array or an ``auto`` call that does not parse as the
@@ -44,6 +45,7 @@ class ToolPlan:
     function: str | None = None  # the named function
     schema: dict[str, Any] | None = None  # the JSON schema the output follows (named, required)
     parser: ToolCallParser | None = None  # the gateway's: finds the calls in free text (auto), names calls
+    parallel: bool = True  # auto: every call found comes back (False: the first only)
 
     @property
     def calls(self) -> bool:
@@ -82,7 +84,8 @@ class ToolPlan:
             assert self.parser is not None
             parsed = self.parser.parse(text)
             if parsed is not None:
-                return parsed[0], [self.new_call(c.name, c.arguments) for c in parsed[1]]
+                found = parsed[1] if self.parallel else parsed[1][:1]
+                return parsed[0], [self.new_call(c.name, c.arguments) for c in found]
         return text, None
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
@@ -120,7 +123,7 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
                 ' or "none"',
                 "tool_choice",
             )
-        return ToolPlan("auto", parser=parser)
+        return ToolPlan("auto", parser=parser, parallel=req.parallel_tool_calls)
     if choice == "required":
         return ToolPlan("required", schema=_any_of_the_calls(tools, req.parallel_tool_calls), parser=parser)
     assert not isinstance(choice, str)

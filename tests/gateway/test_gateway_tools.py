@@ -115,6 +115,24 @@ def test_mistral_calls() -> None:
     assert ToolPlan("auto", parser=p).split("[TOOL_CALLS]now[ARGS]{}")[1][0].id.isalnum()  # type: ignore[index]
 
 
+def test_auto_without_parallel_calls_returns_the_first_one() -> None:
+    """parallel_tool_calls false cannot hold free text to one call: the first comes back (vLLM's
+    answer), streamed or not; the content before it stays."""
+    text = 'Sure <tool_call>{"name": "now"}</tool_call><tool_call>{"name": "weather", "arguments": {}}</tool_call>'
+    single = tool_plan(request(tools=[NOW, WEATHER], parallel_tool_calls=False), HermesParser())
+    content, calls = single.message(text)
+    assert content == "Sure " and [c.function.name for c in calls or []] == ["now"]
+    assert [
+        c.function.name for c in tool_plan(request(tools=[NOW, WEATHER]), HermesParser()).split(text)[1] or []
+    ] == [
+        "now",
+        "weather",
+    ]
+    deltas, reason = feed(single, [text[:20], text[20:]])
+    assert [call["function"]["name"] for d in deltas for call in d.get("tool_calls") or []] == ["now"]
+    assert reason == "tool_calls"
+
+
 def test_special_tokens_are_kept_where_the_format_needs_them() -> None:
     """auto with a format whose markers may be special tokens detokenizes with them; any other
     plan keeps what the request asked."""
