@@ -487,7 +487,7 @@ class LLMEngine:
                     if isinstance(exc, InvalidRequestError)
                     else (f"the request's grammar does not compile: {type(exc).__name__}: {exc}")
                 )
-                refused.append(self._refuse(waiting.seq, message))
+                refused.append(self._failed_output(waiting.seq, message, refused=True))  # it holds no blocks
         return refused
 
     def _check_token_ids(self, ids: list[int], what: str) -> None:
@@ -775,6 +775,10 @@ class LLMEngine:
         del self._seqs[seq.seq_id]
         if not refused:
             self._failed_requests_total += 1
+        return self._failed_output(seq, message, refused)
+
+    @staticmethod
+    def _failed_output(seq: Sequence, message: str, refused: bool) -> RequestOutput:
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[],
@@ -785,20 +789,6 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             error=message,
             refused=refused,
-        )
-
-    def _refuse(self, seq: Sequence, message: str) -> RequestOutput:
-        """The refused output of ``seq``, never admitted (it holds no blocks)."""
-        return RequestOutput(
-            request_id=seq.seq_id,
-            new_token_ids=[],
-            new_logprobs=None if seq.params.logprobs is None else [],
-            finished=True,
-            finish_reason=FinishReason.ABORT,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=0,
-            error=message,
-            refused=True,
         )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
