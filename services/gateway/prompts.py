@@ -102,6 +102,10 @@ async def completion_prompts(
     return encoded
 
 
+# The chat template's variables that requests set through their own fields, not chat_template_kwargs.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools"})
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content as a string (text parts joined)."""
     out: list[dict[str, Any]] = []
@@ -137,15 +141,34 @@ async def chat_prompt(
     add_generation_prompt: bool = True,
     max_model_len: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the chat prompt rendered with the model's template (``tools``: the request's
-    tool definitions, which the template may show the model).
+    tool definitions, which the template may show the model; ``template_kwargs``: vLLM's
+    ``chat_template_kwargs``, more variables of the template, ``enable_thinking`` say;
+    ``continue_final_message``: the last message left open for the model to continue).
 
     With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
     """
+    if continue_final_message and add_generation_prompt:
+        raise invalid(
+            "continue_final_message continues the last message instead of starting a new one: set"
+            " add_generation_prompt false with it (it is true by default)",
+            "continue_final_message",
+        )
+    taken = sorted(TEMPLATE_VARIABLES & set(template_kwargs or ()))
+    if taken:
+        raise invalid(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
+            "chat_template_kwargs",
+        )
     dicts = template_messages(messages)
     try:
-        ids = await tokens.encode_chat(dicts, add_generation_prompt, max_model_len, tools=tools)
+        ids = await tokens.encode_chat(
+            dicts, add_generation_prompt, max_model_len, tools=tools,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+        )  # fmt: skip
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None
     if not ids:

@@ -62,7 +62,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_cost_before_tokenizing(body, limits, 1, requested, param)
     plan = tool_plan(body, parser_named(gw.settings.tool_call_parser))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    prompt = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools)
+    prompt = await chat_prompt(
+        body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools,
+        body.continue_final_message, body.chat_template_kwargs,
+    )  # fmt: skip
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     grammar = await grammar_for(body, gw.prompts, plan.schema)

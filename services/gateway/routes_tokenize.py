@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize, in vLLM's shapes.
 
 /tokenize takes ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
-"add_generation_prompt": true}`` and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
+"add_generation_prompt": true}`` (and the chat's ``continue_final_message``, ``chat_template_kwargs``) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``;
 /detokenize takes ``{"tokens": [...]}`` and answers ``{"prompt": str}``. A text proved longer than
 the workers' context (by its length alone, see tokenization.py) is refused untokenized (400,
 ``context_length_exceeded``); any other text is counted, also past the context.
@@ -34,7 +34,10 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, gw: Ga
     tok = gw.tokenizer
     max_model_len = gw.pool.max_model_len
     if isinstance(body, TokenizeChatRequest):
-        ids = await chat_prompt(body.messages, gw.prompts, body.add_generation_prompt, max_model_len)
+        ids = await chat_prompt(
+            body.messages, gw.prompts, body.add_generation_prompt, max_model_len, None,
+            body.continue_final_message, body.chat_template_kwargs,
+        )  # fmt: skip
         if body.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
     else:

@@ -2,7 +2,8 @@
 
 Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k,
 repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output, stop_token_ids,
-skip_special_tokens, add_generation_prompt, structured_outputs and the guided_* fields) are accepted too. Unknown fields are ignored.
+skip_special_tokens, add_generation_prompt, continue_final_message, chat_template_kwargs,
+structured_outputs and the guided_* fields) are accepted too. Unknown fields are ignored.
 Requests are validated strictly, as OpenAI does: ``"2"`` is not an integer and ``"true"`` not a
 boolean (an integer is a number, though). Range checks here give 400s with ``param`` set (see
 errors.py); cross-field rules live in prompts.py where the prompt length is known.
@@ -140,7 +141,10 @@ class ChatCompletionRequest(_GenerationRequest):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    add_generation_prompt: bool = True  # extra
+    # extras (vLLM's): how the chat template renders the messages (services/gateway/prompts.chat_prompt)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message is left open, for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
 
 
 class TokenizeCompletionRequest(_Request):
@@ -154,6 +158,8 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

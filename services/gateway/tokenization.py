@@ -121,16 +121,20 @@ class PromptTokenizer:
         max_model_len: int | None,
         param: str = "messages",
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the messages rendered with the chat template (as ``Tokenizer.encode_chat``),
-        ``tools`` (OpenAI's tool definitions) passed to it as the template variable ``tools``.
+        ``tools`` (OpenAI's tool definitions) passed to it as the template variable ``tools``, and
+        ``template_kwargs`` as variables of their names (``continue_final_message``: see
+        ``Tokenizer.apply_chat_template``).
 
         The rendered text is what gets refused by length: a template may add to the messages or
         leave some out. Raises ChatTemplateError.
         """
         size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
-        render = partial(self.tokenizer.apply_chat_template, tools=tools)
-        text = await self.run(size, render, messages, add_generation_prompt)
+        render = partial(self.tokenizer.apply_chat_template, tools=tools, **(template_kwargs or {}))
+        text = await self.run(size, render, messages, add_generation_prompt, continue_final_message)
         (ids,) = await self.encode([text], max_model_len, param, add_special_tokens=False)
         return ids
 

@@ -84,6 +84,39 @@ def test_chat_template_matches_transformers(model_dir: Path, tok: Tokenizer) -> 
         assert tok.encode(text) == hf.encode(text)
 
 
+def test_a_continued_final_message_and_template_variables_match_transformers(
+    model_dir: Path, tmp_path: Path, tok: Tokenizer
+) -> None:
+    """continue_final_message (the last message left open: what the template puts after its text
+    is cut) and extra template variables (vLLM's chat_template_kwargs), against transformers'
+    apply_chat_template, the reference."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for last in ("The jade rabbit", "  spaced answer  "):  # the template trims the second
+        messages = [*MESSAGES, {"role": "assistant", "content": last}]
+        got = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+        assert got == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert got.endswith(last.strip())
+    with pytest.raises(ChatTemplateError, match="last message with text"):
+        tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], False, True)
+    thinking = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is false %}/no_think{% endif %}"
+    variant = Tokenizer.from_dir(_tokenizer_with(model_dir, tmp_path, chat_template=thinking))
+    hf_variant = transformers.AutoTokenizer.from_pretrained(tmp_path / "variant")
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        assert variant.apply_chat_template(MESSAGES, **kwargs) == hf_variant.apply_chat_template(
+            MESSAGES, tokenize=False, **kwargs
+        )
+    assert variant.apply_chat_template(MESSAGES, enable_thinking=False).endswith("/no_think")
+    (tmp_path / "counts").mkdir()
+    counts = Tokenizer.from_dir(
+        _tokenizer_with(model_dir, tmp_path / "counts", chat_template="{{ messages | length }}")
+    )
+    with pytest.raises(ChatTemplateError, match="does not show the last message"):
+        counts.apply_chat_template([{"role": "user", "content": "abc"}], False, True)
+
+
 def test_chat_template_raise_exception(tok: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="message content must be a string"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])

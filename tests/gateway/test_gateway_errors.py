@@ -246,6 +246,26 @@ def test_tokenize_and_detokenize(stack: Stack) -> None:
     )
 
 
+def test_a_continued_final_message_and_template_variables(stack: Stack) -> None:
+    """vLLM's continue_final_message (the prompt ends with the last message's text, open) and
+    chat_template_kwargs, on /tokenize and chat completions; both flags together, or a template
+    variable a request field sets, are 400s naming the field."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The moon is"}]
+    body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    want = tok.encode(tok.apply_chat_template(messages, False, True), add_special_tokens=False)
+    assert post(stack, "/tokenize", json=body).json()["tokens"] == want
+    assert tok.decode(want).endswith("The moon is")
+    chat = post(stack, "/v1/chat/completions", json={**body, "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(want)
+    for path in ("/tokenize", "/v1/chat/completions"):
+        both = {**body, "add_generation_prompt": True, "max_tokens": 3}
+        envelope(post(stack, path, json=both), 400, "invalid_request_error", "continue_final_message")
+        taken = {**body, "chat_template_kwargs": {"tools": []}, "max_tokens": 3}
+        envelope(post(stack, path, json=taken), 400, "invalid_request_error", "chat_template_kwargs")
+
+
 def test_api_keys(stack: Stack, tmp_path: Path) -> None:
     proc = start_gateway(
         tmp_path, stack.model_dir, stack.redis_url, stack.prefix, "--api-key", "k1,k2", "--api-key", "k3"

@@ -118,13 +118,20 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's chat template into prompt text.
 
         The text already holds the template's special tokens (BOS included where the template adds
         it), so encode it with ``add_special_tokens=False`` -- or call ``encode_chat``. Extra keyword
-        arguments (``tools``, ``documents``, ...) become template variables. Raises ChatTemplateError.
+        arguments (``tools``, ``documents``, ``enable_thinking``, ...) become template variables.
+        ``continue_final_message``: the text ends with the last message's content, left open for the
+        model to continue (what the template puts after it is cut, as transformers does). Raises
+        ChatTemplateError.
         """
         if self.chat_template is None:
             raise ChatTemplateError(
@@ -133,13 +140,24 @@ class Tokenizer:
             )
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self._compiled_template.render(
+            text = self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ChatTemplateError("continue_final_message needs a last message with text to continue")
+        for content in (final, final.strip()):  # a template may trim the content
+            if content in text:
+                return text[: text.rindex(content) + len(content)]
+        raise ChatTemplateError(
+            "continue_final_message is set, but the chat template does not show the last message's text"
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat prompt (special tokens come from the template only)."""
