@@ -349,6 +349,7 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": s.top_k,
+        "min_p": s.min_p,
         "seed": s.seed,
         "max_tokens": s.max_tokens,
         "min_tokens": s.min_tokens,

@@ -282,6 +282,7 @@ def sampling_for(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
+            min_p=req.min_p or 0.0,
             seed=seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,

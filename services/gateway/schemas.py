@@ -1,6 +1,6 @@
 """Wire models of the OpenAI-compatible API (requests and responses), kept apart from internal types.
 
-Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k,
+Field names and shapes follow the OpenAI API reference; extras that vLLM accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, include_stop_str_in_output, stop_token_ids,
 skip_special_tokens, add_generation_prompt, continue_final_message, chat_template_kwargs,
 structured_outputs and the guided_* fields) are accepted too. Unknown fields are ignored.
@@ -67,6 +67,9 @@ class _GenerationRequest(_Request):
     user: str | None = None
     # extras (vLLM's names)
     top_k: Int | None = Field(None, ge=-1)  # -1 or 0: no limit
+    min_p: float | None = Field(
+        None, ge=0, le=1
+    )  # 0: none; keep tokens >= min_p x the likeliest's probability
     repetition_penalty: float | None = Field(None, gt=0)  # 1: none; > 1 discourages repeats
     min_tokens: Int = Field(0, ge=0)  # the eos and stop tokens held back until this many are out
     ignore_eos: bool = False

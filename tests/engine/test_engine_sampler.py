@@ -15,6 +15,7 @@ from yutu.engine.sampler import (
     TokenHistory,
     adjust_logits,
     adjust_logits_native,
+    apply_min_p,
     apply_top_k_top_p,
     draw_from,
     scale_by_temperature,
@@ -104,6 +105,42 @@ def test_top_k_one_and_tiny_top_p_are_argmax() -> None:
     params = [SamplingParams(top_k=1)] * 3 + [SamplingParams(top_p=1e-6)] * 3
     out = Sampler().sample(logits, params, [None] * 6)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_min_p_masks_what_its_formula_masks() -> None:
+    """apply_min_p against the formula, element by element: a token stays iff its probability is
+    at least min_p times its row's largest (vLLM's MinPLogitsProcessor); min_p 0 keeps every
+    token, 1 only the most likely."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 300) * 3
+    min_p = torch.tensor([0.0, 0.05, 0.3, 0.9, 1.0])
+    out = apply_min_p(logits, min_p)
+    for r in range(5):
+        top = max(logits[r].tolist())
+        for v, x in enumerate(logits[r].tolist()):
+            ratio, kept = math.exp(x - top), out[r, v].item() != NEG  # its probability over the top one's
+            if abs(ratio - float(min_p[r])) > 1e-5:  # clear of float32's rounding at the bound
+                assert kept == (ratio >= float(min_p[r])), (r, v, ratio)
+            assert not kept or out[r, v] == logits[r, v]
+    assert (
+        (out[0] == logits[0]).all() and (out[4] != NEG).sum() == 1 and out[4].argmax() == logits[4].argmax()
+    )
+
+
+def test_samples_stay_above_min_p_and_min_p_one_is_argmax() -> None:
+    """After temperature (vLLM's order): at temperature 1 the tokens of probability >= half the
+    top one's are drawn, the others never; min_p 1 draws the argmax at any temperature."""
+    torch.manual_seed(0)
+    logits = torch.zeros(256, 10)
+    logits[:, 7], logits[:, 2], logits[:, 5] = 3.0, 2.5, 1.0  # 2 is e**-0.5 = 0.61 of 7; 5 is 0.14
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 256, [None] * 256)
+    assert set(out.token_ids) == {7, 2}
+    mixed = [SamplingParams(temperature=2.0, min_p=1.0, seed=s) for s in range(8)] + [
+        SamplingParams(temperature=2.0)
+    ] * 8
+    rows = torch.randn(16, 50)
+    got = Sampler().sample(rows, mixed, [gen(s) for s in range(8)] + [None] * 8).token_ids
+    assert got[:8] == rows[:8].argmax(dim=-1).tolist()
 
 
 def test_samples_stay_inside_top_k() -> None:
@@ -249,6 +286,10 @@ def test_same_seed_repeats_different_seed_differs() -> None:
         ({"logit_bias": ((1, 1), (1, 2))}, r"logit_bias names a token id more than once"),
         ({"logit_bias": (1, 2)}, r"logit_bias must be \(token id, bias\) pairs"),
         ({"min_tokens": 17}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
+        ({"min_p": -0.1}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": float("nan")}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": "0.1"}, r"min_p must be a number in"),
         ({"min_tokens": -1}, r"min_tokens must be an integer in"),
         # What the sampler computes in float32 / int64:
         (

@@ -530,6 +530,26 @@ def test_n_and_seed_reproducibility(stack: Stack, client: openai.OpenAI) -> None
     assert [c.index for c in chat.choices] == [0, 1]
 
 
+def test_min_p_reaches_the_sampler(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's min_p: 1 keeps only the most likely token, so sampling hot with it is greedy; it was
+    once ignored silently. Out of [0, 1] it is a 400 naming it."""
+    args: dict[str, Any] = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    greedy = client.completions.create(temperature=0, **args).choices[0].text
+    hot = client.completions.create(
+        temperature=1.8, seed=5, n=2, **{**args, "extra_body": {"ignore_eos": True, "min_p": 1.0}}
+    )
+    assert [c.text for c in hot.choices] == [greedy, greedy]
+    loose = client.completions.create(
+        temperature=1.8, seed=5, n=2, **{**args, "extra_body": {"ignore_eos": True, "min_p": 0.0}}
+    )
+    assert any(c.text != greedy for c in loose.choices)  # the same draws without it wander off
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**{**args, "extra_body": {"min_p": 1.5}})
+    assert refused.value.body["param"] == "min_p"  # type: ignore[index]
+
+
 def test_stop_strings_truncate_and_finish_with_stop(stack: Stack, client: openai.OpenAI) -> None:
     args = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(max_tokens=30, **args).choices[0].text

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: logit bias and penalties, greedy, temperature, top-k, top-p,
+"""Turn logits into tokens: logit bias and penalties, greedy, temperature, min-p, top-k, top-p,
 per-request seeds, and logprobs.
 
 A request's ``logit_bias`` and its repetition, frequency and presence penalties change its row
@@ -7,9 +7,10 @@ far, and while fewer than its ``min_tokens`` are out its eos and stop tokens are
 with a grammar then keeps only the tokens it allows (:mod:`yutu.engine.structured`). Greedy and
 random rows alike are chosen from the changed row.
 
-A random row is drawn by inverse transform from one uniform (:func:`draw_from`); top-k and top-p
-run only for rows that ask for them, on each row's largest values where those decide it
-(:func:`top_k_top_p`; :func:`apply_top_k_top_p`, which sorts the whole row, is the reference).
+A random row is drawn by inverse transform from one uniform (:func:`draw_from`); min-p, top-k and
+top-p run only for rows that ask for them, min-p first (:func:`apply_min_p`, vLLM's order), top-k
+and top-p on each row's largest values where those decide it (:func:`top_k_top_p`;
+:func:`apply_top_k_top_p`, which sorts the whole row, is the reference).
 
 All maths runs in float32 on the logits' device (a draw's running sum in float64).
 Reproducibility: a request with ``params.seed`` owns a ``torch.Generator`` and its row is sampled
@@ -126,6 +127,15 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     if undecided.numel():
         out[undecided] = apply_top_k_top_p(logits[undecided], top_k[undecided], top_p[undecided])
     return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) every token less than ``min_p`` times as likely as its row's most likely one
+    (vLLM's MinPLogitsProcessor). logits: (R, V), temperature applied; min_p: (R,) in [0, 1]. The
+    most likely token always stays."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
@@ -377,6 +387,11 @@ class Sampler:
         top_k = torch.tensor(top_k_list, device=logits.device)
         top_p = torch.tensor([params[r].top_p for r in random], device=logits.device)
         scaled = scale_by_temperature(logits if len(random) == num_rows else logits[rows], temps)  # (Rr, V)
+        with_min_p = [i for i, r in enumerate(random) if params[r].min_p > 0.0]
+        if with_min_p:
+            idx = torch.tensor(with_min_p, device=logits.device)
+            min_p = torch.tensor([params[random[i]].min_p for i in with_min_p], device=logits.device)
+            scaled[idx] = apply_min_p(scaled[idx], min_p)
         # Only rows that restrict the choice pay for top-k/top-p (a row with neither restriction
         # would come out of it unchanged, bit for bit).
         restricted = [i for i, r in enumerate(random) if top_k_list[i] < vocab or params[r].top_p < 1.0]

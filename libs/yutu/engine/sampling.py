@@ -61,6 +61,9 @@ class SamplingParams:
     temperature: float = 1.0  # in [0, MAX_TEMPERATURE]; 0 (or below GREEDY_TEMPERATURE) is greedy
     top_p: float = 1.0  # in [TOP_P_MIN, 1]: keep the smallest set of tokens whose probability reaches top_p
     top_k: int | None = None  # None: no limit; else keep the top_k most likely tokens (1 <= top_k < 2**63)
+    # in [0, 1]: keep the tokens at least min_p times as likely as the most likely (after temperature,
+    # before top-k and top-p: vLLM's order); 0 disables it
+    min_p: float = 0.0
     seed: int | None = None  # per-request RNG seed: same seed -> same tokens, whatever the batch
     max_tokens: int = 16  # >= 1 tokens to generate at most
     min_tokens: int = 0  # in [0, max_tokens]: the eos and stop tokens are held back until this many are out
@@ -88,6 +91,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_temperature()
         self._check_top_p()
+        if not 0.0 <= _as_float("min_p", self.min_p, "a number in [0, 1]") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.top_k is not None and (not _is_int(self.top_k) or not 1 <= self.top_k <= INT64_MAX):
             raise ValueError(
                 f"top_k must be an integer >= 1, or None to disable it (at most {INT64_MAX}; above the"
