@@ -202,8 +202,52 @@ def logit_bias_for(bias: dict[str, float] | None, vocab_size: int) -> tuple[tupl
     return tuple(sorted(pairs))
 
 
+# vLLM's request extras Yutu does not implement, with the value that asks for nothing (None is
+# neutral too) and what to say: a request setting one otherwise is refused, not served as if it had not.
+NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
+    "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported: send the prompt to keep"),
+    "prompt_logprobs": (
+        None,
+        "prompt_logprobs is not supported: on completions, echo with logprobs scores the prompt",
+    ),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported: use logit_bias or structured_outputs"),
+    "bad_words": ([], "bad_words is not supported: use logit_bias"),
+    "logits_processors": ([], "logits_processors are not supported"),
+    "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported: JSON comes out compact"),
+    "priority": (0, "priority scheduling is not supported: leave priority 0"),
+    "cache_salt": (
+        None,
+        "cache_salt is not supported: the prefix cache is shared by every request of the model",
+    ),
+    "return_token_ids": (
+        False,
+        "return_token_ids is not supported: use logprobs with return_tokens_as_token_ids",
+    ),
+    "kv_transfer_params": (
+        None,
+        "kv_transfer_params is not supported: Yutu moves KV between its own instances",
+    ),
+    "vllm_xargs": ({}, "vllm_xargs is not supported"),
+}
+NOT_IMPLEMENTED_IN_CHAT: dict[str, tuple[object, str]] = {
+    "echo": (False, "echo is not supported on chat completions: the messages are the client's already"),
+    "chat_template": (None, "chat_template is not accepted from requests: the model's own template renders"),
+    "mm_processor_kwargs": ({}, "mm_processor_kwargs is not supported: text models only"),
+    "add_special_tokens": (False, "add_special_tokens is not supported on chat: the chat template adds them"),
+}
+
+
 def reject_unsupported(req: _GenerationRequest) -> None:
     """Refuse, rather than silently ignore, features no worker implements."""
+    chat = isinstance(req, ChatCompletionRequest)
+    for name, (neutral, why) in (
+        NOT_IMPLEMENTED | NOT_IMPLEMENTED_IN_CHAT if chat else NOT_IMPLEMENTED
+    ).items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise invalid(why, name)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):

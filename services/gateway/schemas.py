@@ -84,6 +84,21 @@ class _GenerationRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras that no worker implements: refused unless left at their neutral value
+    # (prompts.NOT_IMPLEMENTED), not ignored
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    guided_whitespace_pattern: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    return_token_ids: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -148,6 +163,12 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message is left open, for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
+    echo: Any = (
+        None  # vLLM's chat echo, and the next three: refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
+    )
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    add_special_tokens: Any = None
 
 
 class TokenizeCompletionRequest(_Request):

@@ -123,6 +123,15 @@ NOW = {"type": "function", "function": {"name": "now"}}
             "structured_outputs",
         ),
         ("/v1/completions", {**CMPL, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+        # vLLM's extras no worker implements: refused, not ignored
+        ("/v1/completions", {**CMPL, "use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ("/v1/completions", {**CMPL, "bad_words": ["moon"]}, "bad_words"),
+        ("/v1/completions", {**CMPL, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/chat/completions", {**CHAT, "priority": 5}, "priority"),
+        ("/v1/chat/completions", {**CHAT, "cache_salt": "tenant-a"}, "cache_salt"),
+        ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+        ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/completions", {**CMPL, "structured_outputs": {"regex": 5}}, "structured_outputs"),
         ("/v1/completions", {**CMPL, "structured_outputs": {"choice": "a"}}, "structured_outputs"),
         (
@@ -146,6 +155,15 @@ def test_a_grammar_only_the_model_refuses_is_a_400_and_the_stack_serves_on(stack
     err = envelope(post(stack, "/v1/completions", json=body), 400, "invalid_request_error")
     assert "does not compile" in err["message"] and "99999" in err["message"]
     assert post(stack, "/v1/completions", json=CMPL).status_code == 200
+
+
+def test_vllm_extras_at_their_neutral_values_are_served(stack: Stack) -> None:
+    """Clients built for vLLM send its extras at their defaults: those ask for nothing and are fine."""
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "bad_words": [],
+               "truncate_prompt_tokens": None, "logits_processors": None, "return_token_ids": False}  # fmt: skip
+    assert post(stack, "/v1/completions", json={**CMPL, **neutral, "echo": True}).status_code == 200
+    chat = {**CHAT, **neutral, "echo": False, "add_special_tokens": False, "mm_processor_kwargs": {}}
+    assert post(stack, "/v1/chat/completions", json=chat).status_code == 200
 
 
 def test_invalid_json_and_unknown_routes(stack: Stack) -> None:
