@@ -103,7 +103,9 @@ async def completion_prompts(
 
 
 # The chat template's variables that requests set through their own fields, not chat_template_kwargs.
-TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools"})
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}
+)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -143,10 +145,12 @@ async def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of the chat prompt rendered with the model's template (``tools``: the request's
     tool definitions, which the template may show the model; ``template_kwargs``: vLLM's
-    ``chat_template_kwargs``, more variables of the template, ``enable_thinking`` say;
+    ``chat_template_kwargs``, more variables of the template, ``enable_thinking`` say; ``documents``:
+    the template variable of that name, for retrieval templates;
     ``continue_final_message``: the last message left open for the model to continue).
 
     With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
@@ -164,10 +168,11 @@ async def chat_prompt(
             "chat_template_kwargs",
         )
     dicts = template_messages(messages)
+    variables = {**(template_kwargs or {}), **({} if documents is None else {"documents": documents})}
     try:
         ids = await tokens.encode_chat(
             dicts, add_generation_prompt, max_model_len, tools=tools,
-            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+            continue_final_message=continue_final_message, template_kwargs=variables,
         )  # fmt: skip
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None

@@ -64,7 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     prompt = await chat_prompt(
         body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools,
-        body.continue_final_message, body.chat_template_kwargs,
+        body.continue_final_message, body.chat_template_kwargs, body.documents,
     )  # fmt: skip
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.

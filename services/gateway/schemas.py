@@ -163,6 +163,7 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message is left open, for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
+    documents: list[dict[str, Any]] | None = None  # for retrieval templates: the variable ``documents``
     echo: Any = (
         None  # vLLM's chat echo, and the next three: refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
     )

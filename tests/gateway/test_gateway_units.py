@@ -275,3 +275,27 @@ async def test_a_grammar_compiles_off_the_event_loop_once_then_comes_from_the_ca
         assert len(threads) == 3
     finally:
         prompts.close()
+
+
+async def test_documents_and_template_kwargs_reach_the_chat_template(tiny_model: Path) -> None:
+    """vLLM's ``documents`` and ``chat_template_kwargs`` become template variables; the kwargs may
+    not set what the request's own fields do (documents included)."""
+    from services.gateway.memory import MemoryReleaser
+    from services.gateway.prompts import chat_prompt
+    from services.gateway.schemas import ChatMessage
+    from services.gateway.tokenization import PromptTokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    tok.chat_template = "{% for d in documents or [] %}[{{ d.title }}]{% endfor %}{{ mood }}"
+    prompts = PromptTokenizer(tok, threads=1, releaser=MemoryReleaser())
+    messages = [ChatMessage(role="user", content="hi")]
+    try:
+        ids = await chat_prompt(
+            messages, prompts, template_kwargs={"mood": "calm"}, documents=[{"title": "moon"}]
+        )
+        assert tok.decode(ids) == "[moon]calm"
+        with pytest.raises(ApiError, match="may not set documents") as refused:
+            await chat_prompt(messages, prompts, template_kwargs={"documents": []})
+        assert refused.value.param == "chat_template_kwargs"
+    finally:
+        prompts.close()
