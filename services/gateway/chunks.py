@@ -36,8 +36,10 @@ def completion_chunk(
     logprobs: dict[str, list[Any]] | None,
     finish_reason: str | None,
     stop_reason: str | int | None,
+    usage: dict[str, Any] | None = None,
 ) -> str:
-    """The event of one choice's update: a ``CompletionResponse`` with that one choice."""
+    """The event of one choice's update: a ``CompletionResponse`` with that one choice (``usage``:
+    the response's so far, with vLLM's ``continuous_usage_stats``)."""
     choice = {
         "index": index,
         "text": text,
@@ -52,7 +54,7 @@ def completion_chunk(
             "created": created,
             "model": model,
             "choices": [choice],
-            "usage": None,
+            "usage": usage,
             "system_fingerprint": None,
         }
     )
@@ -87,8 +89,15 @@ def chat_choice(
     }
 
 
-def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]]) -> str:
-    """The event of a ``ChatCompletionChunk`` with ``choices`` (made by :func:`chat_choice`)."""
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+) -> str:
+    """The event of a ``ChatCompletionChunk`` with ``choices`` (made by :func:`chat_choice`;
+    ``usage``: the response's so far, with vLLM's ``continuous_usage_stats``)."""
     return _event(
         {
             "id": request_id,
@@ -96,7 +105,7 @@ def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": None,
+            "usage": usage,
             "system_fingerprint": None,
         }
     )

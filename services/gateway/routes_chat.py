@@ -133,8 +133,11 @@ async def _stream(
     created = int(gen.arrival)
     logprobs, as_ids = body.logprobs, body.return_tokens_as_token_ids
 
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+
     def chunk(choice: dict[str, Any]) -> str:
-        return chat_chunk(gen.request_id, created, gw.model_name, [choice])
+        usage = usage_of(gen).model_dump() if continuous else None
+        return chat_chunk(gen.request_id, created, gw.model_name, [choice], usage)
 
     streams = {index: ChoiceStream(index, plan) for index in gen.choices}
 

@@ -169,6 +169,7 @@ async def _stream(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     created = int(gen.arrival)
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     tail = ""
     echoed: set[int] = set()  # choices whose first chunk (with the echoed prompt) went out
     try:
@@ -186,7 +187,7 @@ async def _stream(
                 text = (echo or "") + update.text if first else update.text
                 yield completion_chunk(
                     gen.request_id, created, gw.model_name, update.index, text, logprobs,
-                    update.finish_reason, update.stop_reason,
+                    update.finish_reason, update.stop_reason, usage_of(gen).model_dump() if continuous else None,
                 )  # fmt: skip
             if include_usage:
                 tail = event(

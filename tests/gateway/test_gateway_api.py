@@ -550,6 +550,29 @@ def test_min_p_reaches_the_sampler(stack: Stack, client: openai.OpenAI) -> None:
     assert refused.value.body["param"] == "min_p"  # type: ignore[index]
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (the
+    prompt's tokens, the completion's growing by the tokens sent), ending at the final usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    completion = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                stream=True, stream_options=options, extra_body={"ignore_eos": True}))  # type: ignore[arg-type]  # fmt: skip
+    chat = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8, temperature=0, stream=True, stream_options=options,  # type: ignore[arg-type]
+                                               extra_body={"ignore_eos": True}))  # fmt: skip
+    for chunks in (completion, chat):
+        final = chunks[-1].usage
+        assert final is not None and final.completion_tokens == 8 and not chunks[-1].choices
+        counts = [c.usage.completion_tokens for c in chunks[:-1] if c.usage is not None]
+        assert len(counts) == len(chunks) - 1  # every chunk, not only the last
+        assert counts == sorted(counts) and counts[-1] == 8
+        assert {c.usage.prompt_tokens for c in chunks if c.usage is not None} == {final.prompt_tokens}
+    plain = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))  # fmt: skip
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+
+
 def test_stop_strings_truncate_and_finish_with_stop(stack: Stack, client: openai.OpenAI) -> None:
     args = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(max_tokens=30, **args).choices[0].text

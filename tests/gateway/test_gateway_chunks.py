@@ -18,6 +18,8 @@ from services.gateway.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
+    Usage,
 )
 from services.gateway.streaming import event
 
@@ -132,3 +134,24 @@ def test_a_float_may_be_written_otherwise_but_not_valued_otherwise() -> None:
     )  # fmt: skip
     fast = completion_chunk("c", 1, "m", 0, "a", logprobs, None, None)
     assert json.loads(fast[len("data: ") :]) == json.loads(reference[len("data: ") :])
+
+
+def test_chunks_with_the_usage_so_far_match_the_models() -> None:
+    """vLLM's continuous_usage_stats: a chunk's usage, as the models write it."""
+    usage = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=0))  # fmt: skip
+    reference = event(
+        CompletionResponse(
+            id="c",
+            created=1,
+            model="m",
+            usage=usage,
+            choices=[
+                CompletionChoice(index=0, text="a", logprobs=None, finish_reason=None, stop_reason=None)
+            ],
+        )  # fmt: skip
+    )
+    _same(completion_chunk("c", 1, "m", 0, "a", None, None, None, usage.model_dump()), reference)
+    chat = event(ChatCompletionChunk(id="chatcmpl-9f", created=17, model="m", usage=usage,
+                                     choices=[ChatChunkChoice(index=0, delta=ChatDelta(content="a"))]))  # fmt: skip
+    _same(chat_chunk("chatcmpl-9f", 17, "m", [chat_choice(0, content="a")], usage.model_dump()), chat)
