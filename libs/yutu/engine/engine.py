@@ -382,7 +382,9 @@ class LLMEngine:
         prefill_only: bool = False,
         await_token: bool = False,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input.
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input;
+        a grammar new to the engine is compiled meanwhile, and what is wrong with it (or with the
+        ``generated`` tokens under it) comes from ``step()`` as a refused output instead.
 
         ``generated``, ``import_tokens``, ``prefill_only`` and ``await_token``: see the module
         docstring (``await_token`` takes ``import_tokens`` = the prompt's length, nothing generated).

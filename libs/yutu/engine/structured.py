@@ -15,12 +15,13 @@ a 128k vocabulary in ~1 ms against ~16 ms here); :func:`mask_rows_` here is the 
 bit for bit in a test, and what runs on other devices.
 
 llguidance (Microsoft's grammar engine, one of vLLM's structured-output backends) computes a mask
-in ~2-12 us at the demo model's 2,560 tokens; a request's matcher is a copy of a per-grammar pristine
-one (:class:`Grammars` caches 64, of up to 4 MiB of grammar text in all), made in microseconds. Compiling a grammar the cache lacks takes
-longer -- ~9 ms for 28 KB of JSON schema, ~0.8 s for 630 KB -- and releases the GIL, so it runs on a
-thread of its own (:meth:`Grammars.compile`) while the engine steps the other requests; the request
-waits for it outside the scheduler (``LLMEngine.add_request``). Its tokenizer view is built once per
-engine, from the checkpoint's ``tokenizer.json``, when the engine starts.
+in ~2-12 us at the demo model's 2,560 tokens; a request's matcher is a copy of a per-grammar
+pristine one (:class:`Grammars` caches 64, of up to 4 MiB of grammar text in all), made in
+microseconds. Compiling a grammar the cache lacks takes longer -- ~9 ms for 28 KB of JSON schema,
+~0.8 s for 630 KB -- and releases the GIL, so it runs on a thread of its own
+(:meth:`Grammars.compile`) while the engine steps the other requests; the request waits for it
+outside the scheduler (``LLMEngine.add_request``). Its tokenizer view is built once per engine,
+from the checkpoint's ``tokenizer.json``, when the engine starts (that holds the GIL).
 
 Nothing here depends on where the matcher lives: a decode instance or a migrated request rebuilds
 it by replaying the tokens generated so far (``LLMEngine.add_request(generated=...)``), so the
