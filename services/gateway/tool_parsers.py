@@ -35,6 +35,11 @@ from functools import cache
 from typing import Any, ClassVar
 
 
+def default_call_id() -> str:
+    """A tool call's id where no model family asks for another form."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
@@ -49,7 +54,7 @@ class ToolCallParser:
 
     def call_id(self) -> str:
         """A new tool call's id."""
-        return f"call_{uuid.uuid4().hex[:24]}"
+        return default_call_id()
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
         """(the content before the calls, the calls) when ``text`` holds calls, else None."""

@@ -25,14 +25,13 @@ text.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.gateway.chunks import chat_choice
 from services.gateway.errors import invalid
 from services.gateway.schemas import ChatCompletionRequest, FunctionCall, ToolCall, ToolSpec
-from services.gateway.tool_parsers import PARSERS, ToolCallParser
+from services.gateway.tool_parsers import PARSERS, ToolCallParser, default_call_id
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -61,7 +60,7 @@ class ToolPlan:
 
     def new_call(self, name: str, arguments: str) -> ToolCall:
         """A tool call with a new id (of the model family's form, where the gateway knows it)."""
-        call_id = self.parser.call_id() if self.parser is not None else f"call_{uuid.uuid4().hex[:24]}"
+        call_id = self.parser.call_id() if self.parser is not None else default_call_id()
         return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
 
     def split(self, text: str) -> tuple[str, list[ToolCall] | None]:
