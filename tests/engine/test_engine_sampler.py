@@ -17,6 +17,7 @@ from yutu.engine.sampler import (
     adjust_logits_native,
     apply_min_p,
     apply_top_k_top_p,
+    banned_by_bad_words,
     draw_from,
     scale_by_temperature,
     top_k_top_p,
@@ -291,6 +292,18 @@ def test_same_seed_repeats_different_seed_differs() -> None:
         ({"min_p": float("nan")}, r"min_p must be in \[0, 1\]"),
         ({"min_p": "0.1"}, r"min_p must be a number in"),
         ({"min_tokens": -1}, r"min_tokens must be an integer in"),
+        ({"allowed_token_ids": ()}, r"allowed_token_ids must be a non-empty sequence of token ids"),
+        ({"allowed_token_ids": [3, -1]}, r"allowed_token_ids must be a non-empty sequence of token ids"),
+        ({"allowed_token_ids": (2**63,)}, r"allowed_token_ids must be .* at most 9223372036854775807"),
+        ({"allowed_token_ids": (True,)}, r"allowed_token_ids must be a non-empty sequence"),
+        ({"allowed_token_ids": 5}, r"allowed_token_ids must be a non-empty sequence"),
+        ({"allowed_token_ids": (4, 2, 4)}, r"allowed_token_ids names a token id more than once"),
+        ({"bad_words": ((),)}, r"bad_words must be a sequence of non-empty token-id sequences"),
+        ({"bad_words": ((1, -2),)}, r"bad_words must be a sequence of non-empty token-id sequences"),
+        ({"bad_words": ((1, 2**63),)}, r"bad_words must be .* at most 9223372036854775807"),
+        ({"bad_words": (1, 2)}, r"bad_words must be a sequence of non-empty token-id sequences"),
+        ({"bad_words": ("ab",)}, r"bad_words must be a sequence of non-empty token-id sequences"),
+        ({"bad_words": [[1.0]]}, r"bad_words must be a sequence of non-empty token-id sequences"),
         # What the sampler computes in float32 / int64:
         (
             {"top_p": 1e-50},
@@ -324,6 +337,12 @@ def test_params_defaults_and_normalisation() -> None:
     assert SamplingParams(logit_bias={7: 2}).logit_bias == ((7, 2.0),)  # type: ignore[arg-type]
     for adjusting in ({"repetition_penalty": 1.1}, {"presence_penalty": -0.5}, {"logit_bias": ((0, 0.0),)}):
         assert SamplingParams(**adjusting).adjusts_logits  # type: ignore[arg-type]
+    # msgpack hands lists over: normalised to tuples; either mask alone adjusts the logits
+    masked = SamplingParams(allowed_token_ids=[7, 3], bad_words=[[5], [1, 2, 3]])  # type: ignore[arg-type]
+    assert masked.allowed_token_ids == (7, 3) and masked.bad_words == ((5,), (1, 2, 3))
+    assert SamplingParams(allowed_token_ids=[0]).adjusts_logits  # type: ignore[arg-type]
+    assert SamplingParams(bad_words=[[9]]).adjusts_logits  # type: ignore[arg-type]
+    assert SamplingParams().allowed_token_ids is None and SamplingParams().bad_words == ()
 
 
 def test_smallest_top_p_and_huge_top_k_are_accepted() -> None:
@@ -523,6 +542,11 @@ def adjust_logits_reference(
         for token in set(output):
             row[token] -= output.count(token) * p.frequency_penalty + p.presence_penalty
         out[r] = torch.tensor(row, dtype=out.dtype).clamp(_F32.min, _F32.max)
+        if p.allowed_token_ids is not None:
+            for token in set(range(out.shape[1])) - set(p.allowed_token_ids):
+                out[r, token] = _F32.min
+        for token in history.held_back:
+            out[r, token] = _F32.min
     return out
 
 
@@ -613,9 +637,11 @@ def test_a_row_that_adjusts_its_logits_needs_its_tokens() -> None:
 
 def penalized_batch(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], list[TokenHistory | None]]:
     """Rows of every kind: none, bias alone, each penalty alone, all of them, penalties near 0 and
-    huge on logits near float32's bounds, nothing generated yet; histories with repeats."""
+    huge on logits near float32's bounds, nothing generated yet; histories with repeats. Then masks:
+    allowed tokens alone (one of them held back), with a bias lifting a token outside them and a
+    penalty, and bad words' held-back tokens with penalties (repeats among them)."""
     g = gen(vocab)
-    logits = torch.randn(9, vocab, generator=g) * 4
+    logits = torch.randn(12, vocab, generator=g) * 4
     logits[6, :4] = torch.tensor([3e38, -3e38, 1e30, -1e30])
     logits[7, :4] = torch.tensor([3e38, -3e38, 1e30, -1e30])
     params = [
@@ -631,10 +657,17 @@ def penalized_batch(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], lis
         SamplingParams(repetition_penalty=1e3, presence_penalty=2.0, logit_bias=((1, -100.0),)),
         SamplingParams(repetition_penalty=1.1, frequency_penalty=1.0, presence_penalty=1.0),
     ]
+    params += [
+        SamplingParams(allowed_token_ids=(vocab - 1, 2, 0, 5 % vocab)),
+        SamplingParams(allowed_token_ids=(1, 3), logit_bias=((0, 100.0), (1, -2.0)), repetition_penalty=1.5),
+        SamplingParams(bad_words=((4 % vocab,), (0, 1, 6 % vocab), (4 % vocab,)), frequency_penalty=1.0),
+    ]
     histories: list[TokenHistory | None] = [None]
-    for r in range(1, 9):
+    for r in range(1, 12):
         tokens = torch.randint(0, min(vocab, 40), (60,), generator=g).tolist() + [0, 1, 2, 3, 0, 1]
-        histories.append(TokenHistory(tokens, 60 if r != 8 else len(tokens)))  # row 8: no output yet
+        held_back = banned_by_bad_words(params[r].bad_words, tokens, 60) + (2,) * (r == 9)  # the engine's way
+        histories.append(TokenHistory(tokens, 60 if r != 8 else len(tokens), held_back))  # row 8: no output
+    assert histories[11] is not None and histories[11].held_back == (4 % vocab, 6 % vocab, 4 % vocab)
     return logits, params, histories
 
 
@@ -645,8 +678,13 @@ def test_the_kernels_penalties_equal_torchs_bit_for_bit(kernels: object, vocab: 
     got = adjust_logits_native(kernels, logits, params, histories)  # type: ignore[arg-type]
     assert torch.equal(got, want)
     assert got.isfinite().all() and not torch.equal(got[6], logits[6]) and torch.equal(got[0], logits[0])
+    assert torch.allclose(want, adjust_logits_reference(logits, params, histories), rtol=1e-6, atol=1e-6)
+    # the masks: lowest outside the allowed tokens (the bias of 100 on token 0 stays out of row 10)
+    assert (want[9] > _F32.min).nonzero().squeeze(1).tolist() == sorted({0, 5 % vocab, vocab - 1} - {2})
+    assert (want[10] > _F32.min).nonzero().squeeze(1).tolist() == [1, 3]
+    assert (want[11] == _F32.min).nonzero().squeeze(1).tolist() == sorted({4 % vocab, 6 % vocab})
     as_arrays = [
-        None if h is None else TokenHistory(array.array("q", h.token_ids), h.num_prompt_tokens)
+        None if h is None else TokenHistory(array.array("q", h.token_ids), h.num_prompt_tokens, h.held_back)
         for h in histories
     ]
     assert torch.equal(adjust_logits_native(kernels, logits, params, as_arrays), want)  # type: ignore[arg-type]
@@ -695,3 +733,59 @@ def test_held_back_tokens_are_never_chosen(kernels: object, native: bool) -> Non
     want = adjust_logits(logits, params, histories)
     assert torch.equal(adjust_logits_native(kernels, logits, params, histories), want)  # type: ignore[arg-type]
     assert want[0, 1].item() == _F32.min and want[1, 3].item() == _F32.min and torch.equal(want[2], logits[2])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_only_allowed_token_ids_are_chosen(kernels: object, native: bool) -> None:
+    """Greedy and random (seeded and not) rows with ``allowed_token_ids`` beside a row without:
+    each masked row takes only its allowed tokens, whatever its bias says of the others (the mask
+    comes after it); logprobs stay the raw row's. A row whose only allowed token is held back is
+    all lowest, and a greedy row then takes token 0 (the first of equal values)."""
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=gen(2))
+    logits[:, 10] = 50.0  # every row's argmax, allowed in none of the masked rows
+    logits[:, [3, 7, 40]] = torch.tensor([1.0, 1.5, 0.5])
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=(3, 7, 40), logprobs=0),
+        SamplingParams(temperature=1.5, seed=5, allowed_token_ids=[40, 3, 7]),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.8, allowed_token_ids=(5, 6), logit_bias=((10, 100.0), (6, -100.0))),
+        SamplingParams(temperature=0),  # no mask
+        SamplingParams(temperature=0, allowed_token_ids=(9,), min_tokens=1, stop_token_ids=(9,)),
+    ]
+    histories = [
+        TokenHistory([1], 1),
+        TokenHistory([1], 1),
+        TokenHistory([1], 1),
+        None,
+        TokenHistory([1], 1, (9,)),
+    ]
+    sampler = Sampler(kernels if native else None)  # type: ignore[arg-type]
+    drawn = []
+    for seed in range(30):
+        out = sampler.sample(logits, params, [None, gen(seed), None, None, None], histories)
+        assert [out.token_ids[r] for r in (0, 2, 3, 4)] == [7, 5, 10, 0]
+        drawn.append(out.token_ids[1])
+    assert set(drawn) == {3, 7, 40}  # it really samples, among the allowed tokens only
+    lp = out.logprobs[0]
+    assert lp is not None and lp.logprob == pytest.approx(torch.log_softmax(logits[0], dim=-1)[7].item())
+    all_greedy = sampler.sample(logits[[0, 3, 4]], [params[0], params[3], params[4]], [None] * 3,
+                                [histories[0], None, histories[4]])  # fmt: skip
+    assert all_greedy.token_ids == [7, 10, 0]
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest() -> None:
+    """vLLM's apply_bad_words: a one-token word always; a longer one when the output's last tokens
+    are its others, the prompt never counting."""
+    words = ((5,), (7, 8, 9), (2, 3), (3, 4, 6))
+    prompt = [3, 7, 8]  # holds (3,) and ends with (7, 8): the prompt does not count
+    assert banned_by_bad_words(words, prompt, 3) == (5,)  # nothing out yet: the one-token word alone
+    assert banned_by_bad_words(words, prompt + [8], 3) == (5,)  # (7, 8): 7 is the prompt's
+    assert banned_by_bad_words(words, prompt + [2], 3) == (5, 3)
+    assert banned_by_bad_words(words, prompt + [7, 8], 3) == (5, 9)
+    assert banned_by_bad_words(words, prompt + [7, 8, 1], 3) == (5,)  # the prefix must end the output
+    assert banned_by_bad_words(words, prompt + [3, 4], 3) == (5, 6)
+    assert banned_by_bad_words(words, prompt + [9, 4], 3) == (5,)  # (3, 4) does not match (9, 4)
+    assert banned_by_bad_words(words, prompt + [4], 3) == (5,)  # (3, 4): 3 is the prompt's
+    assert banned_by_bad_words(words, array.array("q", [0, 2, 7, 8]), 1) == (5, 9)  # the engine's history
+    assert banned_by_bad_words(((1,), (1,), (0, 1)), [0], 0) == (1, 1, 1)  # repeats kept, all output
+    assert banned_by_bad_words((), [0, 1], 1) == ()

@@ -71,7 +71,7 @@ from yutu.engine.model_config import ModelConfig
 from yutu.engine.model_runner import KVCacheFactory, ModelRunner, kv_block_bytes
 from yutu.engine.native import engine_kernels
 from yutu.engine.outputs import EngineStats, FinishReason, HeldKV, RequestOutput, StepRecord, TokenLogprobs
-from yutu.engine.sampler import Sampler, TokenHistory, token_logprobs
+from yutu.engine.sampler import Sampler, TokenHistory, banned_by_bad_words, token_logprobs
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Scheduler
 from yutu.engine.sequence import RequestStatus, Sequence
@@ -400,6 +400,10 @@ class LLMEngine:
         self._check_token_ids(generated, "generated")
         if params.logit_bias:
             self._check_token_ids([token for token, _ in params.logit_bias], "logit_bias")
+        if params.allowed_token_ids is not None:
+            self._check_token_ids(list(params.allowed_token_ids), "allowed_token_ids")
+        if params.bad_words:
+            self._check_token_ids([token for word in params.bad_words for token in word], "bad_words")
         if len(generated) >= params.max_tokens:
             raise InvalidRequestError(
                 f"{len(generated)} tokens are already generated of max_tokens={params.max_tokens}: nothing left to do"
@@ -700,7 +704,8 @@ class LLMEngine:
 
     def _history(self, seq: Sequence) -> TokenHistory | None:
         """What the sampler needs to adjust ``seq``'s logits this step (None: nothing to adjust):
-        its tokens, and while fewer than ``min_tokens`` are out, the tokens that would end it."""
+        its tokens, and the tokens it may not be given: while fewer than ``min_tokens`` are out,
+        those that would end it; and its bad words' (:func:`banned_by_bad_words`)."""
         if seq.token_array is None:
             return None
         params = seq.params
@@ -708,6 +713,8 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             ends = params.stop_token_ids + (() if params.ignore_eos else self.model_config.eos_token_ids)
             held_back = tuple(t for t in ends if t < self.model_config.vocab_size)  # others never come
+        if params.bad_words:
+            held_back += banned_by_bad_words(params.bad_words, seq.token_array, seq.num_prompt_tokens)
         return TokenHistory(seq.token_array, seq.num_prompt_tokens, held_back)
 
     def _scores_prompt(self, chunk: ScheduledChunk) -> bool:

@@ -1,11 +1,13 @@
-"""Turn logits into tokens: logit bias and penalties, greedy, temperature, min-p, top-k, top-p,
-per-request seeds, and logprobs.
+"""Turn logits into tokens: logit bias and penalties, allowed tokens, greedy, temperature, min-p,
+top-k, top-p, per-request seeds, and logprobs.
 
 A request's ``logit_bias`` and its repetition, frequency and presence penalties change its row
 first, in that order (vLLM's; :func:`adjust_logits`), from the tokens of its prompt and output so
-far, and while fewer than its ``min_tokens`` are out its eos and stop tokens are held back; a row
-with a grammar then keeps only the tokens it allows (:mod:`yutu.engine.structured`). Greedy and
-random rows alike are chosen from the changed row.
+far; then every token outside its ``allowed_token_ids`` is masked, and so are the tokens the engine
+holds back this step (its eos and stop tokens while fewer than its ``min_tokens`` are out, the last
+token of a bad word whose rest the output ends with); a row with a grammar then keeps only the
+tokens it allows (:mod:`yutu.engine.structured`). Greedy and random rows alike are chosen from the
+changed row.
 
 A random row is drawn by inverse transform from one uniform (:func:`draw_from`); min-p, top-k and
 top-p run only for rows that ask for them, min-p first (:func:`apply_min_p`, vLLM's order), top-k
@@ -55,11 +57,28 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 class TokenHistory(NamedTuple):
     """What a row's penalties look at: its request's tokens (prompt, then output) so far; and the
-    tokens it may not be given this step (``min_tokens`` not reached: its eos and stop tokens)."""
+    tokens it may not be given this step (``min_tokens`` not reached: its eos and stop tokens; a bad
+    word's last token where the output ends with the rest of it), repeats allowed."""
 
     token_ids: Sequence[int]
     num_prompt_tokens: int
     held_back: Sequence[int] = ()
+
+
+def banned_by_bad_words(
+    words: Sequence[Sequence[int]], token_ids: Sequence[int], num_prompt_tokens: int
+) -> tuple[int, ...]:
+    """The tokens ``words`` (each a non-empty token-id sequence) ban next, after ``token_ids``
+    (prompt, then output): a word's last token where the output ends with the word's other tokens
+    (vLLM's ``apply_bad_words``). A one-token word is always banned; only the output counts, never
+    the prompt: a word longer than the output plus one cannot match. Repeats are kept."""
+    num_output = len(token_ids) - num_prompt_tokens
+    end = len(token_ids)
+    return tuple(
+        word[-1]
+        for word in words
+        if len(word) - 1 <= num_output and tuple(token_ids[end - len(word) + 1 : end]) == tuple(word[:-1])
+    )
 
 
 @dataclass(frozen=True)
@@ -182,14 +201,21 @@ def adjust_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
 ) -> torch.Tensor:
     """``logits`` (R, V) with each row's ``logit_bias`` added, then its repetition, frequency and
-    presence penalties applied (:class:`SamplingParams`), then its held-back tokens set to float32's
-    lowest; a new tensor, rows that ask for none unchanged. ``histories[r]`` must be given for
-    every row whose params adjust its logits.
+    presence penalties applied (:class:`SamplingParams`), then every token outside its
+    ``allowed_token_ids`` and its held-back tokens set to float32's lowest; a new tensor, rows that
+    ask for none unchanged. ``histories[r]`` must be given for every row whose params adjust its
+    logits.
 
-    Sparse: a row's work is over the tokens it names or has seen, not its vocabulary. A token seen
-    several times is simply indexed several times: a gather then a scatter of the same values
-    (repetition, presence), an accumulation (frequency: one penalty per occurrence). An adjusted
-    row is clamped into float32's finite range.
+    Sparse: a row's work is over the tokens it names or has seen, not its vocabulary (apart from a
+    clamp, and a fill where ``allowed_token_ids`` is set). A token seen several times is simply
+    indexed several times: a gather then a scatter of the same values (repetition, presence), an
+    accumulation (frequency: one penalty per occurrence). An adjusted row is clamped into float32's
+    finite range; the masks come after, so no bias or penalty lifts a masked token back up.
+
+    A row whose every token ends up masked (``allowed_token_ids`` all held back by ``min_tokens``,
+    say) is all float32's lowest, and nothing special is done: a greedy row takes the first of the
+    equal values (token 0), a random one draws as from a flat row (a grammar, applied after, lifts
+    its own tokens above the lowest, so it decides between them).
     """
     out = logits.clone()
     device = logits.device
@@ -212,6 +238,11 @@ def adjust_logits(
         if p.presence_penalty and output.numel():
             row[output] = row[output] - p.presence_penalty
         row.clamp_(_FLOAT32_LOWEST, _FLOAT32_MAX)  # a pass over the row: cheaper than over what was touched
+        if p.allowed_token_ids is not None:
+            allowed = token_tensor(p.allowed_token_ids, device)  # (A,)
+            kept = row[allowed]  # (A,)
+            row.fill_(_FLOAT32_LOWEST)
+            row[allowed] = kept
         if history.held_back:
             row[torch.tensor(list(history.held_back), device=device)] = _FLOAT32_LOWEST
     return out
@@ -225,7 +256,8 @@ def adjust_logits_native(
 ) -> torch.Tensor:
     """:func:`adjust_logits` on CPU with the native kernels: the rows' biases in one ``index_add_``,
     their penalties in one ``adjust_rows_`` call over their tokens laid end to end (a history kept
-    as an ``array`` is copied, not converted). The same values, bit for bit (a test holds it)."""
+    as an ``array`` is copied, not converted), then the masks in torch. The same values, bit for
+    bit (a test holds it)."""
     out = logits.clone()  # (R, V)
     vocab = logits.shape[1]
     rows = [r for r, p in enumerate(params) if p.adjusts_logits]
@@ -252,6 +284,13 @@ def adjust_logits_native(
         torch.tensor(prompts, dtype=torch.long),
         torch.tensor(penalties, dtype=torch.float64).reshape(len(rows), 3),
     )
+    masked = [r for r in rows if params[r].allowed_token_ids is not None]
+    if masked:  # keep the allowed tokens' values, lowest for the rest of those rows
+        allowed = [token_tensor(params[r].allowed_token_ids or (), out.device) + r * vocab for r in masked]
+        keys = torch.cat(allowed)  # (A,) every masked row's allowed tokens, flat indices end to end
+        kept = out.view(-1)[keys]  # (A,)
+        out[torch.tensor(masked)] = _FLOAT32_LOWEST
+        out.view(-1)[keys] = kept
     if held_back:
         out.view(-1)[torch.tensor(held_back)] = _FLOAT32_LOWEST
     return out
@@ -329,7 +368,8 @@ class Sampler:
         adjusted = any(p.adjusts_logits for p in params)
         if adjusted and histories is None:
             raise ValueError(
-                "a row with logit_bias, a penalty or min_tokens needs its tokens: pass histories"
+                "a row with logit_bias, a penalty, allowed_token_ids, bad_words or min_tokens needs its"
+                " tokens: pass histories"
             )
         scores = logits  # (R, V) what the rows are chosen from
         best = stats.token if stats is not None else None  # (R,) each row's greedy token, if known

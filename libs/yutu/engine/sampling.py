@@ -15,6 +15,10 @@ logits' device, token indices as int64), so an accepted request can never make i
   values in [-100, 100]; ``repetition_penalty`` is > 0 in float32 and finite. The sampler clamps
   the logits they touch to float32's finite range, so no bias or penalty can make a row infinite.
   ``logit_bias`` token ids are checked against the model's vocabulary by the engine.
+- ``allowed_token_ids`` is None or a non-empty sequence of distinct token ids; ``bad_words`` is a
+  sequence of non-empty token-id sequences. Ids are integers in [0, INT64_MAX] here, checked against
+  the model's vocabulary by the engine (as ``logit_bias``'s). The sampler masks to float32's lowest,
+  after the bias and penalties, so nothing lifts a masked token back up.
 - ``grammar`` is a string; whether it compiles is the engine's to check (it needs the vocabulary).
 - ``seed`` spans what ``torch.Generator.manual_seed`` takes; ``logprobs`` is at most 20 (the sampler
   takes ``min(k, vocab)`` alternatives, and reports a ``-inf`` logprob as float32's lowest);
@@ -39,6 +43,11 @@ _SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token(value: object) -> bool:
+    """Whether ``value`` is a token id this class accepts (the engine checks it against its vocabulary)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 def _as_float(name: str, value: object, expected: str) -> float:
@@ -83,6 +92,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Masks, applied after those (vLLM's semantics). allowed_token_ids: None, every token; else only
+    # these distinct ids may be sampled (an eos too only if listed). bad_words: already-tokenized
+    # words (the gateway tokenizes the strings): a word's last token is banned at a step where the
+    # output so far ends with the rest of it (a one-token word: always); the prompt does not count.
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # Structured outputs: the output follows this llguidance grammar (yutu.engine.structured builds
     # it from a JSON schema, a regex, choices or a Lark grammar); only its tokens are sampled, and the
     # request ends once the grammar is complete. Compiled against the vocabulary by the engine.
@@ -190,13 +205,38 @@ class SamplingParams:
         if len({token for token, _ in pairs}) != len(pairs):
             raise ValueError("logit_bias names a token id more than once")
         object.__setattr__(self, "logit_bias", tuple(pairs))  # normalised: a tuple of (int, float)
+        self._check_masks()
+
+    def _check_masks(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, tuple | list) or not allowed or not all(_is_token(t) for t in allowed):
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty sequence of token ids (integers >= 0, at most"
+                    f" {INT64_MAX}), or None to allow every token; got {allowed!r}"
+                )
+            if len(set(allowed)) != len(allowed):
+                raise ValueError("allowed_token_ids names a token id more than once; list each once")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))  # normalise a list to a tuple
+        words = self.bad_words
+        if not isinstance(words, tuple | list) or not all(
+            isinstance(word, tuple | list) and word and all(_is_token(t) for t in word) for word in words
+        ):
+            raise ValueError(
+                "bad_words must be a sequence of non-empty token-id sequences (integers >= 0, at most"
+                f" {INT64_MAX}: the words already tokenized), got {words!r}"
+            )
+        object.__setattr__(self, "bad_words", tuple(tuple(word) for word in words))
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a bias, a penalty or ``min_tokens`` changes this request's logits before sampling."""
+        """Whether a bias, a penalty, a mask (``allowed_token_ids``, ``bad_words``) or ``min_tokens``
+        changes this request's logits before sampling."""
         return (
             self.min_tokens > 0
             or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
             or self.repetition_penalty != 1.0
             or bool(self.frequency_penalty or self.presence_penalty)
         )
