@@ -151,7 +151,7 @@ def test_frequency_and_presence_penalties_match_the_formula_on_transformers_logi
 
 @pytest.mark.parametrize("budget", [512, 16])
 def test_prompt_logprobs_match_transformers(ckpt: Path, budget: int) -> None:
-    """Each prompt token's logprob (and top alternatives) under the tokens before it, as
+    """Each prompt token's logprob, rank and top alternatives under the tokens before it, as
     transformers' logits give them, with the first token; in one chunk and in chunks of 16; a
     prompt the prefix cache already holds is still computed (and scored) whole."""
     from transformers import AutoModelForCausalLM
@@ -173,6 +173,8 @@ def test_prompt_logprobs_match_transformers(ckpt: Path, budget: int) -> None:
         want = logp[j - 1].topk(2)
         assert [t for t, _ in entry.top] == want.indices.tolist()
         assert [v for _, v in entry.top] == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert entry.rank == int((logp[j - 1] >= logp[j - 1, ids[j]]).sum())  # 1: the most likely
+        assert entry.to_wire()[3] == entry.rank
     plain = tokens(run(engine, {"p": (ids, greedy(3))})["p"])
     assert tokens(outs) == plain  # scoring the prompt changes nothing of the generation
     assert engine.stats().prefix_cache_hit_tokens > 0  # the others did hit the cache

@@ -19,16 +19,23 @@ class TokenLogprobs:
     """Log-probability of a sampled token under the model's raw distribution, and the top alternatives.
 
     ``top`` holds ``params.logprobs`` pairs ``(token_id, logprob)`` in descending logprob order (empty
-    when ``params.logprobs == 0``); the sampled token may or may not be among them.
+    when ``params.logprobs == 0``); the sampled token may or may not be among them. ``rank``, set for
+    a prompt's tokens (vLLM's ``prompt_logprobs`` show it): how many tokens of the vocabulary are at
+    least as likely as this one, itself included (1: the most likely; ties count ahead, as vLLM counts).
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
     def to_wire(self) -> list[object]:
-        """As the worker channels carry it: [token_id, logprob, [[alt_id, alt_logprob], ...]]."""
-        return [self.token_id, self.logprob, [list(alt) for alt in self.top]]
+        """As the worker channels carry it: [token_id, logprob, [[alt_id, alt_logprob], ...]], then
+        the rank where it is known."""
+        wire: list[object] = [self.token_id, self.logprob, [list(alt) for alt in self.top]]
+        if self.rank is not None:
+            wire.append(self.rank)
+        return wire
 
 
 @dataclass(frozen=True)

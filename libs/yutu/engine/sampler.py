@@ -297,16 +297,20 @@ def adjust_logits_native(
 
 
 def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
-    """Row i's logprob of ``targets[i]`` under the raw ``logits`` (n, V), with its ``k`` most likely
-    tokens: a prompt's own tokens' logprobs (the engine's ``prompt_logprobs``). A -inf or NaN
-    (a row that is not finite) is reported as float32's lowest."""
+    """Row i's logprob of ``targets[i]`` under the raw ``logits`` (n, V), with its rank in the row and
+    its ``k`` most likely tokens: a prompt's own tokens' logprobs (the engine's ``prompt_logprobs``).
+    A -inf or NaN (a row that is not finite) is reported as float32's lowest."""
     logp = torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=_FLOAT32_LOWEST, neginf=_FLOAT32_LOWEST)
-    picked = logp.gather(1, torch.tensor(list(targets), device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    picked = logp.gather(1, torch.tensor(list(targets), device=logp.device).unsqueeze(1))  # (n, 1)
+    ranks = (logp >= picked).sum(dim=-1).tolist()  # (n,) itself included: 1 is the most likely
     tops: list[list[tuple[int, float]]] = [[] for _ in targets]
     if k:
         values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)  # (n, k) each, best first
         tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
-    return [TokenLogprobs(t, lp, top) for t, lp, top in zip(targets, picked, tops, strict=True)]
+    return [
+        TokenLogprobs(t, lp, top, rank)
+        for t, lp, top, rank in zip(targets, picked.squeeze(1).tolist(), tops, ranks, strict=True)
+    ]
 
 
 class RowStats(NamedTuple):

@@ -47,9 +47,9 @@ from typing import Any
 
 from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=7)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
+CHANNEL = Channel("generate", version=8)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
 # 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt; 6: await_kv, KVReady;
-# 7: TokenDelta.prompt_logprobs
+# 7: TokenDelta.prompt_logprobs; 8: a prompt_logprobs entry ends with its token's rank
 
 
 @CHANNEL.message("generate")
@@ -93,7 +93,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
     # With the first token, when the sampling asked for prompt_logprobs: one entry per prompt token,
-    # the first None, the others as in ``logprobs``
+    # the first None, the others as in ``logprobs`` followed by the token's rank in its row (1: the
+    # most likely)
     prompt_logprobs: list[Any] | None = None
 
 
