@@ -14,7 +14,7 @@ from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import install_error_handlers
 from services.gateway.memory import ReleaseAfterLargeBodies
 from services.gateway.openapi import install_openapi
-from services.gateway.schemas import ChatCompletionChunk, CompletionResponse
+from services.gateway.schemas import ChatCompletionChunk, CompletionChunk
 from services.gateway.service import GatewayService
 
 _ROUTES = {
@@ -108,7 +108,7 @@ def build_app(gateway: GatewayService) -> FastAPI:
     for module in (routes_models, routes_completions, routes_chat, routes_tokenize):
         app.include_router(module.router)
     install_error_handlers(app)
-    install_openapi(app, extra_models=(CompletionResponse, ChatCompletionChunk))
+    install_openapi(app, extra_models=(CompletionChunk, ChatCompletionChunk))
     app.add_middleware(ReleaseAfterLargeBodies, releaser=gateway.memory)  # inside BodyLimit: accepted bodies
     app.add_middleware(BodyLimit, max_bytes=gateway.settings.max_request_bytes)
     app.add_middleware(RequestId)

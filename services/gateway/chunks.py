@@ -38,7 +38,7 @@ def completion_chunk(
     stop_reason: str | int | None,
     usage: dict[str, Any] | None = None,
 ) -> str:
-    """The event of one choice's update: a ``CompletionResponse`` with that one choice (``usage``:
+    """The event of one choice's update: a ``CompletionChunk`` with that one choice (``usage``:
     the response's so far, with vLLM's ``continuous_usage_stats``)."""
     choice = {
         "index": index,

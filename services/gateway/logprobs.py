@@ -8,7 +8,11 @@ With ``echo`` the prompt's tokens come first, the first of them with null logpro
 Chat: ``content`` is a list with one entry per token: ``token``, ``logprob``, ``bytes`` (its UTF-8
 bytes) and ``top_logprobs`` (exactly the top ``top_logprobs`` alternatives, best first).
 
-Both are built as plain values in the shape of the response models (``CompletionLogprobs``,
+vLLM's ``prompt_logprobs`` (either API): one entry per prompt token, the first null, each a dict from
+token id (a JSON key: a string) to its ``logprob``, ``rank`` (1: the most likely) and
+``decoded_token``: the prompt's token, then the alternatives asked for.
+
+All are built as plain values in the shape of the response models (``CompletionLogprobs``,
 ``ChatTokenLogprob``): a streamed chunk encodes them as they are (:mod:`services.gateway.chunks`),
 a whole response validates them into its models.
 """
@@ -63,11 +67,17 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    prompt_ids: list[int], entries: list[Any], tokenizer: Tokenizer, text: TokenText, as_ids: bool = False
+    prompt_ids: list[int],
+    entries: list[Any],
+    tokenizer: Tokenizer,
+    text: TokenText,
+    k: int,
+    as_ids: bool = False,
 ) -> dict[str, list[Any]]:
-    """Completions-style logprobs of an echoed prompt (``echo`` with ``logprobs``): ``entries`` one
-    per prompt token as a worker sends them (``TokenDelta.prompt_logprobs``: the first None, which
-    nothing comes before, shown as null as OpenAI and vLLM show it), offsets in the prompt's text."""
+    """Completions-style logprobs of an echoed prompt (``echo`` with ``logprobs`` = ``k``): ``entries``
+    one per prompt token as a worker sends them (``TokenDelta.prompt_logprobs``: the first None, which
+    nothing comes before, shown as null as OpenAI and vLLM show it; their alternatives may be more
+    than ``k`` where ``prompt_logprobs`` asked more), offsets in the prompt's text."""
     names: list[str] = []
     logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -84,9 +94,32 @@ def echo_logprobs(
             tops.append(None)
             continue
         logprobs.append(_finite(float(entry[1])))
-        alts = [(int(alt), float(lp)) for alt, lp in entry[2]]
+        alts = [(int(alt), float(lp)) for alt, lp in entry[2][:k]]
         tops.append(_top_dict(token_str, float(entry[1]), alts, text, as_ids))
     return {"tokens": names, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(
+    prompt_ids: list[int], entries: list[Any], text: TokenText, k: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` with ``k`` alternatives, from ``entries`` as a worker sends them
+    (one per prompt token, the first None; the rank of the prompt's token last)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        item = {
+            str(token_id): {
+                "logprob": _finite(float(entry[1])),
+                "rank": entry[3],
+                "decoded_token": text.text_of(token_id),
+            }
+        }
+        for rank, (alt, lp) in enumerate(entry[2][:k], start=1):
+            item[str(alt)] = {"logprob": _finite(float(lp)), "rank": rank, "decoded_token": text.text_of(alt)}
+        out.append(item)
+    return out
 
 
 def joined(echoed: dict[str, list[Any]], generated: dict[str, list[Any]], shift: int) -> dict[str, list[Any]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from yutu.engine.sampling import SamplingParams
-from yutu.engine.tokenizer import ChatTemplateError
+from yutu.engine.tokenizer import ChatTemplateError, Tokenizer
 from yutu.errors import ErrorKind
 
 from services.gateway.errors import ApiError, context_length_exceeded, invalid
@@ -36,7 +36,7 @@ class ChoiceSpec:
     prompt_ids: list[int]
     sampling: SamplingParams
     stops: tuple[str, ...]
-    score_only: bool = False  # max_tokens 0 with echo: the worker's one token is not shown
+    score_only: bool = False  # max_tokens 0 (echo, prompt_logprobs): the worker's one token is not shown
     include_stop: bool = False  # a stop string reached ends the text (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True  # special tokens are left out of the text (vLLM's, by default)
 
@@ -72,11 +72,12 @@ def num_prompts(req: CompletionRequest) -> int:
 
 
 async def completion_prompts(
-    req: CompletionRequest, tokens: PromptTokenizer, max_model_len: int
+    req: CompletionRequest, tokens: PromptTokenizer, max_model_len: int | None
 ) -> list[list[int]]:
     """Token ids of each prompt of a completions request (text, ids, or a list of either).
 
-    A text prompt proved too long for the context is refused (400) before it is tokenized.
+    With ``max_model_len``, a text prompt proved too long for it is refused (400) before it is
+    tokenized.
     """
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -212,13 +213,6 @@ def logit_bias_for(bias: dict[str, float] | None, vocab_size: int) -> tuple[tupl
 NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "use_beam_search": (False, "beam search is not supported"),
     "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
-    "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported: send the prompt to keep"),
-    "prompt_logprobs": (
-        None,
-        "prompt_logprobs is not supported: on completions, echo with logprobs scores the prompt",
-    ),
-    "allowed_token_ids": (None, "allowed_token_ids is not supported: use logit_bias or structured_outputs"),
-    "bad_words": ([], "bad_words is not supported: use logit_bias"),
     "logits_processors": ([], "logits_processors are not supported"),
     "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported: JSON comes out compact"),
     "priority": (0, "priority scheduling is not supported: leave priority 0"),
@@ -255,10 +249,27 @@ def reject_unsupported(req: _GenerationRequest) -> None:
             raise invalid(why, name)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid(
+            "prompt_logprobs are not available with stream: true (on completions, echo with logprobs"
+            " streams the prompt's logprobs)",
+            "prompt_logprobs",
+        )
+    if req.truncate_prompt_tokens == 0:
+        raise invalid(
+            "truncate_prompt_tokens must be at least 1 (the prompt's last tokens to keep), or -1 for the"
+            " model's context",
+            "truncate_prompt_tokens",
+        )
+    if req.allowed_token_ids == []:
+        raise invalid(
+            "allowed_token_ids must name at least one token id (leave it unset for all)", "allowed_token_ids"
+        )
     if isinstance(req, CompletionRequest):
-        if req.max_tokens == 0 and not req.echo:
+        if req.max_tokens == 0 and not (req.echo or req.prompt_logprobs is not None):
             raise invalid(
-                "max_tokens must be at least 1; 0 only with echo (the prompt scored, nothing generated)",
+                "max_tokens must be at least 1; 0 only with echo or prompt_logprobs (the prompt scored,"
+                " nothing generated)",
                 "max_tokens",
             )
         if req.suffix:
@@ -313,6 +324,32 @@ def max_tokens_for(
     return requested
 
 
+def bad_word_ids(words: list[str] | None, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as the token sequences the engine bans: each word as it encodes at the
+    start of a text, and as it does after a space where that is as many tokens, and other ones (a
+    word mid-text); 400 for a word that encodes to nothing."""
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words or ()):
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise invalid("bad_words must be words: this one encodes to no tokens", f"bad_words.{i}")
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(out)
+
+
+def truncated(req: _GenerationRequest, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """The prompts cut to their last ``truncate_prompt_tokens`` tokens (-1: the context's length), as
+    vLLM truncates them (on the left); as they are without it."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    keep = max_model_len if keep == -1 else keep
+    return [ids[-keep:] for ids in prompts]
+
+
 def sampling_for(
     req: _GenerationRequest,
     max_tokens: int,
@@ -320,12 +357,17 @@ def sampling_for(
     choice: int,
     logit_bias: tuple[tuple[int, float], ...] = (),
     grammar: str | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ);
     ``logit_bias`` as :func:`logit_bias_for` made it, ``grammar`` as
-    :func:`services.gateway.structured.grammar_for` did."""
+    :func:`services.gateway.structured.grammar_for` did, ``bad_words`` as :func:`bad_word_ids` did."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     seed = None if req.seed is None else req.seed + choice
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and logprobs is not None:
+        # echo with logprobs: the prompt's tokens are shown with theirs (OpenAI's legacy completions)
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -338,9 +380,12 @@ def sampling_for(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            # echo with logprobs: the prompt's tokens are shown with theirs (OpenAI's legacy completions)
-            prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias,
+            allowed_token_ids=None
+            if req.allowed_token_ids is None
+            else tuple(dict.fromkeys(req.allowed_token_ids)),
+            bad_words=bad_words,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
@@ -368,7 +413,7 @@ def choice_specs(
     logprobs: int | None,
     *,
     limits: RequestLimits,
-    vocab_size: int,
+    tokenizer: Tokenizer,
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
     grammar: str | None = None,
@@ -384,8 +429,11 @@ def choice_specs(
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
-    logit_bias = logit_bias_for(req.logit_bias, vocab_size)
-    score_only = requested_max_tokens == 0  # (echo) the worker computes one token, not shown
+    logit_bias = logit_bias_for(req.logit_bias, tokenizer.vocab_size)
+    if req.allowed_token_ids is not None:
+        check_token_ids(req.allowed_token_ids, tokenizer.vocab_size, "allowed_token_ids")
+    bad_words = bad_word_ids(req.bad_words, tokenizer)
+    score_only = requested_max_tokens == 0  # (scoring the prompt) the worker computes one token, not shown
     per_prompt = [
         max_tokens_for(
             len(ids), requested_max_tokens or (1 if score_only else None), default_max_tokens, max_model_len,
@@ -397,7 +445,7 @@ def choice_specs(
     specs = []
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
-            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias, grammar)
+            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias, grammar, bad_words)
             specs.append(
                 ChoiceSpec(
                     p * req.n + i,

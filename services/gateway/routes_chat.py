@@ -16,8 +16,14 @@ from services.gateway.errors import invalid
 from services.gateway.generation import ChoiceState, Generation
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.openapi import generation_responses
-from services.gateway.prompts import chat_prompt, check_cost_before_tokenizing, check_model, choice_specs
-from services.gateway.routes_completions import usage_of
+from services.gateway.prompts import (
+    chat_prompt,
+    check_cost_before_tokenizing,
+    check_model,
+    choice_specs,
+    truncated,
+)
+from services.gateway.routes_completions import prompt_logprobs_of, usage_of
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     AssistantMessage,
@@ -62,16 +68,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_cost_before_tokenizing(body, limits, 1, requested, param)
     plan = tool_plan(body, parser_named(gw.settings.tool_call_parser))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    cut = (
+        body.truncate_prompt_tokens is not None
+    )  # then a prompt too long for the context is cut, not refused
     prompt = await chat_prompt(
-        body.messages, gw.prompts, body.add_generation_prompt, max_model_len, tools,
+        body.messages, gw.prompts, body.add_generation_prompt, None if cut else max_model_len, tools,
         body.continue_final_message, body.chat_template_kwargs, body.documents,
     )  # fmt: skip
+    (prompt,) = truncated(body, [prompt], max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     grammar = await grammar_for(body, gw.prompts, plan.schema)
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
-        limits=limits, vocab_size=gw.tokenizer.vocab_size,
+        limits=limits, tokenizer=gw.tokenizer,
         max_tokens_param=param, prompt_param="messages", grammar=grammar,
         skip_special_tokens=plan.skip_special_tokens(body.skip_special_tokens),
     )  # fmt: skip
@@ -100,6 +110,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         model=gw.model_name,
         choices=[_choice(choices[i], gw, body, plan) for i in sorted(choices)],
         usage=usage_of(gen),
+        prompt_logprobs=prompt_logprobs_of(
+            choices[min(choices)], gw, body.prompt_logprobs
+        ),  # the choices' one prompt
     )
     return Response(
         response.model_dump_json(),

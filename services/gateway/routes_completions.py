@@ -13,7 +13,7 @@ from services.gateway.auth import require_api_key
 from services.gateway.chunks import completion_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.generation import ChoiceState, Generation, TokenInfo
-from services.gateway.logprobs import completion_logprobs, echo_logprobs, joined
+from services.gateway.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from services.gateway.openapi import generation_responses
 from services.gateway.prompts import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -22,13 +22,15 @@ from services.gateway.prompts import (
     choice_specs,
     completion_prompts,
     num_prompts,
+    truncated,
 )
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
-    CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     PromptTokensDetails,
     Usage,
 )
@@ -54,7 +56,7 @@ def usage_of(gen: Generation) -> Usage:
     "/v1/completions",
     response_model=None,
     responses=generation_responses(
-        CompletionResponse, CompletionResponse, "a text_completion, or its chunks as SSE"
+        CompletionResponse, CompletionChunk, "a text_completion, or its chunks as SSE"
     ),
 )
 async def create_completion(body: CompletionRequest, request: Request, gw: GatewayDep) -> Response:
@@ -64,7 +66,11 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     max_model_len = gw.require_max_model_len()
     limits = gw.settings.limits
     check_cost_before_tokenizing(body, limits, num_prompts(body), body.max_tokens, "max_tokens")
-    prompts = await completion_prompts(body, gw.prompts, max_model_len)
+    cut = (
+        body.truncate_prompt_tokens is not None
+    )  # then a prompt too long for the context is cut, not refused
+    prompts = await completion_prompts(body, gw.prompts, None if cut else max_model_len)
+    prompts = truncated(body, prompts, max_model_len)
     grammar = await grammar_for(body, gw.prompts)
     specs = choice_specs(
         body,
@@ -74,7 +80,7 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         COMPLETIONS_DEFAULT_MAX_TOKENS,
         body.logprobs,
         limits=limits,
-        vocab_size=gw.tokenizer.vocab_size,
+        tokenizer=gw.tokenizer,
         grammar=grammar,
     )
     gen = Generation(
@@ -113,9 +119,11 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
 
 def echo_texts(body: CompletionRequest, prompts: list[list[int]], gw: GatewayService) -> list[str] | None:
     """With ``echo``, each prompt's text as the response repeats it: as sent, or decoded from the
-    token ids sent; None without."""
+    token ids sent or kept (``truncate_prompt_tokens``); None without."""
     if not body.echo:
         return None
+    if body.truncate_prompt_tokens is not None:
+        return [gw.tokenizer.decode(ids) for ids in prompts]
     if isinstance(body.prompt, str):
         return [body.prompt]
     if all(isinstance(p, str) for p in body.prompt):
@@ -139,26 +147,37 @@ def _logprobs(
             raise YutuError(
                 "the worker sent no prompt logprobs for an echo with logprobs", ErrorKind.INTERNAL
             )
+        assert body.logprobs is not None, "echo scores the prompt only with logprobs"
         prompt = echo_logprobs(
-            state.spec.prompt_ids, state.prompt_logprobs, gw.tokenizer, gw.token_text, as_ids
+            state.spec.prompt_ids, state.prompt_logprobs, gw.tokenizer, gw.token_text, body.logprobs, as_ids
         )
     return joined(prompt, generated, len(echo))
 
 
 def _choice(
     state: ChoiceState, gw: GatewayService, body: CompletionRequest, echoes: list[str] | None
-) -> CompletionChoice:
+) -> CompletionResponseChoice:
     echo = None if echoes is None else echoes[state.spec.prompt_index]
     logprobs = None
     if body.logprobs is not None:
         logprobs = CompletionLogprobs.model_validate(_logprobs(state.tokens, state, gw, body, echo, True))
-    return CompletionChoice(
+    return CompletionResponseChoice(
         index=state.spec.index,
         text=(echo or "") + state.text,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs_of(state, gw, body.prompt_logprobs),
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
     )
+
+
+def prompt_logprobs_of(state: ChoiceState, gw: GatewayService, k: int | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` of ``state``'s prompt, with ``k`` alternatives (None: not asked)."""
+    if k is None:
+        return None
+    if state.prompt_logprobs is None:
+        raise YutuError("the worker sent no prompt logprobs for prompt_logprobs", ErrorKind.INTERNAL)
+    return prompt_logprobs(state.spec.prompt_ids, state.prompt_logprobs, gw.token_text, k)
 
 
 async def _stream(
@@ -191,7 +210,7 @@ async def _stream(
                 )  # fmt: skip
             if include_usage:
                 tail = event(
-                    CompletionResponse(
+                    CompletionChunk(
                         id=gen.request_id,
                         created=created,
                         model=gw.model_name,

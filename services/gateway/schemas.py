@@ -78,6 +78,15 @@ class _GenerationRequest(_Request):
     stop_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool = True  # False: special tokens the model writes are in the text
+    # the prompt's own tokens' logprobs, each with this many alternatives (not with stream)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: Int | None = Field(
+        None, ge=-1
+    )  # keep the prompt's last k tokens; -1: the context
+    allowed_token_ids: TokenIds | None = None  # only these tokens may be generated
+    bad_words: list[str] | None = (
+        None  # words the output may not contain (as tokenized, with or without a space)
+    )
     # structured outputs (services/gateway/structured.py): OpenAI's, then vLLM's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -89,10 +98,6 @@ class _GenerationRequest(_Request):
     # (prompts.NOT_IMPLEMENTED), not ignored
     use_beam_search: Any = None
     length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
     priority: Any = None
@@ -104,7 +109,7 @@ class _GenerationRequest(_Request):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | TokenIds | list[TokenIds] | list[str]
-    max_tokens: Int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
+    max_tokens: Int | None = Field(None, ge=0)  # 0 only with echo or prompt_logprobs: the prompt scored
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -220,7 +225,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's: one token's logprob in a ``prompt_logprobs`` entry (keyed by its token id)."""
+
+    logprob: float
+    rank: int | None  # 1: the most likely token at that position
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; the first None
+
+
 class CompletionChoice(BaseModel):
+    """A choice as a streamed chunk carries it."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -228,11 +246,28 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM's extra: the stop string or token that ended it
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponseChoice(CompletionChoice):
+    """A choice of a whole response."""
+
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
+
+
+class _Completion(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
+
+
+class CompletionResponse(_Completion):
+    choices: list[CompletionResponseChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(_Completion):
+    """A streamed text_completion chunk (the last, with the usage, has no choices)."""
+
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
@@ -287,6 +322,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked: the rendered prompt's
 
 
 class FunctionCallDelta(BaseModel):

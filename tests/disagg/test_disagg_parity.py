@@ -110,6 +110,40 @@ def test_logit_bias_and_penalties_hold_across_the_handoff(
     assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
 
 
+def test_allowed_token_ids_and_bad_words_hold_across_the_handoff(
+    mixed: DisaggStack, disagg: DisaggStack
+) -> None:
+    """The prefill instance samples the first token within ``allowed_token_ids``, the decode instance
+    the rest; a bad word of two tokens whose first the prefill instance sampled is banned by the
+    decode instance (it counts that token among the output's): an engine's tokens, on both stacks."""
+    from yutu.engine.tokenizer import Tokenizer
+
+    from services.gateway.prompts import bad_word_ids
+
+    tok = Tokenizer.from_dir(disagg.model)
+    for seed in range(
+        60, 160
+    ):  # a prompt whose first two greedy tokens are a word: text that encodes to them
+        ids = prompt(60, seed=seed)
+        plain = disagg.reference(ids, 16)
+        word = tok.decode(plain[:2])
+        if tuple(plain[:2]) in bad_word_ids([word], tok):
+            break
+    else:
+        pytest.fail("no prompt of 100 starts its output with a word of two tokens")
+    banned = disagg.reference(ids, 16, bad_words=bad_word_ids([word], tok))
+    assert banned[0] == plain[0] and banned[1] != plain[1]  # the ban falls on the decode's first token
+    allowed = sorted({*plain[1:4], 9, 11})
+    want = disagg.reference(ids, 16, allowed_token_ids=tuple(allowed))
+    assert want != plain and set(want) <= set(allowed)
+    for stack in (mixed, disagg):
+        reply = stack.complete(ids, 16, False, allowed_token_ids=allowed)
+        assert reply.status == 200 and reply.tokens == want, reply.body
+        reply = stack.complete(ids, 16, False, bad_words=[word])
+        assert reply.status == 200 and reply.tokens == banned, reply.body
+    assert reply.headers["x-yutu-prefill"] == "prefill-0" and reply.headers["x-yutu-decode"] == "decode-0"
+
+
 def test_a_grammar_the_model_refuses_is_a_400_on_either_stack(
     mixed: DisaggStack, disagg: DisaggStack
 ) -> None:

@@ -160,6 +160,108 @@ def test_echo_repeats_the_prompt_with_its_logprobs(
     assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (n, 0)
 
 
+def test_prompt_logprobs_in_completions_and_chat(stack: Stack, model: torch.nn.Module) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first null) a dict from token id to its
+    logprob, rank and text -- the prompt's token first, then the k most likely -- the model's own
+    log-softmax; per choice on completions, once for the response on chat. With echo and logprobs
+    asking fewer alternatives, each gets its own count."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    prompt_ids = tok.encode(PROMPT)
+    (logits,) = PagedRunner(model, num_blocks=8, block_size=16).step([(0, prompt_ids)])
+    ref = torch.log_softmax(logits, dim=-1)  # (n, V): row j scores token j + 1
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2,
+            "echo": True, "logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    resp = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for j in range(1, len(prompt_ids)):
+        token, row = prompt_ids[j], ref[j - 1]
+        best = torch.topk(row, 2).indices.tolist()
+        assert list(entries[j]) == list(dict.fromkeys(map(str, [token, *best])))  # its token first
+        own = entries[j][str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert own["rank"] == int((row >= row[token]).sum()) and own["decoded_token"] == tok.decode([token])
+        for rank, alt in enumerate(best, start=1):
+            assert entries[j][str(alt)]["rank"] == rank
+            assert entries[j][str(alt)]["logprob"] == pytest.approx(row[alt].item(), abs=1e-4)
+        assert len(choice["logprobs"]["top_logprobs"][j]) <= 2  # echo's: logprobs 1, and the token itself
+    # max_tokens 0 without echo: the prompt scored, nothing generated
+    scored = httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json={**body, "echo": False, "logprobs": None, "max_tokens": 0},
+        timeout=60,
+    ).json()
+    assert scored["choices"][0]["text"] == "" and scored["usage"]["completion_tokens"] == 0
+    assert scored["choices"][0]["prompt_logprobs"] == entries
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "n": 2,
+            "prompt_logprobs": 0}  # fmt: skip
+    reply = httpx.post(f"{stack.base_url}/v1/chat/completions", json=chat, timeout=60).json()
+    rendered = reply["prompt_logprobs"]
+    assert len(rendered) == reply["usage"]["prompt_tokens"] and rendered[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in rendered[1:])  # k = 0: its own
+    assert "prompt_logprobs" not in reply["choices"][0]
+    plain = httpx.post(f"{stack.base_url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60)
+    assert plain.json()["choices"][0]["prompt_logprobs"] is None
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are what the model sees (the
+    completion is that of those tokens sent alone); a prompt longer than the context is then cut,
+    not refused; echo repeats what was kept; -1 keeps the context's length."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    long = " ".join(f"word{i}" for i in range(400))
+    ids = tok.encode(long)
+    assert len(ids) > stack.max_model_len
+    args = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0}
+    cut = client.completions.create(prompt=long, echo=True, extra_body={"truncate_prompt_tokens": 20}, **args)
+    alone = client.completions.create(prompt=ids[-20:], **args)
+    assert (
+        cut.usage.prompt_tokens == 20 and cut.choices[0].text == tok.decode(ids[-20:]) + alone.choices[0].text
+    )
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": long}], extra_body={"truncate_prompt_tokens": 30}, **args
+    )
+    assert chat.usage.prompt_tokens == 30
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(prompt=long, **args)  # without it: refused
+    with pytest.raises(
+        openai.BadRequestError, match="maximum context length"
+    ):  # -1: no room left to generate
+        client.completions.create(prompt=long, extra_body={"truncate_prompt_tokens": -1}, **args)
+    short = client.completions.create(prompt=PROMPT, extra_body={"truncate_prompt_tokens": -1}, **args)
+    assert short.usage.prompt_tokens == len(tok.encode(PROMPT))
+
+
+def test_allowed_token_ids_and_bad_words(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``allowed_token_ids`` (every token generated is one of them, eos only if listed) and
+    ``bad_words`` (greedy's own first word, banned, changes the output, which never holds the word's
+    tokens). Exact orders against the engine: tests/engine; the word's encodings: test_gateway_units."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    extra = {"return_tokens_as_token_ids": True}
+    for sampled in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        got = client.completions.create(
+            **{**args, **sampled}, extra_body={**extra, "allowed_token_ids": [17, 23, 40]}
+        )
+        assert (
+            set(ids_of(got.choices[0].logprobs.tokens)) <= {17, 23, 40}
+            and got.choices[0].finish_reason == "length"
+        )
+    plain = ids_of(client.completions.create(**args, extra_body=extra).choices[0].logprobs.tokens)
+    word = tok.decode([plain[0]]).strip()
+    assert word, "greedy's first token is a word"
+    got = ids_of(
+        client.completions.create(**args, extra_body={**extra, "bad_words": [word]})
+        .choices[0]
+        .logprobs.tokens
+    )
+    assert got != plain
+    bare = tok.encode(word, add_special_tokens=False)  # banned always (and with a space, where that differs)
+    assert not any(got[i : i + len(bare)] == bare for i in range(len(got))), (bare, got)
+
+
 @pytest.mark.parametrize("max_tokens", [5, 0])
 def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI, max_tokens: int) -> None:
     extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}

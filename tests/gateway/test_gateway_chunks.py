@@ -16,8 +16,8 @@ from services.gateway.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
-    CompletionResponse,
     PromptTokensDetails,
     Usage,
 )
@@ -70,7 +70,7 @@ def test_completion_chunk_matches_the_models(
 ) -> None:
     finish_reason, stop_reason = stop
     reference = event(
-        CompletionResponse(
+        CompletionChunk(
             id="cmpl-0123abcd",
             created=1796504664,
             model="org/model-7b",
@@ -127,7 +127,7 @@ def test_a_float_may_be_written_otherwise_but_not_valued_otherwise() -> None:
         "text_offset": [0],
     }
     reference = event(
-        CompletionResponse(
+        CompletionChunk(
             id="c", created=1, model="m",
             choices=[CompletionChoice(index=0, text="a", logprobs=CompletionLogprobs.model_validate(logprobs))],
         )
@@ -141,7 +141,7 @@ def test_chunks_with_the_usage_so_far_match_the_models() -> None:
     usage = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=0))  # fmt: skip
     reference = event(
-        CompletionResponse(
+        CompletionChunk(
             id="c",
             created=1,
             model="m",

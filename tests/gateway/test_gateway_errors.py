@@ -39,7 +39,7 @@ NOW = {"type": "function", "function": {"name": "now"}}
     ("path", "body", "param"),
     [
         ("/v1/completions", {**CMPL, "max_tokens": -1}, "max_tokens"),
-        ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens"),  # 0 only to score the prompt
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
         ("/v1/completions", {**CMPL, "temperature": "hot"}, "temperature"),
         ("/v1/completions", {**CMPL, "temperature": 2.5}, "temperature"),
@@ -125,9 +125,19 @@ NOW = {"type": "function", "function": {"name": "now"}}
         ("/v1/completions", {**CMPL, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
         # vLLM's extras no worker implements: refused, not ignored
         ("/v1/completions", {**CMPL, "use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
-        ("/v1/completions", {**CMPL, "bad_words": ["moon"]}, "bad_words"),
-        ("/v1/completions", {**CMPL, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {**CMPL, "length_penalty": 0.5}, "length_penalty"),
+        # vLLM's extras, served, at values they refuse
+        ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {**CMPL, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ("/v1/completions", {**CMPL, "bad_words": ["moon", ""]}, "bad_words.1"),
+        ("/v1/completions", {**CMPL, "bad_words": "moon"}, "bad_words"),
+        ("/v1/completions", {**CMPL, "allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {**CMPL, "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
+        ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ("/v1/completions", {**CMPL, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {**CMPL, "prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/completions", {**CMPL, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", {**CHAT, "priority": 5}, "priority"),
         ("/v1/chat/completions", {**CHAT, "cache_salt": "tenant-a"}, "cache_salt"),
         ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),

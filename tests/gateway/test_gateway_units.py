@@ -299,3 +299,47 @@ async def test_documents_and_template_kwargs_reach_the_chat_template(tiny_model:
         assert refused.value.param == "chat_template_kwargs"
     finally:
         prompts.close()
+
+
+def test_the_wire_carries_every_sampling_field() -> None:
+    """A choice's SamplingParams go to the worker as a dict of every field, and come back equal
+    (a field added to SamplingParams and forgotten here would reach no worker)."""
+    from yutu.engine.sampling import SamplingParams
+
+    from services.gateway.generation import _sampling_dict
+    from services.gateway.prompts import ChoiceSpec
+
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=9, min_tokens=2,
+        stop_token_ids=(4,), ignore_eos=True, logprobs=2, prompt_logprobs=1, logit_bias=((5, 1.5),),
+        repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, grammar="start: /a+/",
+        allowed_token_ids=(7, 8), bad_words=((9,), (10, 11)),
+    )  # fmt: skip
+    assert all(getattr(params, f) != v.default for f, v in SamplingParams.__dataclass_fields__.items())
+    wire = _sampling_dict(ChoiceSpec(0, 0, [1, 2], params, ()))
+    assert set(wire) == set(SamplingParams.__dataclass_fields__)
+    assert SamplingParams(**wire) == params
+
+
+def test_bad_words_encode_as_vllm_encodes_them(tiny_model: Path) -> None:
+    """Each word as it encodes alone (leading spaces dropped), and after a space where that gives
+    as many tokens and a different first one (the word mid-text); a word of no tokens is a 400."""
+    from services.gateway.prompts import bad_word_ids
+
+    tok = Tokenizer.from_dir(tiny_model)
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special_tokens=False))
+
+    words = ["moon", "  rabbit", "the moon", "x"]
+    got = bad_word_ids(words, tok)
+    want: list[tuple[int, ...]] = []
+    for word in words:
+        bare, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        want += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+    assert got == tuple(want) and got[0] == encode("moon") and encode("rabbit") in got
+    assert any(len(seq) > 1 for seq in got)  # "the moon" is two words at least
+    assert bad_word_ids(None, tok) == bad_word_ids([], tok) == ()
+    with pytest.raises(ApiError) as refused:
+        bad_word_ids(["moon", "   "], tok)
+    assert refused.value.status == 400 and refused.value.param == "bad_words.1"
