@@ -37,16 +37,23 @@ def completion_chunk(
     finish_reason: str | None,
     stop_reason: str | int | None,
     usage: dict[str, Any] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> str:
     """The event of one choice's update: a ``CompletionChunk`` with that one choice (``usage``:
-    the response's so far, with vLLM's ``continuous_usage_stats``)."""
-    choice = {
+    the response's so far, with vLLM's ``continuous_usage_stats``; the token ids, with vLLM's
+    ``return_token_ids``, only where given)."""
+    choice: dict[str, Any] = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return _event(
         {
             "id": request_id,
@@ -69,10 +76,11 @@ def chat_choice(
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One ``ChatChunkChoice``: its delta holds only what is set (``ChatDelta``'s rule);
     ``logprobs`` are the ``content`` entries of ``ChatChoiceLogprobs``; ``tool_calls`` are
-    ``ToolCallDelta`` s."""
+    ``ToolCallDelta`` s; ``token_ids`` (vLLM's ``return_token_ids``) only where given."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -80,13 +88,16 @@ def chat_choice(
         delta["content"] = content
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
-    return {
+    choice = {
         "index": index,
         "delta": delta,
         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def chat_chunk(
@@ -95,17 +106,20 @@ def chat_chunk(
     model: str,
     choices: list[dict[str, Any]],
     usage: dict[str, Any] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> str:
     """The event of a ``ChatCompletionChunk`` with ``choices`` (made by :func:`chat_choice`;
-    ``usage``: the response's so far, with vLLM's ``continuous_usage_stats``)."""
-    return _event(
-        {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-            "system_fingerprint": None,
-        }
-    )
+    ``usage``: the response's so far, with vLLM's ``continuous_usage_stats``; ``prompt_token_ids``,
+    vLLM's ``return_token_ids``, only where given)."""
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return _event(chunk)

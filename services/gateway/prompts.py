@@ -220,10 +220,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
         None,
         "cache_salt is not supported: the prefix cache is shared by every request of the model",
     ),
-    "return_token_ids": (
-        False,
-        "return_token_ids is not supported: use logprobs with return_tokens_as_token_ids",
-    ),
     "kv_transfer_params": (
         None,
         "kv_transfer_params is not supported: Yutu moves KV between its own instances",

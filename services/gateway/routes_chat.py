@@ -23,7 +23,7 @@ from services.gateway.prompts import (
     choice_specs,
     truncated,
 )
-from services.gateway.routes_completions import prompt_logprobs_of, usage_of
+from services.gateway.routes_completions import prompt_logprobs_of, token_ids, usage_of
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     AssistantMessage,
@@ -110,9 +110,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         model=gw.model_name,
         choices=[_choice(choices[i], gw, body, plan) for i in sorted(choices)],
         usage=usage_of(gen),
-        prompt_logprobs=prompt_logprobs_of(
-            choices[min(choices)], gw, body.prompt_logprobs
-        ),  # the choices' one prompt
+        # the choices share their prompt: its logprobs and ids are the response's
+        prompt_logprobs=prompt_logprobs_of(choices[min(choices)], gw, body.prompt_logprobs),
+        prompt_token_ids=prompt if body.return_token_ids else None,
     )
     return Response(
         response.model_dump_json(),
@@ -136,6 +136,7 @@ def _choice(
         logprobs=lp,
         finish_reason=plan.finish_reason(state.finish_reason, calls),
         stop_reason=state.stop_reason,
+        token_ids=token_ids(state.tokens) if body.return_token_ids else None,
     )
 
 
@@ -148,11 +149,12 @@ async def _stream(
 
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
-    def chunk(choice: dict[str, Any]) -> str:
+    def chunk(choice: dict[str, Any], prompt_token_ids: list[int] | None = None) -> str:
         usage = usage_of(gen).model_dump() if continuous else None
-        return chat_chunk(gen.request_id, created, gw.model_name, [choice], usage)
+        return chat_chunk(gen.request_id, created, gw.model_name, [choice], usage, prompt_token_ids)
 
-    streams = {index: ChoiceStream(index, plan) for index in gen.choices}
+    ids = body.return_token_ids
+    streams = {index: ChoiceStream(index, plan, ids) for index in gen.choices}
 
     # Events that go out together are yielded as one string: one socket write each time.
     tail = ""
@@ -162,11 +164,17 @@ async def _stream(
             # the output is tool calls).
             opening = None if plan.calls else ""
             yield "".join(
-                chunk(chat_choice(index, role="assistant", content=opening)) for index in sorted(gen.choices)
+                chunk(
+                    chat_choice(index, role="assistant", content=opening),
+                    gen.choices[index].spec.prompt_ids if ids else None,  # vLLM's: on each role chunk
+                )
+                for index in sorted(gen.choices)
             )
             async for update in gen.updates():
                 lp = chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
-                deltas, finish_reason = streams[update.index].feed(update.text, lp, update.finish_reason)
+                deltas, finish_reason = streams[update.index].feed(
+                    update.text, lp, update.finish_reason, token_ids(update.tokens)
+                )
                 out = "".join(map(chunk, deltas))
                 if finish_reason is not None:
                     out += chunk(

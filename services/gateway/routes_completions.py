@@ -168,7 +168,13 @@ def _choice(
         prompt_logprobs=prompt_logprobs_of(state, gw, body.prompt_logprobs),
         finish_reason=state.finish_reason,
         stop_reason=state.stop_reason,
+        prompt_token_ids=state.spec.prompt_ids if body.return_token_ids else None,
+        token_ids=token_ids(state.tokens) if body.return_token_ids else None,
     )
+
+
+def token_ids(tokens: list[TokenInfo]) -> list[int]:
+    return [tok.token_id for tok in tokens]
 
 
 def prompt_logprobs_of(state: ChoiceState, gw: GatewayService, k: int | None) -> list[Any] | None:
@@ -190,16 +196,18 @@ async def _stream(
     created = int(gen.arrival)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     tail = ""
-    echoed: set[int] = set()  # choices whose first chunk (with the echoed prompt) went out
+    started: set[int] = set()  # choices whose first chunk (with the echoed prompt, its ids) went out
+    ids = body.return_token_ids
     try:
         async with gen:
             async for update in gen.updates():
                 state = gen.choices[update.index]
                 echo = None if echoes is None else echoes[state.spec.prompt_index]
-                first = echo is not None and update.index not in echoed
-                if not (update.text or update.finish_reason or body.logprobs is not None or first):
+                first = update.index not in started
+                shown = update.text or update.finish_reason or body.logprobs is not None or ids
+                if not (shown or (first and echo is not None)):
                     continue  # tokens whose text is still held back (half a character, a stop prefix)
-                echoed.add(update.index)
+                started.add(update.index)
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = _logprobs(update.tokens, state, gw, body, echo, first)
@@ -207,6 +215,7 @@ async def _stream(
                 yield completion_chunk(
                     gen.request_id, created, gw.model_name, update.index, text, logprobs,
                     update.finish_reason, update.stop_reason, usage_of(gen).model_dump() if continuous else None,
+                    state.spec.prompt_ids if ids and first else None, token_ids(update.tokens) if ids else None,
                 )  # fmt: skip
             if include_usage:
                 tail = event(

@@ -78,6 +78,7 @@ class _GenerationRequest(_Request):
     stop_token_ids: TokenIds | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool = True  # False: special tokens the model writes are in the text
+    return_token_ids: bool = False  # the response shows the prompt's and the output's token ids
     # the prompt's own tokens' logprobs, each with this many alternatives (not with stream)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Int | None = Field(
@@ -102,7 +103,6 @@ class _GenerationRequest(_Request):
     guided_whitespace_pattern: Any = None
     priority: Any = None
     cache_salt: Any = None
-    return_token_ids: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 
@@ -236,6 +236,11 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; the first None
 
 
+def _unless_asked() -> Any:
+    """A field of vLLM's that a response shows only where its request asked for it."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class CompletionChoice(BaseModel):
     """A choice as a streamed chunk carries it."""
 
@@ -244,6 +249,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's extra: the stop string or token that ended it
+    # vLLM's return_token_ids: the prompt's (streamed: with a choice's first chunk), the output's
+    prompt_token_ids: list[int] | None = _unless_asked()
+    token_ids: list[int] | None = _unless_asked()
 
 
 class CompletionResponseChoice(CompletionChoice):
@@ -312,6 +320,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = _unless_asked()  # vLLM's return_token_ids: the output's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -323,6 +332,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked: the rendered prompt's
+    prompt_token_ids: list[int] | None = _unless_asked()  # vLLM's return_token_ids: the rendered prompt's
 
 
 class FunctionCallDelta(BaseModel):
@@ -355,6 +365,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = _unless_asked()  # vLLM's return_token_ids: this delta's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -365,6 +376,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = _unless_asked()  # vLLM's return_token_ids: on the role chunks
 
 
 class ModelCard(BaseModel):

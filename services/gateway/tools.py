@@ -25,6 +25,7 @@ text.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -169,26 +170,34 @@ class ChoiceStream:
     ``services.gateway.chunks.chat_choice``): text as content; a named call's arguments as they
     come, its id and name with the first; ``required`` calls whole at the end (a partial array is
     no call yet); under ``auto``, content up to where a call may begin (the parser says), the
-    rest held until the end and sent as calls if it parses as calls, else as content. Logprobs go
-    with the first delta sent after their tokens."""
+    rest held until the end and sent as calls if it parses as calls, else as content. Logprobs,
+    and token ids (``token_ids``: vLLM's ``return_token_ids``), go with the first delta sent after
+    their tokens."""
 
-    def __init__(self, index: int, plan: ToolPlan) -> None:
+    def __init__(self, index: int, plan: ToolPlan, token_ids: bool = False) -> None:
         self.index = index
         self.plan = plan
         self._text = ""  # the output so far (held modes)
         self._sent = 0  # characters of it sent as content
         self._logprobs: list[dict[str, Any]] = []  # of tokens not sent yet
+        self._ids: list[int] | None = [] if token_ids else None  # of tokens not sent yet, if shown
         self._call_id: str | None = None  # a named call's, once its first delta went out
 
     def feed(
-        self, text: str, logprobs: list[dict[str, Any]] | None, finish_reason: str | None
+        self,
+        text: str,
+        logprobs: list[dict[str, Any]] | None,
+        finish_reason: str | None,
+        token_ids: Sequence[int] = (),
     ) -> tuple[list[dict[str, Any]], str | None]:
         """The deltas for the next piece of output (maybe none), and the finish reason to send."""
         self._logprobs += logprobs or []
+        if self._ids is not None:
+            self._ids += token_ids
         if self.plan.mode == "none":
-            return ([self._delta(content=text)] if text or self._logprobs else []), finish_reason
+            return ([self._delta(content=text)] if text or self._pending() else []), finish_reason
         if self.plan.mode == "named":
-            if not text and not self._logprobs and (finish_reason is None or self._call_id is not None):
+            if not text and not self._pending() and (finish_reason is None or self._call_id is not None):
                 return [], finish_reason
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self._call_id is None:
@@ -215,10 +224,15 @@ class ChoiceStream:
                 {"index": i, "id": c.id, "type": "function", "function": c.function.model_dump()}
                 for i, c in enumerate(calls)
             ]))  # fmt: skip
-        elif self._logprobs:
+        elif self._pending():
             deltas.append(self._delta())
         return deltas, self.plan.finish_reason(finish_reason, calls)
 
+    def _pending(self) -> bool:
+        """Whether tokens not sent yet are to be shown although their text is not (logprobs, ids)."""
+        return bool(self._logprobs or self._ids)
+
     def _delta(self, **fields: Any) -> dict[str, Any]:
         logprobs, self._logprobs = self._logprobs, []
-        return chat_choice(self.index, logprobs=logprobs or None, **fields)
+        ids, self._ids = self._ids, (None if self._ids is None else [])
+        return chat_choice(self.index, logprobs=logprobs or None, token_ids=ids, **fields)

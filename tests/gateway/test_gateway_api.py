@@ -262,6 +262,53 @@ def test_allowed_token_ids_and_bad_words(stack: Stack, client: openai.OpenAI) ->
     assert not any(got[i : i + len(bare)] == bare for i in range(len(got))), (bare, got)
 
 
+def sse_payloads(stack: Stack, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True}, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_return_token_ids_whole_and_streamed(stack: Stack) -> None:
+    """vLLM's ``return_token_ids``: each completion choice shows its prompt's ids and its output's
+    (the tokens its logprobs name), streamed across its chunks (the prompt's with the first); chat
+    shows the rendered prompt's once and each choice's output ids; unasked, no such keys."""
+    tok = Tokenizer.from_dir(stack.model_dir)
+    body = {"model": MODEL_NAME, "prompt": [PROMPT, "a b c"], "max_tokens": 6, "temperature": 0, "n": 2,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}  # fmt: skip
+    whole = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=60).json()["choices"]
+    for choice in whole:
+        assert choice["prompt_token_ids"] == tok.encode([PROMPT, "a b c"][choice["index"] // 2])
+        assert choice["token_ids"] == ids_of(choice["logprobs"]["tokens"]) and len(choice["token_ids"]) == 6
+    chunks = sse_payloads(stack, "/v1/completions", body)
+    for choice in whole:
+        mine = [
+            c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]
+        ]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    reply = httpx.post(
+        f"{stack.base_url}/v1/chat/completions", json={**chat, "logprobs": True}, timeout=60
+    ).json()
+    assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
+    assert PROMPT in tok.decode(reply["prompt_token_ids"])  # the rendered chat prompt's
+    (choice,) = reply["choices"]
+    assert len(choice["token_ids"]) == reply["usage"]["completion_tokens"]
+    assert tok.decode(choice["token_ids"]) == choice["message"]["content"]
+    streamed = sse_payloads(stack, "/v1/chat/completions", chat)
+    assert streamed[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    streamed_ids = [t for c in streamed[1:] for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert streamed_ids == choice["token_ids"]
+    plain = httpx.post(
+        f"{stack.base_url}/v1/chat/completions", json={**chat, "return_token_ids": False}, timeout=60
+    )
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+
+
 @pytest.mark.parametrize("max_tokens", [5, 0])
 def test_echo_streamed_equals_echo_whole(stack: Stack, client: openai.OpenAI, max_tokens: int) -> None:
     extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}

@@ -155,3 +155,33 @@ def test_chunks_with_the_usage_so_far_match_the_models() -> None:
     chat = event(ChatCompletionChunk(id="chatcmpl-9f", created=17, model="m", usage=usage,
                                      choices=[ChatChunkChoice(index=0, delta=ChatDelta(content="a"))]))  # fmt: skip
     _same(chat_chunk("chatcmpl-9f", 17, "m", [chat_choice(0, content="a")], usage.model_dump()), chat)
+
+
+@pytest.mark.parametrize("prompt_ids", [None, [1, 2, 3]])
+@pytest.mark.parametrize("ids", [[], [7], [7, 8]])
+def test_chunks_with_token_ids_match_the_models(prompt_ids: list[int] | None, ids: list[int]) -> None:
+    """vLLM's return_token_ids: a choice's first chunk carries its prompt's ids, every chunk its
+    tokens' (chat: the prompt's on the role chunk, the response's field); unasked, no such keys."""
+    reference = event(
+        CompletionChunk(
+            id="c", created=1, model="m",
+            choices=[CompletionChoice(index=0, text="a", prompt_token_ids=prompt_ids, token_ids=ids)],
+        )
+    )  # fmt: skip
+    _same(completion_chunk("c", 1, "m", 0, "a", None, None, None, None, prompt_ids, ids), reference)
+    chat = _chat_reference(ChatChunkChoice(index=2, delta=ChatDelta(content="a"), token_ids=ids))
+    _same(chat_chunk("chatcmpl-9f", 17, "m", [chat_choice(2, content="a", token_ids=ids)]), chat)
+    role = event(
+        ChatCompletionChunk(
+            id="chatcmpl-9f", created=17, model="m", prompt_token_ids=prompt_ids,
+            choices=[ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))],
+        )
+    )  # fmt: skip
+    fast = chat_chunk(
+        "chatcmpl-9f", 17, "m", [chat_choice(0, role="assistant", content="")], None, prompt_ids
+    )
+    _same(fast, role)
+    unasked = completion_chunk("c", 1, "m", 0, "a", None, None, None)
+    assert "token_ids" not in unasked and "token_ids" not in chat_chunk(
+        "x", 1, "m", [chat_choice(0, content="a")]
+    )

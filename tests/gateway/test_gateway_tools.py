@@ -184,3 +184,26 @@ def test_streamed_choices() -> None:
         and json.loads(message[1][0].function.arguments) == {}
     )
     assert auto.message('<tool_call>{"name": "now"}</tool_call>')[0] is None
+
+
+def test_streamed_token_ids_go_with_the_next_delta_once() -> None:
+    """vLLM's return_token_ids on a streamed chat: a piece's token ids go with the first delta sent
+    after it (held text holds them too), each id once, in order; unasked, deltas carry none."""
+    pieces = ["Sure <to", "ol_call>", '{"name": "now", "arguments": {}}', "</tool_call>"]
+    for plan in (
+        ToolPlan("none"),
+        ToolPlan("named", function="now"),
+        ToolPlan("auto", parser=HermesParser()),
+    ):
+        stream = ChoiceStream(0, plan, token_ids=True)
+        sent: list[list[int]] = []
+        for i, piece in enumerate(pieces):
+            got, _ = stream.feed(piece, None, "stop" if i == len(pieces) - 1 else None, [10 * i, 10 * i + 1])
+            sent += [d["token_ids"] for d in got]
+        assert [t for ids in sent for t in ids] == [0, 1, 10, 11, 20, 21, 30, 31], plan.mode
+        if plan.mode == "auto":  # "Sure " went out at once, the held call at the end with the rest
+            assert sent[0] == [0, 1] and sent[-1] == [10, 11, 20, 21, 30, 31]
+    silent = ChoiceStream(0, ToolPlan("none")).feed("a", None, None, [5])[0]
+    assert "token_ids" not in silent[0]
+    held = ChoiceStream(0, ToolPlan("none"), token_ids=True)
+    assert held.feed("", None, None, [5])[0][0]["token_ids"] == [5]  # no text yet (half a character): ids
