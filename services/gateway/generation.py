@@ -171,6 +171,7 @@ class Generation:
                 prompt_token_ids=spec.prompt_ids,
                 sampling=_sampling_dict(spec),
                 arrival_time=self.arrival,
+                cache_salt=spec.cache_salt,
             )
             batch.append((state, request))
         routes = await asyncio.gather(*(self.router.place(request) for _, request in batch))

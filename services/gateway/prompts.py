@@ -39,6 +39,7 @@ class ChoiceSpec:
     score_only: bool = False  # max_tokens 0 (echo, prompt_logprobs): the worker's one token is not shown
     include_stop: bool = False  # a stop string reached ends the text (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True  # special tokens are left out of the text (vLLM's, by default)
+    cache_salt: str | None = None  # its KV is shared only with requests of the same salt (vLLM's)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -216,10 +217,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "logits_processors": ([], "logits_processors are not supported"),
     "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported: JSON comes out compact"),
     "priority": (0, "priority scheduling is not supported: leave priority 0"),
-    "cache_salt": (
-        None,
-        "cache_salt is not supported: the prefix cache is shared by every request of the model",
-    ),
     "kv_transfer_params": (
         None,
         "kv_transfer_params is not supported: Yutu moves KV between its own instances",
@@ -452,6 +449,7 @@ def choice_specs(
                     score_only,
                     req.include_stop_str_in_output,
                     req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                    req.cache_salt,
                 )  # fmt: skip
             )
     return specs

@@ -40,7 +40,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from yutu.errors import ErrorKind, OverloadedError, YutuError
-from yutu.kv.hashing import block_key_digests, root_key
+from yutu.kv.hashing import block_key_digests, root_key, salted_root
 from yutu.protocol import conductor as c
 from yutu.protocol import prefill as p
 from yutu.protocol.generate import GenerateRequest, TokenDelta
@@ -213,8 +213,10 @@ class DisaggRouter:
             )
         return _root_key(salts.pop() if salts else self.default_salt)
 
-    def keys(self, token_ids: list[int]) -> list[str]:
-        return [k.hex() for k in block_key_digests(self.root_key, token_ids, self.block_size)]
+    def keys(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        """The keys of the full blocks of ``token_ids``, as the engines key them (salted apart)."""
+        root = salted_root(self.root_key, cache_salt)
+        return [k.hex() for k in block_key_digests(root, token_ids, self.block_size)]
 
     async def place(self, request: GenerateRequest, exclude: frozenset[str] = frozenset()) -> Route:
         """Ask the conductor; place here (least loaded) when it cannot answer. Raises 429/503.
@@ -224,7 +226,7 @@ class DisaggRouter:
         instance, which prefills it, without the conductor (whose placements are of reused KV)."""
         if request.sampling.get("prompt_logprobs") is not None:
             return Route(None, self.decodes.pick().info.instance_id, 0)
-        keys = self.keys(request.prompt_token_ids)
+        keys = self.keys(request.prompt_token_ids, request.cache_salt)
         max_tokens = int(request.sampling.get("max_tokens", 16))
         waited = max(0.0, time.time() - request.arrival_time)  # a busy gateway's delay counts in the TTFT
         msg = c.Place(
@@ -319,8 +321,9 @@ class DisaggHandle:
                 continue
             req = self.request
             msg = p.PrefillRequest(
-                req.request_id, req.prompt_token_ids, req.sampling, route.store_blocks, req.arrival_time
-            )
+                req.request_id, req.prompt_token_ids, req.sampling, route.store_blocks, req.arrival_time,
+                req.cache_salt,
+            )  # fmt: skip
             self._prefill = client
             self._tell_decode(route.decode, attempt)
             try:

@@ -79,6 +79,7 @@ class _GenerationRequest(_Request):
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool = True  # False: special tokens the model writes are in the text
     return_token_ids: bool = False  # the response shows the prompt's and the output's token ids
+    cache_salt: str | None = Field(None, min_length=1)  # KV reused only between requests of the same salt
     # the prompt's own tokens' logprobs, each with this many alternatives (not with stream)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Int | None = Field(
@@ -102,7 +103,6 @@ class _GenerationRequest(_Request):
     logits_processors: Any = None
     guided_whitespace_pattern: Any = None
     priority: Any = None
-    cache_salt: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 

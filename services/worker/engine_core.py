@@ -100,6 +100,7 @@ class Add:
     import_tokens: int = 0
     prefill_only: bool = False
     await_token: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,7 @@ class EngineCore:
                     import_tokens=command.import_tokens,
                     prefill_only=command.prefill_only,
                     await_token=command.await_token,
+                    cache_salt=command.cache_salt,
                 )
             except ValueError as exc:  # the engine's typed input errors are ValueErrors
                 self._events.error(command.request_id, exc)

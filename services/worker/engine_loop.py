@@ -128,6 +128,7 @@ class EngineFront:
         import_tokens: int = 0,
         prefill_only: bool = False,
         await_token: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request (the keywords: see ``LLMEngine.add_request``); once the engine is broken,
         fail it (soon, via ``on_error``) instead."""
@@ -138,7 +139,16 @@ class EngineFront:
             self._fail_soon(request_id, exc)
             return
         self._send(
-            Add(request_id, prompt_token_ids, params, generated, import_tokens, prefill_only, await_token)
+            Add(
+                request_id,
+                prompt_token_ids,
+                params,
+                generated,
+                import_tokens,
+                prefill_only,
+                await_token,
+                cache_salt,
+            )  # fmt: skip
         )
 
     def abort(self, request_id: str) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from yutu.engine.engine import RequestOutput
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
-from yutu.kv.hashing import block_key_digests
+from yutu.kv.hashing import block_key_digests, salted_root
 from yutu.liveness import Liveness
 from yutu.protocol.codec import ProtocolError
 from yutu.protocol.generate import (
@@ -117,6 +117,11 @@ class GenerateRole:
         except (TypeError, ValueError) as exc:
             self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"invalid sampling parameters: {exc}")
             return
+        try:
+            root = salted_root(self.root_key, msg.cache_salt)  # of the keys of its blocks
+        except ValueError as exc:
+            self._fail(identity, rid, ErrorKind.INVALID_REQUEST, str(exc))
+            return
         if msg.await_kv is True:
             if msg.generated or msg.kv is not None:
                 self._fail(
@@ -124,22 +129,27 @@ class GenerateRole:
                 )
                 return
             prompt = msg.prompt_token_ids
-            self.imports.expect(rid, Awaiting(len(prompt), self._pulled_keys(prompt, len(prompt))))
+            self.imports.expect(rid, Awaiting(len(prompt), self._pulled_keys(root, prompt, len(prompt))))
             self._routes[rid] = identity
-            self.engine_loop.add(rid, prompt, params, import_tokens=len(prompt), await_token=True)
+            self.engine_loop.add(
+                rid, prompt, params, import_tokens=len(prompt), await_token=True, cache_salt=msg.cache_salt
+            )
             return
         try:
             # A prompt whose logprobs are asked is computed whole: the store's blocks are not tried.
             import_tokens = (
-                0 if params.prompt_logprobs is not None and msg.kv is None else self._plan_import(rid, msg)
+                0
+                if params.prompt_logprobs is not None and msg.kv is None
+                else self._plan_import(rid, msg, root)
             )
         except ProtocolError as exc:
             self._fail(identity, rid, ErrorKind.INVALID_REQUEST, f"malformed KV handle: {exc}")
             return
         self._routes[rid] = identity
         self.engine_loop.add(
-            rid, msg.prompt_token_ids, params, generated=tuple(msg.generated), import_tokens=import_tokens
-        )
+            rid, msg.prompt_token_ids, params, generated=tuple(msg.generated), import_tokens=import_tokens,
+            cache_salt=msg.cache_salt,
+        )  # fmt: skip
 
     def _on_kv_ready(self, identity: bytes, msg: KVReady) -> None:
         """The prefill of a request admitted with ``await_kv`` ended: pull its KV now."""
@@ -169,13 +179,14 @@ class GenerateRole:
             return
         self.imports.ready(rid, handle, msg.token)
 
-    def _plan_import(self, rid: str, msg: GenerateRequest) -> int:
-        """Where the request's leading KV comes from (told to the importer); returns its tokens."""
+    def _plan_import(self, rid: str, msg: GenerateRequest, root: bytes) -> int:
+        """Where the request's leading KV comes from (told to the importer); returns its tokens.
+        ``root``: of its blocks' keys."""
         tokens = msg.prompt_token_ids + list(msg.generated)
         if msg.kv is not None:
             handle = KVHandle.from_wire(msg.kv)
             num_tokens = min(handle.num_tokens, len(tokens) - 1)
-            self.imports.expect(rid, FromPeer(handle, self._pulled_keys(tokens, num_tokens)))
+            self.imports.expect(rid, FromPeer(handle, self._pulled_keys(root, tokens, num_tokens)))
             return num_tokens
         usable = (
             min(msg.store_blocks, (len(tokens) - 1) // self.block_size)
@@ -184,22 +195,19 @@ class GenerateRole:
         )
         if usable <= 0 or self.imports.store is None:
             return 0
-        self.imports.expect(rid, FromStore(self._keys(tokens, usable)))
+        self.imports.expect(rid, FromStore(self._keys(root, tokens, usable)))
         return usable * self.block_size
 
-    def _pulled_keys(self, tokens: list[int], num_tokens: int) -> list[str]:
+    def _pulled_keys(self, root: bytes, tokens: list[int], num_tokens: int) -> list[str]:
         """The keys of the full blocks of ``tokens[:num_tokens]`` pulled from a prefill instance,
         which write-behind must not write again (none without write-behind)."""
         if self.imports.write_behind is None:
             return []
-        return self._keys(tokens, num_tokens // self.block_size)
+        return self._keys(root, tokens, num_tokens // self.block_size)
 
-    def _keys(self, tokens: list[int], blocks: int) -> list[str]:
-        """The hex keys of the first ``blocks`` full blocks of ``tokens``."""
-        return [
-            k.hex()
-            for k in block_key_digests(self.root_key, tokens[: blocks * self.block_size], self.block_size)
-        ]
+    def _keys(self, root: bytes, tokens: list[int], blocks: int) -> list[str]:
+        """The hex keys, chained from ``root``, of the first ``blocks`` full blocks of ``tokens``."""
+        return [k.hex() for k in block_key_digests(root, tokens[: blocks * self.block_size], self.block_size)]
 
     def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
         if self._routes.get(msg.request_id) == identity:  # only the front end that sent it

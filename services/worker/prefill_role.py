@@ -22,7 +22,7 @@ from typing import Any
 from yutu.engine.engine import RequestOutput
 from yutu.engine.sampling import SamplingParams
 from yutu.errors import ErrorKind, YutuError
-from yutu.kv.hashing import block_key_digests
+from yutu.kv.hashing import block_key_digests, salted_root
 from yutu.protocol import prefill as p
 from yutu.rpc import RpcServer
 from yutu.rpc.stream import StreamRpcServer
@@ -105,22 +105,25 @@ class PrefillRole:
             params = SamplingParams(**msg.sampling)
         except (TypeError, ValueError) as exc:
             raise YutuError(f"invalid sampling parameters: {exc}", ErrorKind.INVALID_REQUEST) from None
+        try:
+            root = salted_root(self.root_key, msg.cache_salt)
+        except ValueError as exc:
+            raise YutuError(str(exc), ErrorKind.INVALID_REQUEST) from None
         ids = msg.prompt_token_ids
         import_tokens = 0
         if self.imports.store is not None and type(msg.store_blocks) is int and msg.store_blocks > 0:
             usable = min(msg.store_blocks, (len(ids) - 1) // self.block_size)
             if usable > 0:
                 keys = [
-                    k.hex()
-                    for k in block_key_digests(
-                        self.root_key, ids[: usable * self.block_size], self.block_size
-                    )
+                    k.hex() for k in block_key_digests(root, ids[: usable * self.block_size], self.block_size)
                 ]
                 self.imports.expect(rid, FromStore(keys))
                 import_tokens = usable * self.block_size
         future: asyncio.Future[p.PrefillResult] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        self.engine_loop.add(rid, ids, params, import_tokens=import_tokens, prefill_only=True)
+        self.engine_loop.add(
+            rid, ids, params, import_tokens=import_tokens, prefill_only=True, cache_salt=msg.cache_salt
+        )
         return future
 
     def _undelivered(self, reply: Any) -> None:

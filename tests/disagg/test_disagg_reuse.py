@@ -52,6 +52,26 @@ def test_a_prefix_computed_on_one_prefill_is_fetched_by_the_other(two_prefills: 
     assert second.tokens == reference
 
 
+def test_a_cache_salt_keeps_tenants_apart_across_instances_and_the_store(two_prefills: DisaggStack) -> None:
+    """vLLM's ``cache_salt`` on the disaggregated path: a prompt prefilled under one salt (on one
+    prefill instance, written behind to the store) is reused by the same salt -- on the other
+    prefill instance, from the store -- and by no other salt, nor by an unsalted request."""
+    s = two_prefills
+    a = prompt(512, seed=21)
+    b = a[: 512 - BLOCK_SIZE] + prompt(BLOCK_SIZE, seed=22)
+    before = store_objects(s)
+    first = s.complete(a, max_tokens=4, cache_salt="tenant-a")
+    assert first.status == 200 and first.cached == 0
+    s.wait_for(lambda: store_objects(s) >= before + 512 // BLOCK_SIZE, 30, "A's salted blocks in the store")
+    reference = s.reference(b, max_tokens=4)
+    for salt in ("tenant-b", None):  # on either prefill instance: nothing of A's is theirs
+        extra = {} if salt is None else {"cache_salt": salt}
+        other = s.complete(b, max_tokens=4, **extra)
+        assert other.status == 200 and other.cached == 0 and other.tokens == reference, (salt, other.body)
+    same = s.complete(b, max_tokens=4, cache_salt="tenant-a")
+    assert same.status == 200 and same.cached >= 512 - BLOCK_SIZE and same.tokens == reference
+
+
 def test_conditional_disaggregation_prefills_short_remainders_on_the_decode(
     tmp_path: Path, long_model: Path, redis_url: str
 ) -> None:

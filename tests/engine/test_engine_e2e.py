@@ -180,6 +180,30 @@ def test_prompt_logprobs_match_transformers(ckpt: Path, budget: int) -> None:
     assert engine.stats().prefix_cache_hit_tokens > 0  # the others did hit the cache
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(ckpt: Path) -> None:
+    """vLLM's ``cache_salt``: a prompt's blocks cached under one salt are found by a request of that
+    salt alone, not by another salt's or by an unsalted one (nor the reverse); the tokens are the
+    same whatever the salt."""
+    engine = make_engine(ckpt)
+    ids = prompt(50, seed=40)  # three full blocks
+
+    def cached(rid: str, salt: str | None) -> tuple[int, list[int]]:
+        engine.add_request(rid, ids, greedy(3), cache_salt=salt)
+        outs: list[RequestOutput] = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs[0].num_cached_tokens, tokens(outs)
+
+    first, want = cached("a1", "tenant-a")
+    assert first == 0
+    assert cached("b1", "tenant-b") == (0, want)
+    assert cached("n1", None) == (0, want)
+    assert cached("a2", "tenant-a") == (48, want)
+    assert cached("n2", None) == (48, want)  # the unsalted request's own blocks, cached by n1
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        engine.add_request("bad", ids, greedy(3), cache_salt="")
+
+
 def test_prompt_logprobs_refuse_kv_from_elsewhere(ckpt: Path) -> None:
     engine = make_engine(ckpt)
     scored = greedy(4, prompt_logprobs=0)

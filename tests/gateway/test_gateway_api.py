@@ -757,3 +757,30 @@ def test_cached_tokens_count_the_reused_full_blocks(stack: Stack, client: openai
     second = client.completions.create(**args)
     assert second.usage.prompt_tokens_details.cached_tokens == (100 // stack.block_size) * stack.block_size
     assert second.choices[0].text == first.choices[0].text
+
+
+def test_a_cache_salt_keeps_tenants_apart_in_the_prefix_cache(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``cache_salt``: a prompt cached under one salt is found again by that salt only (chat
+    and completions alike); the output does not depend on it."""
+    rng = random.Random(98)
+    prompt = [rng.randrange(10, 500) for _ in range(70)]
+    args = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        out = client.completions.create(**args, extra_body={} if salt is None else {"cache_salt": salt})
+        assert out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens, out.choices[0].text
+
+    first, text = cached("tenant-a")
+    assert first == 0
+    assert cached("tenant-b") == (0, text) and cached(None) == (0, text)
+    assert cached("tenant-a") == (64, text)
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w " * 40}], "max_tokens": 2}
+    warm = client.chat.completions.create(**chat, extra_body={"cache_salt": "tenant-c"})
+    again = client.chat.completions.create(**chat, extra_body={"cache_salt": "tenant-c"})
+    other = client.chat.completions.create(**chat, extra_body={"cache_salt": "tenant-d"})
+    assert warm.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(**args, extra_body={"cache_salt": ""})

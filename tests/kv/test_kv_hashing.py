@@ -6,7 +6,7 @@ import struct
 
 import pytest
 import xxhash
-from yutu.kv.hashing import BLOCK_HASH_SEED, block_key_digests, block_keys, chain_key, root_key
+from yutu.kv.hashing import BLOCK_HASH_SEED, block_key_digests, block_keys, chain_key, root_key, salted_root
 
 MODEL = "yutu-test"
 
@@ -79,3 +79,24 @@ def test_bad_input() -> None:
         block_keys(MODEL, [1, 2], 0)
     with pytest.raises(ValueError, match="16 bytes"):
         chain_key(b"short", [1])
+
+
+def test_a_cache_salt_roots_keys_apart() -> None:
+    """vLLM's cache_salt: a request's keys chain from its own root, as the module docstring spells
+    it; None is the model's root; two salts (or a salt and none) share no key."""
+    root = root_key(MODEL)
+    salted = salted_root(root, "tenant-a")
+    assert salted == xxhash.xxh3_128(root + b"\0cache_salt\0tenant-a", seed=BLOCK_HASH_SEED).digest()
+    assert salted.hex() == "52d209129a5c2507948d5cd69cf478ae"  # pinned: changing it renames salted blocks
+    assert salted_root(root, None) == root
+    tokens = list(range(48))
+    keys = {
+        salt: block_key_digests(salted_root(root, salt), tokens, 16)
+        for salt in (None, "tenant-a", "tenant-b", "é")
+    }
+    assert keys["tenant-a"] == block_key_digests(salted, tokens, 16)
+    every = [k for ks in keys.values() for k in ks]
+    assert len(set(every)) == len(every) == 12
+    for bad in ("", 5, b"tenant"):
+        with pytest.raises(ValueError, match="cache_salt"):
+            salted_root(root, bad)  # type: ignore[arg-type]

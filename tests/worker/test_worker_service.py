@@ -186,6 +186,14 @@ async def test_bad_requests_fail_with_their_kind(
     assert msg.kind == kind and needle in msg.message
 
 
+@pytest.mark.parametrize("salt", ["", 5, ["a"]])
+async def test_a_bad_cache_salt_fails_the_request(dealer: Dealer, salt: object) -> None:
+    dealer.send(GenerateRequest("salted", PROMPT, {"max_tokens": 2}, time.time(), cache_salt=salt))  # type: ignore[arg-type]
+    (msg,) = await collect(dealer, "salted")
+    assert isinstance(msg, RequestFailed)
+    assert msg.kind == "invalid_request_error" and "cache_salt" in msg.message
+
+
 async def test_abort_and_vanished_front_end_free_blocks(worker: dict[str, str], dealer: Dealer) -> None:
     params = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}  # 54 + 400 tokens fit in 512
     long_prompt = PROMPT * 3

@@ -77,7 +77,7 @@ from yutu.engine.scheduler import KVLoad, ScheduledBatch, ScheduledChunk, Schedu
 from yutu.engine.sequence import RequestStatus, Sequence
 from yutu.engine.structured import GrammarFailed, Grammars
 from yutu.kv.block_manager import BlockManager, CacheEvent
-from yutu.kv.hashing import root_key
+from yutu.kv.hashing import root_key, salted_root
 
 __all__ = [
     "EngineConfig",
@@ -381,6 +381,7 @@ class LLMEngine:
         import_tokens: int = 0,
         prefill_only: bool = False,
         await_token: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input;
         a grammar new to the engine is compiled meanwhile, and what is wrong with it (or with the
@@ -388,6 +389,8 @@ class LLMEngine:
 
         ``generated``, ``import_tokens``, ``prefill_only`` and ``await_token``: see the module
         docstring (``await_token`` takes ``import_tokens`` = the prompt's length, nothing generated).
+        ``cache_salt``: the request's blocks are keyed apart (:func:`yutu.kv.hashing.salted_root`):
+        it shares cached KV only with requests of the same salt.
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -395,6 +398,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight; use a unique id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token")
+        try:
+            root = salted_root(self._root_key, cache_salt)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         self._check_token_ids(prompt_token_ids, "prompt")
         generated = list(generated)
         self._check_token_ids(generated, "generated")
@@ -445,7 +452,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             self.config.block_size,
-            self._root_key,
+            root,
             generator=generator,
         )
         seq.kv_import_tokens = import_tokens

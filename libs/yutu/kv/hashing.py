@@ -7,6 +7,11 @@ block ``i`` names the whole prefix up to and including that block::
     key_0    = XXH3-128(key_root ‖ le_u32(tokens[0:bs]),        seed=BLOCK_HASH_SEED)
     key_i    = XXH3-128(key_{i-1} ‖ le_u32(tokens[i*bs:(i+1)*bs]), seed=BLOCK_HASH_SEED)
 
+A request with a cache salt (vLLM's ``cache_salt``: one per tenant, say) chains from its own root,
+so requests of different salts never share a block, in a prefix cache or the store::
+
+    key_root' = XXH3-128(key_root ‖ b"\0cache_salt\0" ‖ utf8(salt),   seed=BLOCK_HASH_SEED)
+
 Digests are the 16-byte canonical (big-endian) XXH3-128 digest; ``‖`` is byte concatenation and
 ``le_u32`` packs each token id as a little-endian unsigned 32-bit integer. The hex rendering of a key is
 both the prefix-cache key and the store object key. Never use Python's ``hash()``: it is salted per
@@ -30,6 +35,18 @@ _MAX_TOKEN_ID = 0xFFFFFFFF
 def root_key(model_id: str) -> bytes:
     """The parent of block 0: the model id hashed alone, so two models never share a key."""
     return xxhash.xxh3_128(model_id.encode("utf-8"), seed=BLOCK_HASH_SEED).digest()
+
+
+def salted_root(root: bytes, cache_salt: str | None) -> bytes:
+    """The root of the keys of a request with ``cache_salt`` (None: ``root`` itself): no block of it
+    is ever found by a request of another salt, or of none. ValueError for a salt that is not a
+    non-empty string."""
+    if cache_salt is None:
+        return root
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+    data = root + b"\0cache_salt\0" + cache_salt.encode("utf-8")
+    return xxhash.xxh3_128(data, seed=BLOCK_HASH_SEED).digest()
 
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
