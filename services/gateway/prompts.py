@@ -148,12 +148,14 @@ async def chat_prompt(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     documents: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of the chat prompt rendered with the model's template (``tools``: the request's
     tool definitions, which the template may show the model; ``template_kwargs``: vLLM's
     ``chat_template_kwargs``, more variables of the template, ``enable_thinking`` say; ``documents``:
     the template variable of that name, for retrieval templates;
-    ``continue_final_message``: the last message left open for the model to continue).
+    ``continue_final_message``: the last message left open for the model to continue;
+    ``add_special_tokens``: the tokenizer's BOS put first where the template did not, vLLM's).
 
     With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
     """
@@ -180,7 +182,20 @@ async def chat_prompt(
         raise invalid(str(exc), "messages") from None
     if not ids:
         raise invalid("the chat prompt encodes to no tokens", "messages")
+    bos = tokens.tokenizer.bos_token_id
+    if add_special_tokens and bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]
     return ids
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: what the response repeats before its own content -- the last message's
+    content where the response continues it (its role is the assistant's, or ``add_generation_prompt``
+    is false: no new message is started); "" otherwise, and without echo."""
+    last = req.messages[-1]
+    if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return str(template_messages([last])[0]["content"])
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -224,10 +239,8 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "vllm_xargs": ({}, "vllm_xargs is not supported"),
 }
 NOT_IMPLEMENTED_IN_CHAT: dict[str, tuple[object, str]] = {
-    "echo": (False, "echo is not supported on chat completions: the messages are the client's already"),
     "chat_template": (None, "chat_template is not accepted from requests: the model's own template renders"),
     "mm_processor_kwargs": ({}, "mm_processor_kwargs is not supported: text models only"),
-    "add_special_tokens": (False, "add_special_tokens is not supported on chat: the chat template adds them"),
 }
 
 

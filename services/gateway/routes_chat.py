@@ -17,6 +17,7 @@ from services.gateway.generation import ChoiceState, Generation
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.openapi import generation_responses
 from services.gateway.prompts import (
+    chat_echo,
     chat_prompt,
     check_cost_before_tokenizing,
     check_model,
@@ -73,7 +74,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     )  # then a prompt too long for the context is cut, not refused
     prompt = await chat_prompt(
         body.messages, gw.prompts, body.add_generation_prompt, None if cut else max_model_len, tools,
-        body.continue_final_message, body.chat_template_kwargs, body.documents,
+        body.continue_final_message, body.chat_template_kwargs, body.documents, body.add_special_tokens,
     )  # fmt: skip
     (prompt,) = truncated(body, [prompt], max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -130,6 +131,9 @@ def _choice(
             {"content": chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)}
         )
     content, calls = plan.message(state.text)
+    echo = chat_echo(body)
+    if echo:  # repeated before the content, as vLLM does (tool calls or not)
+        content = echo + (content or "")
     return ChatChoice(
         index=state.spec.index,
         message=AssistantMessage(content=content, tool_calls=calls),
@@ -170,6 +174,9 @@ async def _stream(
                 )
                 for index in sorted(gen.choices)
             )
+            echo = chat_echo(body)
+            if echo:  # vLLM's: the echoed content comes next, before any generated
+                yield "".join(chunk(chat_choice(index, content=echo)) for index in sorted(gen.choices))
             async for update in gen.updates():
                 lp = chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
                 deltas, finish_reason = streams[update.index].feed(

@@ -36,10 +36,8 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, gw: Ga
     if isinstance(body, TokenizeChatRequest):
         ids = await chat_prompt(
             body.messages, gw.prompts, body.add_generation_prompt, max_model_len, None,
-            body.continue_final_message, body.chat_template_kwargs,
+            body.continue_final_message, body.chat_template_kwargs, None, body.add_special_tokens,
         )  # fmt: skip
-        if body.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
-            ids = [tok.bos_token_id, *ids]
     else:
         (ids,) = await gw.prompts.encode([body.prompt], max_model_len, "prompt", body.add_special_tokens)
     token_strs = [tok.id_to_token(t) or "" for t in ids] if body.return_token_strs else None

@@ -170,12 +170,11 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False  # the last message is left open, for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
     documents: list[dict[str, Any]] | None = None  # for retrieval templates: the variable ``documents``
-    echo: Any = (
-        None  # vLLM's chat echo, and the next three: refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
-    )
+    echo: bool = False  # the response's content starts with the last message's, where it continues it
+    add_special_tokens: bool = False  # the tokenizer's BOS too, where the chat template did not put it
+    # refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
     chat_template: Any = None
     mm_processor_kwargs: Any = None
-    add_special_tokens: Any = None
 
 
 class TokenizeCompletionRequest(_Request):

@@ -784,3 +784,27 @@ def test_a_cache_salt_keeps_tenants_apart_in_the_prefix_cache(stack: Stack, clie
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(**args, extra_body={"cache_salt": ""})
+
+
+def test_chat_echo_repeats_the_message_the_response_continues(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's chat ``echo``: with the last message continued (``continue_final_message``), the
+    response's content is that message's then the model's -- whole and streamed alike; a new
+    assistant message after a user's repeats nothing."""
+    opening = "Once upon a time, the rabbit"
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": opening}]
+    args = {"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0}
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**args, extra_body=cont).choices[0].message.content
+    echoed = (
+        client.chat.completions.create(**args, extra_body={**cont, "echo": True}).choices[0].message.content
+    )
+    assert plain and echoed == opening + plain
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body={**cont, "echo": True}))
+    assert chunks[1].choices[0].delta.content == opening  # right after the role
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    fresh = {**args, "messages": messages[:1]}
+    without = client.chat.completions.create(**fresh).choices[0].message.content
+    assert (
+        client.chat.completions.create(**fresh, extra_body={"echo": True}).choices[0].message.content
+        == without
+    )

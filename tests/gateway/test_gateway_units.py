@@ -343,3 +343,30 @@ def test_bad_words_encode_as_vllm_encodes_them(tiny_model: Path) -> None:
     with pytest.raises(ApiError) as refused:
         bad_word_ids(["moon", "   "], tok)
     assert refused.value.status == 400 and refused.value.param == "bad_words.1"
+
+
+async def test_add_special_tokens_puts_the_bos_first_once(tiny_model: Path) -> None:
+    """vLLM's chat ``add_special_tokens``: the tokenizer's BOS before a rendered prompt whose template
+    did not put it there; one the template put is not doubled; unasked, nothing is added."""
+    from services.gateway.memory import MemoryReleaser
+    from services.gateway.prompts import chat_prompt
+    from services.gateway.schemas import ChatMessage
+    from services.gateway.tokenization import PromptTokenizer
+
+    tok = Tokenizer.from_dir(tiny_model)
+    bos = tok.bos_token_id
+    assert bos is not None
+    messages = [ChatMessage(role="user", content="hi")]
+    bare = Tokenizer.from_dir(tiny_model)
+    bare.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no BOS of its own
+    prompts = PromptTokenizer(tok, threads=1, releaser=MemoryReleaser())
+    bare_prompts = PromptTokenizer(bare, threads=1, releaser=MemoryReleaser())
+    try:
+        with_bos = await chat_prompt(messages, prompts, add_special_tokens=True)
+        assert with_bos == await chat_prompt(messages, prompts) and with_bos[0] == bos  # the template's own
+        assert await chat_prompt(messages, bare_prompts) == tok.encode("hi", add_special_tokens=False)
+        added = await chat_prompt(messages, bare_prompts, add_special_tokens=True)
+        assert added == [bos, *tok.encode("hi", add_special_tokens=False)]
+    finally:
+        prompts.close()
+        bare_prompts.close()
