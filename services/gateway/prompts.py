@@ -230,7 +230,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "use_beam_search": (False, "beam search is not supported"),
     "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
     "logits_processors": ([], "logits_processors are not supported"),
-    "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported: JSON comes out compact"),
     "priority": (0, "priority scheduling is not supported: leave priority 0"),
     "kv_transfer_params": (
         None,

@@ -96,12 +96,12 @@ class _GenerationRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # the whitespace JSON output may have (a regex)
     # vLLM's extras that no worker implements: refused unless left at their neutral value
     # (prompts.NOT_IMPLEMENTED), not ignored
     use_beam_search: Any = None
     length_penalty: Any = None
     logits_processors: Any = None
-    guided_whitespace_pattern: Any = None
     priority: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None

@@ -9,6 +9,11 @@ Accepted, one per request (two are a 400 naming the second):
 - vLLM's older extras ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
 - on chat completions, a ``tool_choice`` that asks for tool calls (services/gateway/tools.py).
 
+JSON output may take vLLM's whitespace options: ``structured_outputs.whitespace_pattern`` (or the
+older ``guided_whitespace_pattern``), the regex of the whitespace allowed between JSON tokens, and
+``structured_outputs.disable_any_whitespace`` (true, the default here: compact; false: JSON's own
+whitespace anywhere).
+
 Each is compiled here (:func:`yutu.engine.structured.grammar_from`) so a schema, regex or grammar
 that does not compile is a 400 naming its field before any worker sees it; the workers get the
 compiled grammar (``SamplingParams.grammar``) and mask every token with it. JSON comes out compact
@@ -23,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from yutu.engine.structured import GrammarKind, LRUCache, grammar_from
+from yutu.engine.structured import ANY_WHITESPACE, GrammarKind, LRUCache, grammar_from
 
 from services.gateway.errors import invalid
 from services.gateway.schemas import _GenerationRequest
@@ -65,12 +70,15 @@ def _response_format(value: dict[str, Any]) -> tuple[GrammarKind, Any] | None:
     )
 
 
+_WHITESPACE_KEYS = {"whitespace_pattern", "disable_any_whitespace"}
+
+
 def _structured_outputs(value: dict[str, Any]) -> list[tuple[str, GrammarKind, Any]]:
-    unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS_KEYS) - {"json_object"})
+    unknown = sorted(set(value) - set(_STRUCTURED_OUTPUTS_KEYS) - {"json_object"} - _WHITESPACE_KEYS)
     if unknown:
         raise invalid(
-            f"structured_outputs takes json, regex, choice, grammar or json_object; {', '.join(unknown)}"
-            " is not supported",
+            f"structured_outputs takes json, regex, choice, grammar or json_object (and whitespace_pattern,"
+            f" disable_any_whitespace); {', '.join(unknown)} is not supported",
             "structured_outputs",
         )
     found: list[tuple[str, GrammarKind, Any]] = [
@@ -102,7 +110,12 @@ async def grammar_for(
     found += [
         (name, kind, getattr(req, name)) for name, kind in _GUIDED.items() if getattr(req, name) is not None
     ]
+    whitespace = _whitespace(req)
     if not found:
+        if whitespace is not None:
+            raise invalid(
+                "a whitespace option needs JSON output: a schema or any JSON object", "structured_outputs"
+            )
         return None
     if len(found) > 1:
         raise invalid(
@@ -112,7 +125,7 @@ async def grammar_for(
     param, kind, spec = found[0]
     if kind in ("regex", "grammar") and not isinstance(spec, str):
         raise invalid(f"{param} must be a string, got {type(spec).__name__}", param.split(".")[0])
-    key = (kind, spec if isinstance(spec, str) and kind != "choice" else json.dumps(spec))
+    key = (kind, spec if isinstance(spec, str) and kind != "choice" else json.dumps(spec), whitespace)
     grammar = _compiled.get(key)
     if grammar is None:
         try:
@@ -123,13 +136,30 @@ async def grammar_for(
     return grammar
 
 
-# Compiled grammars by (kind, the spec as text): clients tend to send one schema again and again. A
-# spec that does not compile is not kept (it raises every time). Used on the event loop only.
-_compiled: LRUCache[tuple[GrammarKind, str], str] = LRUCache(
+def _whitespace(req: _GenerationRequest) -> str | None:
+    """The whitespace pattern JSON output is compiled with (None: compact), from vLLM's options."""
+    options = req.structured_outputs or {}
+    pattern = options.get("whitespace_pattern", req.guided_whitespace_pattern)
+    if pattern is not None and (not isinstance(pattern, str) or not pattern):
+        raise invalid("whitespace_pattern must be a non-empty regex string", "structured_outputs")
+    disable = options.get("disable_any_whitespace", True)
+    if not isinstance(disable, bool):
+        raise invalid("structured_outputs.disable_any_whitespace must be a boolean", "structured_outputs")
+    if pattern is not None and not disable:
+        raise invalid(
+            "give whitespace_pattern or disable_any_whitespace: false, not both", "structured_outputs"
+        )
+    return ANY_WHITESPACE if not disable else pattern
+
+
+# Compiled grammars by (kind, the spec as text, the whitespace pattern): clients tend to send one
+# schema again and again. A spec that does not compile is not kept (it raises every time). Used on
+# the event loop only.
+_compiled: LRUCache[tuple[GrammarKind, str, str | None], str] = LRUCache(
     COMPILED_CACHE_SIZE, COMPILED_CACHE_BYTES, lambda key, grammar: len(key[1]) + len(grammar)
 )
 
 
-def _compile(kind: GrammarKind, text: str) -> str:
+def _compile(kind: GrammarKind, text: str, whitespace: str | None) -> str:
     """``grammar_from`` of a spec given as text (a schema or a list of choices as JSON)."""
-    return grammar_from(kind, json.loads(text) if kind == "choice" else text)
+    return grammar_from(kind, json.loads(text) if kind == "choice" else text, whitespace)

@@ -415,6 +415,37 @@ def test_a_grammar_beyond_the_parsers_limits_refuses_its_request_with_the_reason
     assert len(tokens(outs["free"])) == 6 and engine.stats().failed_requests_total == 0
 
 
+def test_json_whitespace_compact_or_as_the_pattern_allows(ckpt: Path, tokenizer: Tokenizer) -> None:
+    """JSON output is compact by default -- ", " and ": " between items, no other whitespace (vLLM's
+    xgrammar without any_whitespace) --; a whitespace pattern (vLLM's whitespace_pattern) allows
+    that whitespace, optionally, between JSON tokens after "," and ":" alone; other kinds take none."""
+    view = llguidance.LLTokenizer(
+        (ckpt / "tokenizer.json").read_text(encoding="utf-8"), n_vocab=tokenizer.vocab_size,
+        eos_token=list(tokenizer.eos_token_ids),
+    )  # fmt: skip
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a", "b"]}  # fmt: skip
+
+    def accepts(whitespace: str | None, text: str) -> bool:
+        matcher = llguidance.LLMatcher(view, grammar_from("json_schema", schema, whitespace), log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    texts = [
+        '{"a": 1, "b": [1, 2]}',
+        '{"a":1,"b":[1,2]}',
+        '{\n"a":\n1,\n"b":\n[1,\n2]\n}',
+        '{ "a" : 1 , "b" : [ 1 ] }',
+    ]
+    assert [accepts(None, t) for t in texts] == [True, False, False, False]
+    assert [accepts(structured.ANY_WHITESPACE, t) for t in texts] == [True, True, True, True]
+    assert [accepts(r"\n", t) for t in texts] == [False, True, True, False]
+    with pytest.raises(ValueError, match="JSON output"):
+        grammar_from("regex", "[a-z]+", r"\n")
+    with pytest.raises(ValueError, match="unclosed"):
+        grammar_from("json_schema", schema, "[(")
+
+
 def test_the_lru_cache_keeps_the_recent_within_its_count_and_its_bytes() -> None:
     cache: LRUCache[str, str] = LRUCache(3, 10, lambda key, value: len(value))
     for key, value in [("a", "xx"), ("b", "xxx"), ("c", "x")]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import httpx
@@ -458,6 +459,42 @@ def test_structured_outputs_through_the_openai_client(stack: Stack, client: open
         )
         for c in out.choices:
             assert c.finish_reason == "stop" and check(c.text), (extra, c.text)
+
+
+def test_json_whitespace_options(stack: Stack, client: openai.OpenAI) -> None:
+    """JSON output is compact as vLLM's (", " and ": ", no other whitespace); vLLM's whitespace
+    options change that: a pattern (whitespace_pattern, or guided_whitespace_pattern) allows only its
+    whitespace, disable_any_whitespace false JSON's own; sampled outputs show it and still parse."""
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 100, "temperature": 1.5, "seed": 3, "n": 6}
+    compact = client.completions.create(**args, extra_body={"guided_json": PERSON})
+    for c in compact.choices:
+        assert c.finish_reason == "stop" and json.dumps(json.loads(c.text), ensure_ascii=False) == c.text, (
+            c.text
+        )
+    for extra in (
+        {"structured_outputs": {"json": PERSON, "whitespace_pattern": "\n?"}},
+        {"guided_json": PERSON, "guided_whitespace_pattern": "\n?"},
+    ):
+        out = client.completions.create(**args, extra_body=extra)
+        for c in out.choices:
+            assert c.finish_reason == "stop" and is_person(c.text), (extra, c.text)
+            assert ", " not in c.text.replace('", "', "")  # no space after a separator: only newlines there
+        assert any("\n" in c.text for c in out.choices)  # the temperature finds the newlines
+    free = client.completions.create(
+        **args, extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": False}}
+    )
+    for c in free.choices:  # a random model spends its tokens on whitespace: some do not close
+        assert c.finish_reason == "length" or is_person(c.text), c.text
+    assert any(
+        re.search(r"[\t\r\n]|[{\[,:] {2}| [,:}\]]", c.text) for c in free.choices
+    )  # whitespace past compact
+    for extra in (
+        {"structured_outputs": {"regex": "[a-z]+", "whitespace_pattern": " "}},
+        {"guided_whitespace_pattern": " "},
+        {"structured_outputs": {"json": PERSON, "whitespace_pattern": "[("}},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**args, extra_body=extra)
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_one_that_ends_it(

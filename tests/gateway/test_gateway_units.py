@@ -251,9 +251,9 @@ async def test_a_grammar_compiles_off_the_event_loop_once_then_comes_from_the_ca
     threads: list[str] = []
     real = structured._compile
 
-    def spy(kind: Any, text: str) -> str:
+    def spy(kind: Any, text: str, whitespace: str | None) -> str:
         threads.append(threading.current_thread().name)
-        return real(kind, text)
+        return real(kind, text, whitespace)
 
     monkeypatch.setattr(structured, "_compile", spy)
     monkeypatch.setattr(

@@ -57,15 +57,27 @@ GRAMMAR_CACHE_SIZE = 64  # pristine matchers kept per engine, by grammar
 # memory (measured: 40 grammars of 6 KB, 15 MB; 10 of 57 KB, 28 MB), so a client sending large
 # schemas, each new, cannot grow an engine by more than ~0.3 GB through the cache.
 GRAMMAR_CACHE_BYTES = 4 * 2**20
-# vLLM-compatible: compact JSON (", " and ": " between items, no other whitespace), so a small or
-# undertrained model cannot fill its budget with spaces and newlines between the values.
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+# vLLM-compatible: compact JSON (", " and ": " between items, no other whitespace: xgrammar's
+# separators without any_whitespace), so a small or undertrained model cannot fill its budget with
+# spaces and newlines between the values.
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]*"  # a whitespace pattern: JSON's own, anywhere JSON allows it
 
 
-def grammar_from(kind: GrammarKind, spec: Any) -> str:
+def grammar_from(kind: GrammarKind, spec: Any, whitespace: str | None = None) -> str:
     """The llguidance grammar for ``spec``: a JSON schema (a dict, or its JSON text), a regex, a list
     of choices (strings), or a Lark / GBNF grammar. Raises ValueError naming what is wrong when it
-    does not compile (the grammar is checked here, without a tokenizer)."""
+    does not compile (the grammar is checked here, without a tokenizer).
+
+    ``whitespace``, for a JSON schema only: the regex of the whitespace allowed between its tokens
+    (vLLM's ``whitespace_pattern``; :data:`ANY_WHITESPACE` for JSON's own), after "," and ":"
+    alone; None: compact JSON."""
+    if whitespace is not None and kind != "json_schema":
+        raise ValueError("a whitespace pattern applies to JSON output (a schema or any JSON object) only")
     if kind == "json_schema":
         if isinstance(spec, str):
             try:
@@ -74,7 +86,10 @@ def grammar_from(kind: GrammarKind, spec: Any) -> str:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(spec, dict | bool):
             raise ValueError(f"a JSON schema is an object (or true/false), got {type(spec).__name__}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), defaults=_JSON_OPTIONS)
+        options: JsonCompileOptions = (
+            _JSON_OPTIONS if whitespace is None else {"whitespace_pattern": whitespace}
+        )
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), defaults=options)
     elif kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise ValueError("a regex is a non-empty string")
