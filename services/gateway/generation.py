@@ -172,6 +172,7 @@ class Generation:
                 sampling=_sampling_dict(spec),
                 arrival_time=self.arrival,
                 cache_salt=spec.cache_salt,
+                priority=spec.priority,
             )
             batch.append((state, request))
         routes = await asyncio.gather(*(self.router.place(request) for _, request in batch))

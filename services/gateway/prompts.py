@@ -40,6 +40,7 @@ class ChoiceSpec:
     include_stop: bool = False  # a stop string reached ends the text (vLLM's include_stop_str_in_output)
     skip_special_tokens: bool = True  # special tokens are left out of the text (vLLM's, by default)
     cache_salt: str | None = None  # its KV is shared only with requests of the same salt (vLLM's)
+    priority: int = 0  # served before higher values, after lower ones, on every instance (vLLM's)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -230,7 +231,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "use_beam_search": (False, "beam search is not supported"),
     "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
     "logits_processors": ([], "logits_processors are not supported"),
-    "priority": (0, "priority scheduling is not supported: leave priority 0"),
     "kv_transfer_params": (
         None,
         "kv_transfer_params is not supported: Yutu moves KV between its own instances",
@@ -462,6 +462,7 @@ def choice_specs(
                     req.include_stop_str_in_output,
                     req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                     req.cache_salt,
+                    req.priority,
                 )  # fmt: skip
             )
     return specs

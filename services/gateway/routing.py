@@ -322,7 +322,7 @@ class DisaggHandle:
             req = self.request
             msg = p.PrefillRequest(
                 req.request_id, req.prompt_token_ids, req.sampling, route.store_blocks, req.arrival_time,
-                req.cache_salt,
+                req.cache_salt, req.priority,
             )  # fmt: skip
             self._prefill = client
             self._tell_decode(route.decode, attempt)

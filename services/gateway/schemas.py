@@ -80,6 +80,7 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool = True  # False: special tokens the model writes are in the text
     return_token_ids: bool = False  # the response shows the prompt's and the output's token ids
     cache_salt: str | None = Field(None, min_length=1)  # KV reused only between requests of the same salt
+    priority: Int = Field(0, ge=-(2**63), le=2**63 - 1)  # the lower first, on every instance (vLLM's)
     # the prompt's own tokens' logprobs, each with this many alternatives (not with stream)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Int | None = Field(
@@ -102,7 +103,6 @@ class _GenerationRequest(_Request):
     use_beam_search: Any = None
     length_penalty: Any = None
     logits_processors: Any = None
-    priority: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 

@@ -101,6 +101,7 @@ class Add:
     prefill_only: bool = False
     await_token: bool = False
     cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,7 @@ class EngineCore:
                     prefill_only=command.prefill_only,
                     await_token=command.await_token,
                     cache_salt=command.cache_salt,
+                    priority=command.priority,
                 )
             except ValueError as exc:  # the engine's typed input errors are ValueErrors
                 self._events.error(command.request_id, exc)

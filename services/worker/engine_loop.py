@@ -129,6 +129,7 @@ class EngineFront:
         prefill_only: bool = False,
         await_token: bool = False,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (the keywords: see ``LLMEngine.add_request``); once the engine is broken,
         fail it (soon, via ``on_error``) instead."""
@@ -148,6 +149,7 @@ class EngineFront:
                 prefill_only,
                 await_token,
                 cache_salt,
+                priority,
             )  # fmt: skip
         )
 

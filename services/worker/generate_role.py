@@ -132,8 +132,9 @@ class GenerateRole:
             self.imports.expect(rid, Awaiting(len(prompt), self._pulled_keys(root, prompt, len(prompt))))
             self._routes[rid] = identity
             self.engine_loop.add(
-                rid, prompt, params, import_tokens=len(prompt), await_token=True, cache_salt=msg.cache_salt
-            )
+                rid, prompt, params, import_tokens=len(prompt), await_token=True, cache_salt=msg.cache_salt,
+                priority=msg.priority,
+            )  # fmt: skip
             return
         try:
             # A prompt whose logprobs are asked is computed whole: the store's blocks are not tried.
@@ -148,7 +149,7 @@ class GenerateRole:
         self._routes[rid] = identity
         self.engine_loop.add(
             rid, msg.prompt_token_ids, params, generated=tuple(msg.generated), import_tokens=import_tokens,
-            cache_salt=msg.cache_salt,
+            cache_salt=msg.cache_salt, priority=msg.priority,
         )  # fmt: skip
 
     def _on_kv_ready(self, identity: bytes, msg: KVReady) -> None:

@@ -122,8 +122,9 @@ class PrefillRole:
         future: asyncio.Future[p.PrefillResult] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         self.engine_loop.add(
-            rid, ids, params, import_tokens=import_tokens, prefill_only=True, cache_salt=msg.cache_salt
-        )
+            rid, ids, params, import_tokens=import_tokens, prefill_only=True, cache_salt=msg.cache_salt,
+            priority=msg.priority,
+        )  # fmt: skip
         return future
 
     def _undelivered(self, reply: Any) -> None:

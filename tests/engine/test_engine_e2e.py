@@ -204,6 +204,28 @@ def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(ckpt: Path) ->
         engine.add_request("bad", ids, greedy(3), cache_salt="")
 
 
+def test_priority_serves_the_lower_value_first(ckpt: Path) -> None:
+    """vLLM's priority: one sequence at a time, requests come out by priority, equals in arrival
+    order, each with the tokens it has alone; a priority that is not an int64 is refused."""
+    engine = make_engine(ckpt, max_num_seqs=1)
+    order = [("a", 0), ("b", 5), ("c", -1), ("d", 0)]
+    for i, (rid, priority) in enumerate(order):
+        engine.add_request(rid, prompt(12, seed=50 + i), greedy(3), priority=priority)
+    finished: list[str] = []
+    got: dict[str, list[int]] = {rid: [] for rid, _ in order}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.append(out.request_id)
+    assert finished == ["c", "a", "d", "b"]
+    for i, (rid, _) in enumerate(order):
+        assert got[rid] == tokens(run(make_engine(ckpt), {rid: (prompt(12, seed=50 + i), greedy(3))})[rid])
+    for bad in (True, 2**63, "1"):
+        with pytest.raises(InvalidRequestError, match="priority"):
+            engine.add_request("bad", [1, 2], greedy(2), priority=bad)  # type: ignore[arg-type]
+
+
 def test_prompt_logprobs_refuse_kv_from_elsewhere(ckpt: Path) -> None:
     engine = make_engine(ckpt)
     scored = greedy(4, prompt_logprobs=0)

@@ -278,3 +278,45 @@ def test_a_handed_over_request_loads_while_a_long_prompt_takes_every_token_of_th
     assert layout(b3) == [("h", 8, 1, True), ("p", 10, 4, False)]  # h decodes; q still waits
     assert [s.seq_id for s in sched.waiting] == ["q"]
     step(sched, b3)
+
+
+def prioritized(seq_id: str, n: int, first: int, priority: int) -> Sequence:
+    seq = make_seq(seq_id, n, first=first)
+    seq.priority = priority
+    return seq
+
+
+def test_priority_orders_admission_then_arrival_and_preempts_the_lowest() -> None:
+    """vLLM's priority: the lower value first, equals first come first served, in the queue and
+    among the running; a decode short of blocks preempts the lowest priority, the last admitted of
+    those, and it goes back ahead of its equals in the queue."""
+    bm = BlockManager(4, BS)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64)
+    for seq_id, priority in [("a", 1), ("b", 0), ("c", 1), ("d", -2), ("e", 0)]:
+        sched.add(prioritized(seq_id, 4, first=10 * len(sched.waiting), priority=priority))
+    assert [s.seq_id for s in sched.waiting] == ["d", "b", "e", "a", "c"]
+    b = sched.schedule()
+    assert layout(b) == [("d", 0, 4, True), ("b", 0, 4, True), ("e", 0, 4, True)]  # max_num_seqs 3
+    step(sched, b)  # each needs a second block now: one is free
+    b = sched.schedule()
+    # d takes the free block; b needs one: e (lowest priority running, last) goes; b takes its block
+    assert b.preempted_seq_ids == ["e"] and layout(b) == [("d", 4, 1, True), ("b", 4, 1, True)]
+    assert [s.seq_id for s in sched.waiting] == ["e", "a", "c"]  # ahead of a and c (priority 1)
+    late = prioritized("f", 4, first=90, priority=0)
+    sched.add(late)
+    assert [s.seq_id for s in sched.waiting] == ["e", "f", "a", "c"]  # behind its equal e
+    sched.add(prioritized("g", 4, first=95, priority=-5))
+    assert sched.waiting[0].seq_id == "g"
+    step(sched, b)
+    sched.finish(sched.running[0], RequestStatus.FINISHED_LENGTH)  # d: two blocks free
+    b = sched.schedule()
+    assert [c.seq_id for c in b.chunks] == ["b", "g"]  # g admitted (one seq slot), b decodes
+    assert [s.seq_id for s in sched.running] == ["g", "b"]  # by priority: g's -5 first
+
+
+def test_equal_priorities_are_first_come_first_served_whatever_the_value() -> None:
+    bm = BlockManager(16, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(5):
+        sched.add(prioritized(f"s{i}", 3, first=10 * i, priority=7))
+    assert [c.seq_id for c in sched.schedule().chunks] == [f"s{i}" for i in range(5)]

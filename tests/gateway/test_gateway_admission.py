@@ -102,3 +102,24 @@ async def test_choices_beyond_the_cap_start_as_earlier_ones_end_and_never_after_
             assert resp2.status_code == 500 and resp2.json()["error"]["message"] == "engine step failed"
             await fake_worker.wait_abort(r1.request_id)  # the other running choice is aborted
             assert fake_worker.requests.empty()
+
+
+async def test_a_requests_priority_and_cache_salt_reach_the_worker(
+    tiny_model: Path, redis_url: str, registry_prefix: str, fake_worker: FakeWorker
+) -> None:
+    """vLLM's request-level fields travel on the generate request (not in its sampling): each choice
+    carries the request's priority and cache salt; unset, the defaults (0, none)."""
+    settings = gateway_settings(tiny_model, redis_url, registry_prefix)
+    async with running_gateway(settings) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            for extra, want in [
+                ({"priority": -3, "cache_salt": "tenant-a"}, (-3, "tenant-a")),
+                ({}, (0, None)),
+            ]:
+                body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 1, "n": 2, **extra}
+                task = asyncio.create_task(client.post("/v1/completions", json=body))
+                for _ in range(2):
+                    ident, req = await fake_worker.next_request()
+                    assert (req.priority, req.cache_salt) == want and "priority" not in req.sampling
+                    await fake_worker.send(ident, TokenDelta(req.request_id, [16], finish_reason="length"))
+                assert (await task).status_code == 200

@@ -382,6 +382,7 @@ class LLMEngine:
         prefill_only: bool = False,
         await_token: bool = False,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (ValueErrors) on bad input;
         a grammar new to the engine is compiled meanwhile, and what is wrong with it (or with the
@@ -390,7 +391,8 @@ class LLMEngine:
         ``generated``, ``import_tokens``, ``prefill_only`` and ``await_token``: see the module
         docstring (``await_token`` takes ``import_tokens`` = the prompt's length, nothing generated).
         ``cache_salt``: the request's blocks are keyed apart (:func:`yutu.kv.hashing.salted_root`):
-        it shares cached KV only with requests of the same salt.
+        it shares cached KV only with requests of the same salt. ``priority``: served before the
+        requests of a higher value, after those of a lower (vLLM's; see :mod:`yutu.engine.scheduler`).
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -402,6 +404,8 @@ class LLMEngine:
             root = salted_root(self._root_key, cache_salt)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be an integer (int64), got {priority!r}")
         self._check_token_ids(prompt_token_ids, "prompt")
         generated = list(generated)
         self._check_token_ids(generated, "generated")
@@ -458,6 +462,7 @@ class LLMEngine:
         seq.kv_import_tokens = import_tokens
         seq.prefill_only = prefill_only
         seq.awaiting_token = await_token
+        seq.priority = priority
         if params.grammar is not None and not self.grammars.is_compiled(params.grammar):
             self._compiling[request_id] = _Compiling(seq, generated, self.grammars.compile(params.grammar))
             return

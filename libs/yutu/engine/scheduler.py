@@ -6,12 +6,16 @@ Each ``schedule()`` fills one forward pass under two limits: ``max_num_batched_t
 flowing, and with none running it only costs time (a 1,024-token prompt of the demo model on two
 threads: 59 ms in one step against 68 in two of 512). Order of service:
 
-1. Running decodes (one token each), in admission order. A decode that needs a new block and finds
-   none preempts the *last admitted* running sequence (possibly itself): its blocks are freed, its
-   computed counter resets to 0 and it goes back to the front of the waiting queue; on re-admission it
-   recomputes prompt + generated tokens (and may hit the prefix cache).
+Sequences are served by priority (vLLM's: the lower first; 0 by default), then first come first
+served: ``waiting`` and ``running`` are kept in that order, equals in their arrival (admission) order.
+
+1. Running decodes (one token each), in that order. A decode that needs a new block and finds none
+   preempts the *last* running sequence (possibly itself): of the lowest priority, the last
+   admitted. Its blocks are freed, its computed counter resets to 0 and it goes back to the waiting
+   queue, ahead of its equals; on re-admission it recomputes prompt + generated tokens (and may hit
+   the prefix cache).
 2. Running prefills (a prompt or a recompute that did not finish in earlier steps): the next chunk.
-3. Waiting sequences, first come first served, while they fit (blocks for all their tokens are taken
+3. Waiting sequences, in their order, while they fit (blocks for all their tokens are taken
    at admission, reusing the longest cached prefix). Skipped in a step that preempted. A sequence
    whose leading KV is to be imported (``kv_import_tokens`` past its cached prefix) is admitted into
    ``loading`` instead: it gets no chunk, and the batch lists a :class:`KVLoad` naming the blocks
@@ -128,8 +132,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # the budget of a step that decodes nothing (never below the usual one)
         self.max_prefill_step_tokens = max(max_num_batched_tokens, max_prefill_step_tokens or 0)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order; the last one is the preemption victim
+        self.waiting: deque[Sequence] = deque()  # by priority, then arrival
+        self.running: list[
+            Sequence
+        ] = []  # by priority, then admission; the last one is the preemption victim
         self.loading: dict[str, Sequence] = {}  # admitted, waiting for imported KV; never preempted
         # Aborted while loading: their blocks stay allocated until the copy into them has ended
         # (finish_load), or the copy would write into blocks another sequence may own by then.
@@ -138,7 +144,31 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is RequestStatus.WAITING
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence, ahead: bool = False) -> None:
+        """Into ``waiting`` by priority: behind its equals, or (``ahead``: a preempted one) before them."""
+        waiting = self.waiting
+        if not ahead and (not waiting or waiting[-1].priority <= seq.priority):
+            waiting.append(seq)  # the usual case: one priority for all
+            return
+        at = next(
+            (
+                i
+                for i, s in enumerate(waiting)
+                if (s.priority >= seq.priority if ahead else s.priority > seq.priority)
+            ),
+            len(waiting),
+        )
+        waiting.insert(at, seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Into ``running`` by priority, behind its equals."""
+        running = self.running
+        if not running or running[-1].priority <= seq.priority:
+            running.append(seq)
+            return
+        running.insert(next(i for i, s in enumerate(running) if s.priority > seq.priority), seq)
 
     @property
     def num_prefilling(self) -> int:
@@ -153,7 +183,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
 
-        # 1. Decodes, in admission order; make room by preempting from the back.
+        # 1. Decodes, in order; make room by preempting from the back.
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
@@ -221,7 +251,7 @@ class Scheduler:
                 )
                 seq.kv_import_tokens = 0
             seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             if budget:  # else its first chunk comes in the next step (2.)
                 chunk = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
                 batch.chunks.append(chunk)
@@ -261,7 +291,7 @@ class Scheduler:
             return
         self.block_manager.append_slots(seq)  # a no-op unless an awaited token starts a block
         seq.status = RequestStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
 
     def hold(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch but keep its blocks (``HELD``): its KV is to be
@@ -333,6 +363,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        self._queue(seq, ahead=True)
         self.num_preemptions += 1
         return seq

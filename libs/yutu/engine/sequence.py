@@ -92,6 +92,7 @@ class Sequence:
         self.kv_import_tokens = 0
         self.prefill_only = False  # stop after the first token and hold the blocks (prefill role)
         self.awaiting_token = False  # admitted before its first token: it comes with the imported KV
+        self.priority = 0  # served before those of a higher value, after those of a lower (vLLM's)
         self.prefill_compute_s = (
             0.0  # its share (by tokens) of the time of the steps that computed its prompt
         )

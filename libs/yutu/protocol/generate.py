@@ -47,9 +47,10 @@ from typing import Any
 
 from yutu.protocol.codec import Channel, ProtocolError
 
-CHANNEL = Channel("generate", version=9)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
+CHANNEL = Channel("generate", version=10)  # 2: Ping/Pong; 3: generated, kv, store_blocks; 4: TokenDeltas;
 # 5: over plain TCP (yutu.rpc.StreamPeer), KV handles carry kv_salt; 6: await_kv, KVReady;
-# 7: TokenDelta.prompt_logprobs; 8: a prompt_logprobs entry ends with its token's rank; 9: cache_salt
+# 7: TokenDelta.prompt_logprobs; 8: a prompt_logprobs entry ends with its token's rank; 9: cache_salt;
+# 10: priority
 
 
 @CHANNEL.message("generate")
@@ -64,6 +65,7 @@ class GenerateRequest:
     store_blocks: int = 0  # leading blocks to try from the KV store (when kv is None)
     await_kv: bool = False  # the prompt is being prefilled elsewhere: KVReady follows (no generated, kv)
     cache_salt: str | None = None  # its blocks' keys are salted apart (yutu.kv.hashing.salted_root)
+    priority: int = 0  # served before higher values, after lower ones (yutu.engine.scheduler)
 
 
 @CHANNEL.message("kv_ready")

@@ -29,8 +29,8 @@ from typing import Any
 from yutu.protocol.codec import Channel
 from yutu.protocol.wire import fields_of, float_field, int_field, int_list, str_field
 
-CHANNEL = Channel("prefill", version=4)  # 2: KV handles carry kv_salt; 3: and the id of their hold;
-# 4: PrefillRequest.cache_salt
+CHANNEL = Channel("prefill", version=5)  # 2: KV handles carry kv_salt; 3: and the id of their hold;
+# 4: PrefillRequest.cache_salt; 5: and its priority
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class PrefillRequest:
     store_blocks: int  # leading blocks the conductor saw in the store (fetched past the local prefix)
     arrival_time: float  # wall clock (time.time()) at the gateway
     cache_salt: str | None = None  # its blocks' keys are salted apart (yutu.kv.hashing.salted_root)
+    priority: int = 0  # served before higher values, after lower ones (yutu.engine.scheduler)
 
 
 @CHANNEL.message("prefilled")
