@@ -211,6 +211,14 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(
         parser,
+        "--trust-request-chat-template",
+        type=bool,
+        default=False,
+        help="let chat requests bring their own chat template (the gateway's flag of that name: only"
+        " for clients you trust, a template runs on the gateway's CPU)",
+    )
+    option(
+        parser,
         "--log-dir",
         default=None,
         help="write each service's log to DIR/<name>.log instead of the terminal",
@@ -473,6 +481,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
                             "--host", args.host, "--port", str(args.port), "--redis-url", args.redis_url)  # fmt: skip
     if args.tool_call_parser:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    if args.trust_request_chat_template:
+        gateway += ["--trust-request-chat-template"]
     specs.append(ChildSpec("gateway", tuple(gateway), gateway_env, f"http://{ready_host}:{args.port}/ready"))
     return specs
 

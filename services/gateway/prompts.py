@@ -150,13 +150,15 @@ async def chat_prompt(
     template_kwargs: dict[str, Any] | None = None,
     documents: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Token ids of the chat prompt rendered with the model's template (``tools``: the request's
     tool definitions, which the template may show the model; ``template_kwargs``: vLLM's
     ``chat_template_kwargs``, more variables of the template, ``enable_thinking`` say; ``documents``:
     the template variable of that name, for retrieval templates;
     ``continue_final_message``: the last message left open for the model to continue;
-    ``add_special_tokens``: the tokenizer's BOS put first where the template did not, vLLM's).
+    ``add_special_tokens``: the tokenizer's BOS put first where the template did not, vLLM's;
+    ``chat_template``: the request's own template instead of the model's).
 
     With ``max_model_len``, a rendered prompt proved too long for it is refused (400) untokenized.
     """
@@ -178,6 +180,7 @@ async def chat_prompt(
         ids = await tokens.encode_chat(
             dicts, add_generation_prompt, max_model_len, tools=tools,
             continue_final_message=continue_final_message, template_kwargs=variables,
+            chat_template=chat_template,
         )  # fmt: skip
     except ChatTemplateError as exc:
         raise invalid(str(exc), "messages") from None
@@ -187,6 +190,18 @@ async def chat_prompt(
     if add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos, *ids]
     return ids
+
+
+def request_chat_template(template: str | None, trusted: bool) -> str | None:
+    """A request's own chat template, where the gateway was started trusting its clients with one
+    (``--trust-request-chat-template``); a 400 otherwise."""
+    if template is not None and not trusted:
+        raise invalid(
+            "this gateway does not accept chat templates from requests: start it with"
+            " --trust-request-chat-template to (a template runs on the gateway's CPU)",
+            "chat_template",
+        )
+    return template
 
 
 def chat_echo(req: ChatCompletionRequest) -> str:
@@ -238,7 +253,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
     "vllm_xargs": ({}, "vllm_xargs is not supported"),
 }
 NOT_IMPLEMENTED_IN_CHAT: dict[str, tuple[object, str]] = {
-    "chat_template": (None, "chat_template is not accepted from requests: the model's own template renders"),
     "mm_processor_kwargs": ({}, "mm_processor_kwargs is not supported: text models only"),
 }
 

@@ -22,6 +22,7 @@ from services.gateway.prompts import (
     check_cost_before_tokenizing,
     check_model,
     choice_specs,
+    request_chat_template,
     truncated,
 )
 from services.gateway.routes_completions import prompt_logprobs_of, token_ids, usage_of
@@ -75,6 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompt = await chat_prompt(
         body.messages, gw.prompts, body.add_generation_prompt, None if cut else max_model_len, tools,
         body.continue_final_message, body.chat_template_kwargs, body.documents, body.add_special_tokens,
+        request_chat_template(body.chat_template, gw.settings.trust_request_chat_template),
     )  # fmt: skip
     (prompt,) = truncated(body, [prompt], max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends
 from services.gateway.auth import require_api_key
 from services.gateway.deps import GatewayDep
 from services.gateway.openapi import api_responses
-from services.gateway.prompts import chat_prompt, check_model, check_token_ids
+from services.gateway.prompts import chat_prompt, check_model, check_token_ids, request_chat_template
 from services.gateway.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -37,6 +37,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, gw: Ga
         ids = await chat_prompt(
             body.messages, gw.prompts, body.add_generation_prompt, max_model_len, None,
             body.continue_final_message, body.chat_template_kwargs, None, body.add_special_tokens,
+            request_chat_template(body.chat_template, gw.settings.trust_request_chat_template),
         )  # fmt: skip
     else:
         (ids,) = await gw.prompts.encode([body.prompt], max_model_len, "prompt", body.add_special_tokens)

@@ -172,8 +172,8 @@ class ChatCompletionRequest(_GenerationRequest):
     documents: list[dict[str, Any]] | None = None  # for retrieval templates: the variable ``documents``
     echo: bool = False  # the response's content starts with the last message's, where it continues it
     add_special_tokens: bool = False  # the tokenizer's BOS too, where the chat template did not put it
+    chat_template: str | None = None  # the request's own (a gateway started --trust-request-chat-template)
     # refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
-    chat_template: Any = None
     mm_processor_kwargs: Any = None
 
 
@@ -190,6 +190,7 @@ class TokenizeChatRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as on chat completions
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

@@ -64,6 +64,7 @@ class GatewaySettings(ServiceSettings):
     tool_call_parser: str | None = (
         None  # the model's tool-call format, for tool_choice "auto" (tool_parsers.py)
     )
+    trust_request_chat_template: bool = False  # chat requests may bring their own template (vLLM's flag)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -104,6 +105,7 @@ class GatewaySettings(ServiceSettings):
             ),
             tokenizer_threads=args.tokenizer_threads,
             tool_call_parser=args.tool_call_parser or None,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
 
 
@@ -146,6 +148,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " default with tools) need to find its calls in its text: hermes (Hermes, Qwen2.5, Qwen3),"
         " llama3_json (Llama 3.1-3.3), mistral (Mistral, Mixtral); unset: such requests get a 400"
         " (required and named tool choices need none)",
+    )
+    own(
+        api,
+        "--trust-request-chat-template",
+        type=bool,
+        default=False,
+        help="let chat requests bring their own chat template (chat_template, as vLLM's flag of that"
+        " name allows): rendered in Jinja's sandbox, but a template's loops run on the gateway's CPU, so"
+        " only for clients you trust; off: such a request is a 400",
     )
     cost = parser.add_argument_group("request limits")
     own(cost, "--max-n", type=int, default=DEFAULT_MAX_N, help="most choices (n) a request may ask for")

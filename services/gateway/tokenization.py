@@ -123,17 +123,24 @@ class PromptTokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of the messages rendered with the chat template (as ``Tokenizer.encode_chat``),
         ``tools`` (OpenAI's tool definitions) passed to it as the template variable ``tools``, and
-        ``template_kwargs`` as variables of their names (``continue_final_message``: see
-        ``Tokenizer.apply_chat_template``).
+        ``template_kwargs`` as variables of their names (``continue_final_message``, ``chat_template``:
+        see ``Tokenizer.apply_chat_template``).
 
         The rendered text is what gets refused by length: a template may add to the messages or
         leave some out. Raises ChatTemplateError.
         """
         size = sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
-        render = partial(self.tokenizer.apply_chat_template, tools=tools, **(template_kwargs or {}))
+        size += len(chat_template or "")
+        render = partial(
+            self.tokenizer.apply_chat_template,
+            tools=tools,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
         text = await self.run(size, render, messages, add_generation_prompt, continue_final_message)
         (ids,) = await self.encode([text], max_model_len, param, add_special_tokens=False)
         return ids

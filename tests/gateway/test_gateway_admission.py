@@ -123,3 +123,43 @@ async def test_a_requests_priority_and_cache_salt_reach_the_worker(
                     assert (req.priority, req.cache_salt) == want and "priority" not in req.sampling
                     await fake_worker.send(ident, TokenDelta(req.request_id, [16], finish_reason="length"))
                 assert (await task).status_code == 200
+
+
+async def test_a_requests_own_chat_template_only_where_the_gateway_trusts_it(
+    tiny_model: Path, redis_url: str, registry_prefix: str, fake_worker: FakeWorker
+) -> None:
+    """vLLM's chat_template in a request: rendered (in the sandbox) instead of the model's, on chat
+    completions and /tokenize, by a gateway started with --trust-request-chat-template; by another,
+    a 400 naming the flag. A template that does not parse is a 400 naming messages."""
+    tok = Tokenizer.from_dir(tiny_model)
+    template = "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template": template}  # fmt: skip
+    want = tok.encode("[user: hi]", add_special_tokens=False)
+    trusted = gateway_settings(tiny_model, redis_url, registry_prefix, trust_request_chat_template=True)
+    async with running_gateway(trusted) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            task = asyncio.create_task(client.post("/v1/chat/completions", json=chat))
+            ident, req = await fake_worker.next_request()
+            assert req.prompt_token_ids == want
+            await fake_worker.send(ident, TokenDelta(req.request_id, [16], finish_reason="length"))
+            assert (await task).status_code == 200
+            tokenized = await client.post(
+                "/tokenize", json={"messages": chat["messages"], "chat_template": template}
+            )
+            assert tokenized.json()["tokens"] == want
+            broken = await client.post("/v1/chat/completions", json={**chat, "chat_template": "{% for %}"})
+            assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            for path, body in [
+                ("/v1/chat/completions", chat),
+                ("/tokenize", {"messages": chat["messages"], "chat_template": template}),
+            ]:
+                refused = await client.post(path, json=body)
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert (
+                    error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
+                )
+    assert fake_worker.requests.empty()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +122,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` with the model's chat template into prompt text.
+        """Render ``messages`` with the model's chat template (or ``chat_template``, a request's) into
+        prompt text.
 
         The text already holds the template's special tokens (BOS included where the template adds
         it), so encode it with ``add_special_tokens=False`` -- or call ``encode_chat``. Extra keyword
@@ -133,14 +135,15 @@ class Tokenizer:
         model to continue (what the template puts after it is cut, as transformers does). Raises
         ChatTemplateError.
         """
-        if self.chat_template is None:
+        if chat_template is None and self.chat_template is None:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json has no chat_template): "
                 "use the completions API with a plain prompt, or add a template to the model directory"
             )
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
+        template = self._compiled_template if chat_template is None else _compiled(chat_template)
         try:
-            text = self._compiled_template.render(
+            text = template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except ChatTemplateError:
@@ -168,10 +171,16 @@ class Tokenizer:
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         assert self.chat_template is not None
-        try:
-            return _jinja_env().from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(f"chat template does not parse: {exc}") from exc
+        return _compiled(self.chat_template)
+
+
+@lru_cache(maxsize=16)  # requests' own templates: a client tends to send one again and again
+def _compiled(source: str) -> jinja2.Template:
+    """``source`` compiled in the sandboxed environment; ChatTemplateError if it does not parse."""
+    try:
+        return _jinja_env().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not parse: {exc}") from exc
 
 
 class IncrementalDetokenizer:
