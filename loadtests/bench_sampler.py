@@ -233,7 +233,7 @@ def grammar_costs(vocab: int, rounds: int) -> dict[str, float]:
         compile_ms = (time.perf_counter() - started) * 1e3
         for token in (
             HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-            .encode('{"name":"The jade', add_special_tokens=False)
+            .encode('{"name": "The jade', add_special_tokens=False)
             .ids
         ):
             grammar.advance(token)
