@@ -243,8 +243,6 @@ def logit_bias_for(bias: dict[str, float] | None, vocab_size: int) -> tuple[tupl
 # vLLM's request extras Yutu does not implement, with the value that asks for nothing (None is
 # neutral too) and what to say: a request setting one otherwise is refused, not served as if it had not.
 NOT_IMPLEMENTED: dict[str, tuple[object, str]] = {
-    "use_beam_search": (False, "beam search is not supported"),
-    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
     "logits_processors": ([], "logits_processors are not supported"),
     "kv_transfer_params": (
         None,
@@ -274,6 +272,8 @@ def reject_unsupported(req: _GenerationRequest) -> None:
             " streams the prompt's logprobs)",
             "prompt_logprobs",
         )
+    if req.length_penalty not in (None, 1.0) and not req.use_beam_search:
+        raise invalid("length_penalty applies to beam search: set use_beam_search true", "length_penalty")
     if req.truncate_prompt_tokens == 0:
         raise invalid(
             "truncate_prompt_tokens must be at least 1 (the prompt's last tokens to keep), or -1 for the"

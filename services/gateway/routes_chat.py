@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
+from services.gateway.beam_search import check_beam_search, search
 from services.gateway.chunks import chat_choice, chat_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.errors import invalid
@@ -22,10 +24,12 @@ from services.gateway.prompts import (
     check_cost_before_tokenizing,
     check_model,
     choice_specs,
+    max_tokens_for,
+    reject_unsupported,
     request_chat_template,
     truncated,
 )
-from services.gateway.routes_completions import prompt_logprobs_of, token_ids, usage_of
+from services.gateway.routes_completions import beam_usage, prompt_logprobs_of, token_ids, usage_of
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
     AssistantMessage,
@@ -79,6 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         request_chat_template(body.chat_template, gw.settings.trust_request_chat_template),
     )  # fmt: skip
     (prompt,) = truncated(body, [prompt], max_model_len)
+    if body.use_beam_search:
+        return await _beam_search(body, prompt, gw, request, max_model_len, requested, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     grammar = await grammar_for(body, gw.prompts, plan.schema)
@@ -122,6 +128,40 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         media_type="application/json",
         headers=instance_headers(gen.current_routes()),
     )
+
+
+async def _beam_search(
+    body: ChatCompletionRequest, prompt: list[int], gw: GatewayService, request: Request, max_model_len: int,
+    requested: int | None, param: str,
+) -> Response:  # fmt: skip
+    """``use_beam_search``: the ``n`` best beams, whole (services/gateway/beam_search.py)."""
+    reject_unsupported(body)
+    check_beam_search(body)
+    budget = max_tokens_for(len(prompt), requested, None, max_model_len, "messages", param)
+    gw.settings.limits.check_generated(budget * body.n, 1, body.n, param)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    try:
+        result = await unless_disconnected(search(gw, body, prompt, budget, request_id), request)
+    except ClientGone:
+        return Response(status_code=499)
+    echo = chat_echo(body)
+    choices = [
+        ChatChoice(
+            index=j,
+            message=AssistantMessage(
+                content=echo + gw.tokenizer.decode(beam.tokens, body.skip_special_tokens)
+            ),
+            finish_reason=beam.finish_reason,
+            token_ids=list(beam.tokens) if body.return_token_ids else None,
+        )
+        for j, beam in enumerate(result.beams)
+    ]
+    response = ChatCompletionResponse(
+        id=request_id, created=created, model=gw.model_name, choices=choices, usage=beam_usage([prompt], [result]),
+        prompt_token_ids=prompt if body.return_token_ids else None,
+    )  # fmt: skip
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 def _choice(

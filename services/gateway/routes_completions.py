@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +12,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from yutu.errors import ErrorKind, YutuError
 
 from services.gateway.auth import require_api_key
+from services.gateway.beam_search import Searched, check_beam_search, search
 from services.gateway.chunks import completion_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.generation import ChoiceState, Generation, TokenInfo
@@ -21,7 +24,9 @@ from services.gateway.prompts import (
     check_model,
     choice_specs,
     completion_prompts,
+    max_tokens_for,
     num_prompts,
+    reject_unsupported,
     truncated,
 )
 from services.gateway.routing import instance_headers
@@ -71,6 +76,8 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     )  # then a prompt too long for the context is cut, not refused
     prompts = await completion_prompts(body, gw.prompts, None if cut else max_model_len)
     prompts = truncated(body, prompts, max_model_len)
+    if body.use_beam_search:
+        return await _beam_search(body, prompts, gw, request, max_model_len)
     grammar = await grammar_for(body, gw.prompts)
     specs = choice_specs(
         body,
@@ -114,6 +121,67 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
         response.model_dump_json(),
         media_type="application/json",
         headers=instance_headers(gen.current_routes()),
+    )
+
+
+async def _beam_search(
+    body: CompletionRequest,
+    prompts: list[list[int]],
+    gw: GatewayService,
+    request: Request,
+    max_model_len: int,
+) -> Response:
+    """``use_beam_search``: each prompt's ``n`` best beams, whole (services/gateway/beam_search.py)."""
+    reject_unsupported(body)
+    check_beam_search(body)
+    budgets = [
+        max_tokens_for(len(ids), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len)
+        for ids in prompts
+    ]
+    gw.settings.limits.check_generated(sum(budgets) * body.n, len(prompts), body.n, "max_tokens")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    searches = asyncio.gather(
+        *(
+            search(gw, body, ids, budget, f"{request_id}-{p}")
+            for p, (ids, budget) in enumerate(zip(prompts, budgets, strict=True))
+        )
+    )
+    try:
+        results = await unless_disconnected(searches, request)
+    except ClientGone:
+        return Response(status_code=499)
+    echoes = echo_texts(body, prompts, gw)
+    choices = [
+        CompletionResponseChoice(
+            index=p * body.n + j,
+            text=(echoes[p] if echoes else "") + gw.tokenizer.decode(beam.tokens, body.skip_special_tokens),
+            finish_reason=beam.finish_reason,
+            prompt_token_ids=prompts[p] if body.return_token_ids else None,
+            token_ids=list(beam.tokens) if body.return_token_ids else None,
+        )
+        for p, result in enumerate(results)
+        for j, beam in enumerate(result.beams)
+    ]
+    response = CompletionResponse(
+        id=request_id,
+        created=created,
+        model=gw.model_name,
+        choices=choices,
+        usage=beam_usage(prompts, results),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def beam_usage(prompts: list[list[int]], results: list[Searched]) -> Usage:
+    """A beam search's usage: its prompts once each, the tokens of the beams returned."""
+    prompt = sum(len(ids) for ids in prompts)
+    completion = sum(len(beam.tokens) for result in results for beam in result.beams)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)),
     )
 
 

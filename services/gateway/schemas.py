@@ -81,6 +81,8 @@ class _GenerationRequest(_Request):
     return_token_ids: bool = False  # the response shows the prompt's and the output's token ids
     cache_salt: str | None = Field(None, min_length=1)  # KV reused only between requests of the same salt
     priority: Int = Field(0, ge=-(2**63), le=2**63 - 1)  # the lower first, on every instance (vLLM's)
+    use_beam_search: bool = False  # n beams, the best n the choices (services/gateway/beam_search.py)
+    length_penalty: float | None = None  # beam search's scores: logprob / length ** length_penalty (1)
     # the prompt's own tokens' logprobs, each with this many alternatives (not with stream)
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Int | None = Field(
@@ -100,8 +102,6 @@ class _GenerationRequest(_Request):
     guided_whitespace_pattern: str | None = None  # the whitespace JSON output may have (a regex)
     # vLLM's extras that no worker implements: refused unless left at their neutral value
     # (prompts.NOT_IMPLEMENTED), not ignored
-    use_beam_search: Any = None
-    length_penalty: Any = None
     logits_processors: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None

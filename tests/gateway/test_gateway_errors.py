@@ -124,8 +124,9 @@ NOW = {"type": "function", "function": {"name": "now"}}
         ),
         ("/v1/completions", {**CMPL, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
         # vLLM's extras no worker implements: refused, not ignored
-        ("/v1/completions", {**CMPL, "use_beam_search": True}, "use_beam_search"),
-        ("/v1/completions", {**CMPL, "length_penalty": 0.5}, "length_penalty"),
+        ("/v1/completions", {**CMPL, "use_beam_search": "yes"}, "use_beam_search"),
+        ("/v1/completions", {**CMPL, "length_penalty": 0.5}, "length_penalty"),  # without beam search
+        ("/v1/completions", {**CMPL, "logits_processors": ["my.Processor"]}, "logits_processors"),
         # vLLM's extras, served, at values they refuse
         ("/v1/completions", {**CMPL, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("/v1/completions", {**CMPL, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
