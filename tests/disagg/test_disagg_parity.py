@@ -18,7 +18,7 @@ import httpx
 import pytest
 from yutu.engine.structured import grammar_from
 
-from tests.disagg.disagg_support import DisaggStack, Reply, prompt
+from tests.disagg.disagg_support import MODEL_NAME, DisaggStack, Reply, prompt
 
 LENGTHS = [5, 16, 17, 40, 100, 160, 255, 400]  # one token, exact blocks, a token past, long ones
 
@@ -259,3 +259,14 @@ def test_requests_that_ended_stop_counting_on_their_instances_at_once(disagg: Di
             break
         time.sleep(0.05)
     assert pending == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_beam_search_finds_the_same_beams_disaggregated(mixed: DisaggStack, disagg: DisaggStack) -> None:
+    """Beam search's rounds of one-token requests, each prefilled on the prefill instance and
+    handed over, give the mixed worker's beams."""
+    body = {"model": MODEL_NAME, "prompt": prompt(40, seed=41), "max_tokens": 5, "n": 3,
+            "use_beam_search": True, "return_token_ids": True}  # fmt: skip
+    replies = [httpx.post(f"{s.url}/v1/completions", json=body, timeout=120) for s in (mixed, disagg)]
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    want, got = ([c["token_ids"] for c in r.json()["choices"]] for r in replies)
+    assert got == want and len(got) == 3 and all(1 <= len(t) <= 5 for t in got)
