@@ -345,8 +345,8 @@ def max_tokens_for(
 
 def bad_word_ids(words: list[str] | None, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's ``bad_words`` as the token sequences the engine bans: each word as it encodes at the
-    start of a text, and as it does after a space where that is as many tokens, and other ones (a
-    word mid-text); 400 for a word that encodes to nothing."""
+    start of a text, and also as it encodes after a space (a word mid-text) where that gives as many
+    tokens but a different first one; 400 for a word that encodes to nothing."""
     out: list[tuple[int, ...]] = []
     for i, word in enumerate(words or ()):
         bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
@@ -383,6 +383,7 @@ def sampling_for(
     :func:`services.gateway.structured.grammar_for` did, ``bad_words`` as :func:`bad_word_ids` did."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     seed = None if req.seed is None else req.seed + choice
+    allowed = None if req.allowed_token_ids is None else tuple(dict.fromkeys(req.allowed_token_ids))
     prompt_logprobs = req.prompt_logprobs
     if isinstance(req, CompletionRequest) and req.echo and logprobs is not None:
         # echo with logprobs: the prompt's tokens are shown with theirs (OpenAI's legacy completions)
@@ -401,9 +402,7 @@ def sampling_for(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=logit_bias,
-            allowed_token_ids=None
-            if req.allowed_token_ids is None
-            else tuple(dict.fromkeys(req.allowed_token_ids)),
+            allowed_token_ids=allowed,  # a repeated id asks nothing more
             bad_words=bad_words,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -74,9 +74,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_cost_before_tokenizing(body, limits, 1, requested, param)
     plan = tool_plan(body, parser_named(gw.settings.tool_call_parser))
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    cut = (
-        body.truncate_prompt_tokens is not None
-    )  # then a prompt too long for the context is cut, not refused
+    # with truncate_prompt_tokens, a prompt too long for the context is cut, not refused
+    cut = body.truncate_prompt_tokens is not None
     prompt = await chat_prompt(
         body.messages, gw.prompts, body.add_generation_prompt, None if cut else max_model_len, tools,
         body.continue_final_message, body.chat_template_kwargs, body.documents, body.add_special_tokens,

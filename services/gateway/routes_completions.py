@@ -71,9 +71,8 @@ async def create_completion(body: CompletionRequest, request: Request, gw: Gatew
     max_model_len = gw.require_max_model_len()
     limits = gw.settings.limits
     check_cost_before_tokenizing(body, limits, num_prompts(body), body.max_tokens, "max_tokens")
-    cut = (
-        body.truncate_prompt_tokens is not None
-    )  # then a prompt too long for the context is cut, not refused
+    # with truncate_prompt_tokens, a prompt too long for the context is cut, not refused
+    cut = body.truncate_prompt_tokens is not None
     prompts = await completion_prompts(body, gw.prompts, None if cut else max_model_len)
     prompts = truncated(body, prompts, max_model_len)
     if body.use_beam_search:
