@@ -12,7 +12,11 @@ flag of the same name):
 - ``mistral`` (Mistral 7B v0.3, Mixtral, Mistral Nemo / Small / Large): calls follow the special
   token ``[TOOL_CALLS]``, as a JSON array ``[{"name": ..., "arguments": {...}}, ...]`` or, in newer
   tokenizers (v11 and up), as ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``;
-  call ids are nine letters and digits, which Mistral's chat templates require of the ids sent back.
+  call ids are nine letters and digits, which Mistral's chat templates require of the ids sent back;
+- ``pythonic`` (Llama 3.2 and 4, and others taught Python's call syntax): the whole answer is a
+  Python list of calls with keyword arguments of literal values,
+  ``[weather(city="Oslo", days=2), now()]``, in Llama 4 between ``<|python_start|>`` and
+  ``<|python_end|>``; read with ``ast``, never evaluated.
 
 Where a format's markers are special tokens (``[TOOL_CALLS]``; ``<tool_call>`` in some Hermes
 models), the text must keep them: with ``auto`` the choice is detokenized with
@@ -26,6 +30,7 @@ one is content, whole, as the model wrote it.
 
 from __future__ import annotations
 
+import ast
 import json
 import secrets
 import string
@@ -192,8 +197,43 @@ class MistralParser(ToolCallParser):
         return first if first >= 0 else _partial_start(text, self.START)
 
 
+class PythonicParser(ToolCallParser):
+    name = "pythonic"
+    skip_special_tokens = False  # Llama 4's <|python_start|> and <|python_end|> are special tokens
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return None
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None  # a call by its bare name, keyword arguments only
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                if len(arguments) != len(node.keywords):
+                    return None  # **kwargs
+                calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None  # not a literal (a name, an expression), or no JSON for it (a set, bytes)
+        return "", calls
+
+    def content_end(self, text: str) -> int:
+        body = text.lstrip()
+        if not body or body.startswith("[") or body.startswith(self.START) or self.START.startswith(body):
+            return 0  # could still be a call: hold it all
+        return len(text)
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
 }
 
 

@@ -10,7 +10,13 @@ import pytest
 
 from services.gateway.errors import ApiError
 from services.gateway.schemas import ChatCompletionRequest
-from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, ParsedCall
+from services.gateway.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ParsedCall,
+    PythonicParser,
+)
 from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
 
 NOW = {"type": "function", "function": {"name": "now"}}
@@ -207,3 +213,33 @@ def test_streamed_token_ids_go_with_the_next_delta_once() -> None:
     assert "token_ids" not in silent[0]
     held = ChoiceStream(0, ToolPlan("none"), token_ids=True)
     assert held.feed("", None, None, [5])[0][0]["token_ids"] == [5]  # no text yet (half a character): ids
+
+
+def test_pythonic_calls() -> None:
+    """vLLM's pythonic format (Llama 3.2 and 4): the whole answer a Python list of calls with
+    literal keyword arguments, read with ast and never run; anything else is content."""
+    p = PythonicParser()
+    assert p.parse('[weather(city="Oslo", days=2, units=None, hourly=True), now()]') == (
+        "",
+        [
+            ParsedCall("weather", '{"city": "Oslo", "days": 2, "units": null, "hourly": true}'),
+            ParsedCall("now", "{}"),
+        ],
+    )
+    assert p.parse("<|python_start|>[find(tags=['moon', \"rabbit\"], near={'lat': -1.5})]<|python_end|>") == (
+        "",
+        [ParsedCall("find", '{"tags": ["moon", "rabbit"], "near": {"lat": -1.5}}')],
+    )
+    for not_calls in ["The weather is fine.", "[1, 2]", "[]", "[weather('Oslo')]", "[weather(city=x)]",
+                      "[os.system(cmd='ls')]", "[f(**kw)]", "[f(a={1, 2})]", "[weather(city='Oslo')] and text",
+                      "[weather(city='Oslo'", "[f(a=__import__('os'))]"]:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    assert p.content_end("  [") == 0 and p.content_end("") == 0 and p.content_end("<|python") == 0
+    assert p.content_end("Sure") == 4
+    deltas, reason = feed(ToolPlan("auto", parser=p), ["[now", "()]"])
+    assert reason == "tool_calls" and deltas[0]["tool_calls"][0]["function"] == {
+        "name": "now",
+        "arguments": "{}",
+    }
+    deltas, reason = feed(ToolPlan("auto", parser=p), ["It is ", "[late]"])
+    assert "".join(d["content"] for d in deltas) == "It is [late]" and reason == "stop"
