@@ -72,9 +72,6 @@ def check_beam_search(req: _GenerationRequest) -> None:
         raise invalid("beam search answers whole responses: set stream false", "stream")
     if not 1 <= req.n <= MAX_WIDTH:
         raise invalid(f"n is the beam width with use_beam_search: 1 to {MAX_WIDTH}", "n")
-    length_penalty = 1.0 if req.length_penalty is None else req.length_penalty
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
-        raise invalid("length_penalty must be a number", "length_penalty")
     if req.temperature not in (None, 0):
         raise invalid(
             "beam search ranks by the model's logprobs: leave temperature unset (or 0)", "temperature"
@@ -93,6 +90,10 @@ async def search(
     length_penalty = 1.0 if req.length_penalty is None else float(req.length_penalty)
     eos = frozenset(gw.tokenizer.eos_token_ids)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2 * width)
+
+    def best_first(beams: list[Beam]) -> list[Beam]:
+        return sorted(beams, key=lambda b: score(b, len(prompt), length_penalty), reverse=True)
+
     live, finished = [Beam((), 0.0)], []
     cached = 0
     for round_ in range(max_tokens):
@@ -117,8 +118,7 @@ async def search(
                 ends = alt in eos and not req.ignore_eos
                 grown.append(Beam(beam.tokens + (alt,), beam.cum_logprob + logprob, ends))
         finished += [b for b in grown if b.finished]
-        live = sorted((b for b in grown if not b.finished), key=lambda b: score(b, len(prompt), length_penalty), reverse=True)[:width]  # fmt: skip
+        live = best_first([b for b in grown if not b.finished])[:width]
         if not live:
             break
-    best = sorted(finished + live, key=lambda b: score(b, len(prompt), length_penalty), reverse=True)
-    return Searched(best[:width], cached)
+    return Searched(best_first(finished + live)[:width], cached)

@@ -133,9 +133,8 @@ class Scheduler:
         # the budget of a step that decodes nothing (never below the usual one)
         self.max_prefill_step_tokens = max(max_num_batched_tokens, max_prefill_step_tokens or 0)
         self.waiting: deque[Sequence] = deque()  # by priority, then arrival
-        self.running: list[
-            Sequence
-        ] = []  # by priority, then admission; the last one is the preemption victim
+        # by priority, then admission; the last one is the preemption victim
+        self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}  # admitted, waiting for imported KV; never preempted
         # Aborted while loading: their blocks stay allocated until the copy into them has ended
         # (finish_load), or the copy would write into blocks another sequence may own by then.
