@@ -58,6 +58,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("llama", 5, {}),
         ("llama", 37, {}),
         ("qwen2", 37, {}),
+        ("qwen3", 37, {"head_dim": 32}),
         ("mistral", 37, {"sliding_window": 24}),
     ],
 )

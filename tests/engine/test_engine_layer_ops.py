@@ -140,13 +140,17 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         # magnitude 2-4 here, where a bfloat16 step is 0.016-0.031)
         (torch.bfloat16, {}, True, 4e-2),
         (torch.float16, {"num_key_value_heads": 1}, True, 2e-2),
+        (torch.float32, {"arch": "qwen3"}, True, 1e-5),  # q/k norms, then the in-place rotation
+        (torch.float32, {"arch": "qwen3"}, False, 1e-5),
+        (torch.bfloat16, {"arch": "qwen3"}, True, 4e-2),
     ],
 )
 def test_the_model_on_the_native_ops_computes_what_it_does_without(
     tmp_path: Path, ops: object, dtype: torch.dtype, overrides: dict[str, Any], fused: bool, atol: float
 ) -> None:
     """A prefill, a decode and a batch of both, with and without ``model.ops``: the same logits."""
-    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=6, **overrides)
+    overrides = dict(overrides)
+    model_dir = make_tiny_checkpoint(tmp_path, overrides.pop("arch", "llama"), seed=6, **overrides)
     ids = prompt(30, seed=24)
     out = {}
     for with_ops in (False, True):

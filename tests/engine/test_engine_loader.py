@@ -10,7 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from yutu.engine.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION
-from yutu.engine.loader import CheckpointError, auto_dtype, default_device_and_dtype, load_model
+from yutu.engine.loader import (
+    CheckpointError,
+    auto_dtype,
+    default_device_and_dtype,
+    expected_weight_shapes,
+    load_model,
+)
 from yutu.engine.model_config import ModelConfig, UnsupportedModelError
 from yutu.engine.model_source import resolve_model
 from yutu.engine.testing import PagedRunner, make_tiny_checkpoint, tiny_hf_config
@@ -65,6 +71,30 @@ QWEN25_05B: dict[str, Any] = {
     "eos_token_id": 151643,
     "hidden_act": "silu",
     "torch_dtype": "bfloat16",
+}
+QWEN3_06B: dict[str, Any] = {  # Qwen/Qwen3-0.6B's config.json
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 MISTRAL_7B_V01: dict[str, Any] = {
     "architectures": ["MistralForCausalLM"],
@@ -137,12 +167,33 @@ def test_config_qwen2_and_mistral() -> None:
     assert no_window.sliding_window is None and no_window.layer_sliding_window(0) is None
 
 
+def test_config_qwen3() -> None:
+    """Qwen3: no biases unless attention_bias (then on the output projection too), a head width of
+    its own (128 where config.json says none, as transformers' Qwen3Config), q/k norms."""
+    q = ModelConfig.from_hf_dict(QWEN3_06B)
+    assert q.model_type == "qwen3" and q.qk_norm and q.tie_word_embeddings
+    assert (q.head_dim, q.num_heads * q.head_dim, q.hidden_size) == (128, 2048, 1024)
+    assert (q.attention_bias, q.o_proj_bias, q.mlp_bias, q.sliding_window) == (False, False, False, None)
+    assert q.eos_token_ids == (151645,) and q.rope_theta == 1e6
+    biased = ModelConfig.from_hf_dict({**QWEN3_06B, "attention_bias": True})
+    assert (biased.attention_bias, biased.o_proj_bias) == (True, True)
+    no_head_dim = {k: v for k, v in QWEN3_06B.items() if k != "head_dim"}
+    assert ModelConfig.from_hf_dict(no_head_dim).head_dim == 128
+    sliding = ModelConfig.from_hf_dict({**QWEN3_06B, "use_sliding_window": True, "sliding_window": 4096,
+                                        "max_window_layers": 26})  # fmt: skip
+    assert sliding.sliding_window_layers == (26, 27)
+    shapes = expected_weight_shapes(q)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert shapes["model.layers.27.self_attn.k_norm.weight"] == (128,)
+    assert not ModelConfig.from_hf_dict(QWEN25_05B).qk_norm
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -313,5 +364,5 @@ def test_resolve_unreachable_hub_id() -> None:
 
 
 def test_tiny_config_rejects_unknown_arch() -> None:
-    with pytest.raises(ValueError, match="arch must be one of llama, qwen2, mistral"):
+    with pytest.raises(ValueError, match="arch must be one of llama, qwen2, qwen3, mistral"):
         tiny_hf_config("gpt2")

@@ -51,6 +51,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2-tied": ("qwen2", {}),
     "qwen2-untied-gqa": ("qwen2", {"tie_word_embeddings": False, "num_attention_heads": 8, "head_dim": 8}),
+    "qwen3-tied": ("qwen3", {}),
+    # biases on q/k/v and o, a head wider than hidden / heads, one KV head
+    "qwen3-untied-bias-mqa": (
+        "qwen3",
+        {"tie_word_embeddings": False, "attention_bias": True, "head_dim": 32, "num_key_value_heads": 1},
+    ),
+    "qwen3-sliding-layer1": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
     # Only layers >= max_window_layers slide: the forward mixes full and windowed layers.
     "qwen2-sliding-layer1": (
@@ -216,6 +226,8 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         (torch.float32, {}, 1e-5),
         (torch.float32, {"attention_bias": True, "mlp_bias": True}, 1e-5),  # Qwen2-style biases
         (torch.bfloat16, {"tie_word_embeddings": True}, 1e-3),  # packed for oneDNN afterwards
+        (torch.float32, {"arch": "qwen3"}, 1e-5),  # q/k norms between the product and the rotation
+        (torch.bfloat16, {"arch": "qwen3", "attention_bias": True}, 1e-3),
     ],
 )
 def test_fused_projections_compute_what_the_separate_ones_do(
@@ -223,7 +235,8 @@ def test_fused_projections_compute_what_the_separate_ones_do(
 ) -> None:
     """fuse_projections (q/k/v in one product, gate/up in another) against Hugging Face's separate
     projections, the reference: the same logits for a prefill, a decode and a batch of both."""
-    model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=5, **overrides)
+    overrides = dict(overrides)
+    model_dir = make_tiny_checkpoint(tmp_path, overrides.pop("arch", "llama"), seed=5, **overrides)
     ids = _prompt(30, seed=23)
     out = {}
     for fused in (False, True):

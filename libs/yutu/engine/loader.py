@@ -102,6 +102,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, qd)
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             shapes[p + f"mlp.{name}.weight"] = shape

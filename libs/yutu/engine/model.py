@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -201,6 +201,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, kvd, bias=config.attention_bias)
         self.o_proj = Linear(qd, h, bias=config.o_proj_bias)
         self.qkv_proj: Linear | None = None  # q, k and v in one product, once fuse_projections ran
+        # Qwen3: every query and key head RMS-normalized (weights of one head's width) before RoPE
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -220,9 +223,14 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(n_tok, nh, hd)  # (T, nh, hd)
             k = self.k_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
             v = self.v_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
         else:
             qkv = self.qkv_proj(x).view(n_tok, nh + 2 * kvh, hd)  # heads: [ q (nh) | k (kvh) | v (kvh) ]
+            if self.q_norm is not None and self.k_norm is not None:  # in place: qkv is this call's own
+                qkv[:, :nh] = self.q_norm(qkv[:, :nh])
+                qkv[:, nh : nh + kvh] = self.k_norm(qkv[:, nh : nh + kvh])
             if ops is None:
                 qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
             else:

@@ -5,7 +5,9 @@ projections carry a bias, where RoPE settings live, which layers use a sliding w
 downstream -- model, loader, engine -- reads plain fields.
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
-(q/k/v bias, optionally tied embeddings) and ``MistralForCausalLM`` (sliding-window attention).
+(q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
+each query and key head RMS-normalized before its rotation) and ``MistralForCausalLM``
+(sliding-window attention).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # architecture name in config.json -> model_type
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -52,6 +55,7 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down projections carry a bias (Llama mlp_bias)
     sliding_window: int | None = None  # attention window in tokens for sliding layers, None: full
     sliding_window_layers: tuple[int, ...] = ()  # indices of layers that use sliding_window
+    qk_norm: bool = False  # each query and key head is RMS-normalized before RoPE (Qwen3)
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -108,7 +112,8 @@ class ModelConfig:
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
-        head_dim = d.get("head_dim") or hidden_size // num_heads
+        # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), not hidden / heads.
+        head_dim = d.get("head_dim") or (128 if model_type == "qwen3" else hidden_size // num_heads)
         rope_theta, rope_scaling = _rope(d)
 
         # Which projections carry a bias differs per architecture.
@@ -116,6 +121,9 @@ class ModelConfig:
             attention_bias, o_proj_bias, mlp_bias = True, False, False
         elif model_type == "mistral":
             attention_bias, o_proj_bias, mlp_bias = False, False, False
+        elif model_type == "qwen3":  # one switch for q/k/v and the output projection
+            attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
+            mlp_bias = False
         else:
             attention_bias = bool(d.get("attention_bias", False))
             o_proj_bias = attention_bias
@@ -144,6 +152,7 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
+            qk_norm=model_type == "qwen3",
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -223,7 +232,7 @@ def _sliding_window(
     window = d.get("sliding_window")
     if model_type == "llama" or window is None:
         return None, ()
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         if not d.get("use_sliding_window", False):
             return None, ()
         layer_types = d.get("layer_types")

@@ -28,6 +28,15 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen2ForCausalLM",
         {"use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True},
     ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+        },
+    ),
     "mistral": ("MistralForCausalLM", {"sliding_window": None, "tie_word_embeddings": False}),
 }
 
@@ -78,7 +87,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in {"llama", "qwen2", "mistral"}; ``config_overrides`` are config.json keys
+    ``arch`` in {"llama", "qwen2", "qwen3", "mistral"}; ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
