@@ -337,3 +337,24 @@ def test_up_steals_prefills_by_default_and_the_conductor_does_not(tmp_path: Path
     alone = argparse.ArgumentParser()
     add_policy_options(alone, scope="conductor")
     assert alone.parse_args([]).prefill_stealing is False
+
+
+def test_up_hands_the_gateways_parsers_on(tmp_path: Path) -> None:
+    """yutu up's --tool-call-parser and --reasoning-parser reach its gateway, with the same choices."""
+    from yutu.cli import stack_specs, up_parser
+
+    from services.gateway.reasoning import PARSERS as REASONING_PARSERS
+    from services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
+
+    def gateway_argv(*flags: str) -> tuple[str, ...]:
+        args = up_parser().parse_args(["--redis-url", "redis://127.0.0.1:1/0", *flags])
+        (spec,) = [s for s in stack_specs(args, tmp_path, "m") if s.name == "gateway"]
+        return spec.argv
+
+    for flag, names in (("--reasoning-parser", REASONING_PARSERS), ("--tool-call-parser", TOOL_PARSERS)):
+        assert flag not in gateway_argv()
+        for name in names:
+            argv = gateway_argv(flag, name)
+            assert argv[argv.index(flag) + 1] == name
+        with pytest.raises(SystemExit):
+            gateway_argv(flag, "no-such-parser")

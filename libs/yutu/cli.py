@@ -211,6 +211,15 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(
         parser,
+        "--reasoning-parser",
+        default=None,
+        choices=("deepseek_r1", "qwen3"),
+        help="a reasoning model's thinking markers (the gateway's --reasoning-parser: qwen3 for Qwen3,"
+        " deepseek_r1 for DeepSeek R1 and QwQ): chat responses carry the thinking as reasoning, apart"
+        " from the answer",
+    )
+    option(
+        parser,
         "--trust-request-chat-template",
         type=bool,
         default=False,
@@ -481,6 +490,8 @@ def stack_specs(args: argparse.Namespace, model_dir: Path, served: str) -> list[
                             "--host", args.host, "--port", str(args.port), "--redis-url", args.redis_url)  # fmt: skip
     if args.tool_call_parser:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gateway += ["--reasoning-parser", args.reasoning_parser]
     if args.trust_request_chat_template:
         gateway += ["--trust-request-chat-template"]
     specs.append(ChildSpec("gateway", tuple(gateway), gateway_env, f"http://{ready_host}:{args.port}/ready"))

@@ -77,10 +77,12 @@ def chat_choice(
     stop_reason: str | int | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
     token_ids: list[int] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One ``ChatChunkChoice``: its delta holds only what is set (``ChatDelta``'s rule);
     ``logprobs`` are the ``content`` entries of ``ChatChoiceLogprobs``; ``tool_calls`` are
-    ``ToolCallDelta`` s; ``token_ids`` (vLLM's ``return_token_ids``) only where given."""
+    ``ToolCallDelta`` s; ``token_ids`` (vLLM's ``return_token_ids``) only where given;
+    ``reasoning`` under both its names."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -88,6 +90,8 @@ def chat_choice(
         delta["content"] = content
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
+    if reasoning is not None:
+        delta["reasoning"] = delta["reasoning_content"] = reasoning
     choice = {
         "index": index,
         "delta": delta,

@@ -112,7 +112,8 @@ TEMPLATE_VARIABLES = frozenset(
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content as a string (text parts joined)."""
+    """Messages as the chat template expects them: content as a string (text parts joined), an
+    assistant's earlier thinking under both its names (``reasoning``, ``reasoning_content``)."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         item = msg.model_dump(exclude_none=True)
@@ -129,6 +130,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["content"] = "\n".join(texts)
         elif content is None:
             item["content"] = ""
+        thinking = item.get("reasoning", item.get("reasoning_content"))
+        if msg.role == "assistant" and isinstance(thinking, str):  # templates read either name (vLLM's)
+            item["reasoning"] = item["reasoning_content"] = thinking
         for call in item.get("tool_calls") or ():  # templates read arguments as an object (vLLM's way)
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):

@@ -29,6 +29,7 @@ from services.gateway.prompts import (
     request_chat_template,
     truncated,
 )
+from services.gateway.reasoning import ReasoningSplit, Thinking, thinking_of
 from services.gateway.routes_completions import beam_usage, prompt_logprobs_of, token_ids, usage_of
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
@@ -87,11 +88,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     grammar = await grammar_for(body, gw.prompts, plan.schema)
+    thinking = thinking_of(
+        gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=grammar is not None
+    )
+    skip_special_tokens = plan.skip_special_tokens(body.skip_special_tokens)
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
         limits=limits, tokenizer=gw.tokenizer,
         max_tokens_param=param, prompt_param="messages", grammar=grammar,
-        skip_special_tokens=plan.skip_special_tokens(body.skip_special_tokens),
+        skip_special_tokens=skip_special_tokens and (thinking is None or thinking.skip_special_tokens),
     )  # fmt: skip
     gen = Generation(
         gw.router,
@@ -106,7 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         headers = instance_headers(gen.first_routes)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         gen.start()  # the workers compute while the response starts (EventStream closes it)
-        return EventStream(_stream(gen, gw, body, plan, include_usage), gen.close, headers)
+        return EventStream(_stream(gen, gw, body, plan, thinking, include_usage), gen.close, headers)
     try:
         async with gen:
             choices = await unless_disconnected(gen.run_to_end(), request)
@@ -116,7 +121,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         id=gen.request_id,
         created=int(gen.arrival),
         model=gw.model_name,
-        choices=[_choice(choices[i], gw, body, plan) for i in sorted(choices)],
+        choices=[_choice(choices[i], gw, body, plan, thinking) for i in sorted(choices)],
         usage=usage_of(gen),
         # the choices share their prompt: its logprobs and ids are the response's
         prompt_logprobs=prompt_logprobs_of(choices[min(choices)], gw, body.prompt_logprobs),
@@ -145,17 +150,18 @@ async def _beam_search(
     except ClientGone:
         return Response(status_code=499)
     echo = chat_echo(body)
-    choices = [
-        ChatChoice(
+    thinking = thinking_of(gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=False)
+    skip = body.skip_special_tokens and (thinking is None or thinking.skip_special_tokens)
+    choices = []
+    for j, beam in enumerate(result.beams):
+        reasoning, content = _split(thinking, gw.tokenizer.decode(beam.tokens, skip))
+        choices.append(ChatChoice(
             index=j,
-            message=AssistantMessage(
-                content=echo + gw.tokenizer.decode(beam.tokens, body.skip_special_tokens)
-            ),
+            message=AssistantMessage(content=_content(echo, content, reasoning), reasoning=reasoning,
+                                     reasoning_content=reasoning),
             finish_reason=beam.finish_reason,
             token_ids=list(beam.tokens) if body.return_token_ids else None,
-        )
-        for j, beam in enumerate(result.beams)
-    ]
+        ))  # fmt: skip
     response = ChatCompletionResponse(
         id=request_id, created=created, model=gw.model_name, choices=choices, usage=beam_usage([prompt], [result]),
         prompt_token_ids=prompt if body.return_token_ids else None,
@@ -163,21 +169,36 @@ async def _beam_search(
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+def _split(thinking: Thinking | None, text: str) -> tuple[str | None, str]:
+    """A choice's text as its reasoning (None: no thinking, or no parser) and its answer."""
+    return (None, text) if thinking is None else thinking.split(text)
+
+
+def _content(echo: str, content: str | None, reasoning: str | None) -> str | None:
+    """The message's content: None where the model only thought; the echo first, as vLLM does
+    (tool calls or not)."""
+    if reasoning is not None and not content:
+        content = None
+    return echo + (content or "") if echo else content
+
+
 def _choice(
-    state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest, plan: ToolPlan
-) -> ChatChoice:
+    state: ChoiceState, gw: GatewayService, body: ChatCompletionRequest, plan: ToolPlan,
+    thinking: Thinking | None,
+) -> ChatChoice:  # fmt: skip
     lp = None
     if body.logprobs:
         lp = ChatChoiceLogprobs.model_validate(
             {"content": chat_logprobs(state.tokens, gw.token_text, body.return_tokens_as_token_ids)}
         )
-    content, calls = plan.message(state.text)
-    echo = chat_echo(body)
-    if echo:  # repeated before the content, as vLLM does (tool calls or not)
-        content = echo + (content or "")
+    reasoning, text = _split(thinking, state.text)
+    content, calls = plan.message(text)
+    content = _content(chat_echo(body), content, reasoning)
     return ChatChoice(
         index=state.spec.index,
-        message=AssistantMessage(content=content, tool_calls=calls),
+        message=AssistantMessage(
+            content=content, tool_calls=calls, reasoning=reasoning, reasoning_content=reasoning
+        ),
         logprobs=lp,
         finish_reason=plan.finish_reason(state.finish_reason, calls),
         stop_reason=state.stop_reason,
@@ -186,8 +207,9 @@ def _choice(
 
 
 async def _stream(
-    gen: Generation, gw: GatewayService, body: ChatCompletionRequest, plan: ToolPlan, include_usage: bool
-) -> AsyncIterator[str]:
+    gen: Generation, gw: GatewayService, body: ChatCompletionRequest, plan: ToolPlan,
+    thinking: Thinking | None, include_usage: bool,
+) -> AsyncIterator[str]:  # fmt: skip
     """The chunks: each choice's deltas as its tools shape them (services.gateway.tools.ChoiceStream)."""
     created = int(gen.arrival)
     logprobs, as_ids = body.logprobs, body.return_tokens_as_token_ids
@@ -199,7 +221,10 @@ async def _stream(
         return chat_chunk(gen.request_id, created, gw.model_name, [choice], usage, prompt_token_ids)
 
     ids = body.return_token_ids
-    streams = {index: ChoiceStream(index, plan, ids) for index in gen.choices}
+    streams = {
+        index: ChoiceStream(index, plan, ids, None if thinking is None else ReasoningSplit(thinking))
+        for index in gen.choices
+    }
 
     # Events that go out together are yielded as one string: one socket write each time.
     tail = ""

@@ -312,6 +312,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # vLLM's, from a gateway started with --reasoning-parser: the thinking (services/gateway/reasoning.py)
+    reasoning: str | None = _unless_asked()
+    reasoning_content: str | None = _unless_asked()  # the older name, sent beside (as vLLM does)
 
 
 class ChatChoice(BaseModel):
@@ -351,11 +354,16 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = None  # vLLM's (--reasoning-parser): the next piece of the thinking
+    reasoning_content: str | None = None  # the same, under its older name
 
     @model_serializer
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends {"role": "assistant", "content": ""} first, then {"content": "..."}, then {}.
-        fields = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        fields = (
+            ("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls),
+            ("reasoning", self.reasoning), ("reasoning_content", self.reasoning_content),
+        )  # fmt: skip
         return {k: v for k, v in fields if v is not None}
 
 

@@ -15,6 +15,7 @@ from services.gateway.limits import (
     DEFAULT_MAX_TOTAL_TOKENS,
     RequestLimits,
 )
+from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tool_parsers import PARSERS
 
 
@@ -65,6 +66,7 @@ class GatewaySettings(ServiceSettings):
         None  # the model's tool-call format, for tool_choice "auto" (tool_parsers.py)
     )
     trust_request_chat_template: bool = False  # chat requests may bring their own template (vLLM's flag)
+    reasoning_parser: str | None = None  # the model's thinking markers, split off the answer (reasoning.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -83,6 +85,11 @@ class GatewaySettings(ServiceSettings):
         if args.tool_call_parser and args.tool_call_parser not in PARSERS:  # from the environment
             raise ValueError(
                 f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}, got {args.tool_call_parser!r}"
+            )
+        if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:  # from the environment
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))},"
+                f" got {args.reasoning_parser!r}"
             )
         if args.failover_wait < 0:
             raise ValueError(
@@ -106,6 +113,7 @@ class GatewaySettings(ServiceSettings):
             tokenizer_threads=args.tokenizer_threads,
             tool_call_parser=args.tool_call_parser or None,
             trust_request_chat_template=args.trust_request_chat_template,
+            reasoning_parser=args.reasoning_parser or None,
         )
 
 
@@ -149,6 +157,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " llama3_json (Llama 3.1-3.3), mistral (Mistral, Mixtral), pythonic (Llama 3.2 and 4); unset: such"
         " requests get a 400"
         " (required and named tool choices need none)",
+    )
+    own(
+        api,
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="a reasoning model's thinking markers (<think> ... </think>): qwen3 (Qwen3, Qwen3.5),"
+        " deepseek_r1 (DeepSeek R1 and its distillations, QwQ); chat responses then carry the thinking"
+        " as reasoning (and reasoning_content) and only the answer as content; unset: the thinking is"
+        " content, as the model wrote it",
     )
     own(
         api,

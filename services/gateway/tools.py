@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from services.gateway.chunks import chat_choice
 from services.gateway.errors import invalid
+from services.gateway.reasoning import ReasoningSplit
 from services.gateway.schemas import ChatCompletionRequest, FunctionCall, ToolCall, ToolSpec
 from services.gateway.tool_parsers import PARSERS, ToolCallParser, default_call_id
 
@@ -172,11 +173,15 @@ class ChoiceStream:
     no call yet); under ``auto``, content up to where a call may begin (the parser says), the
     rest held until the end and sent as calls if it parses as calls, else as content. Logprobs,
     and token ids (``token_ids``: vLLM's ``return_token_ids``), go with the first delta sent after
-    their tokens."""
+    their tokens. With ``reasoning`` (a gateway's ``--reasoning-parser``), the thinking goes out
+    first as ``reasoning`` deltas, and only the answer is content as above."""
 
-    def __init__(self, index: int, plan: ToolPlan, token_ids: bool = False) -> None:
+    def __init__(
+        self, index: int, plan: ToolPlan, token_ids: bool = False, reasoning: ReasoningSplit | None = None
+    ) -> None:
         self.index = index
         self.plan = plan
+        self.reasoning = reasoning
         self._text = ""  # the output so far (held modes)
         self._sent = 0  # characters of it sent as content
         self._logprobs: list[dict[str, Any]] = []  # of tokens not sent yet
@@ -194,6 +199,18 @@ class ChoiceStream:
         self._logprobs += logprobs or []
         if self._ids is not None:
             self._ids += token_ids
+        if self.reasoning is None:
+            return self._answer(text, finish_reason)
+        thought, text = self.reasoning.feed(text)
+        if finish_reason is not None:
+            more_thought, more_text = self.reasoning.finish()
+            thought, text = thought + more_thought, text + more_text
+        thinking = [self._delta(reasoning=thought)] if thought else []
+        deltas, finish_reason = self._answer(text, finish_reason)
+        return thinking + deltas, finish_reason
+
+    def _answer(self, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The deltas of the answer's next piece, as the request's tools shape them."""
         if self.plan.mode == "none":
             return ([self._delta(content=text)] if text or self._pending() else []), finish_reason
         if self.plan.mode == "named":

@@ -1,0 +1,137 @@
+"""A reasoning model's thinking apart from its answer (``--reasoning-parser``, as vLLM's flag).
+
+Reasoning models (Qwen3, DeepSeek R1 and its distillations, QwQ) think between ``<think>`` and
+``</think>`` before they answer. With a parser, a chat completion's message carries the thinking
+as ``reasoning`` (and ``reasoning_content``, the older name vLLM still sends beside it) and only the
+answer as ``content``; streamed, deltas carry ``reasoning`` until the thinking ends, ``content``
+after. Tool calls (``tool_choice: "auto"``) are looked for in the answer only.
+
+Where the thinking is, the rendered prompt says first, then the output:
+
+- a prompt that ends with ``</think>`` closed it (Qwen3 with ``enable_thinking: false`` puts an
+  empty ``<think>\\n\\n</think>``): the output is all answer;
+- a prompt that ends with ``<think>`` opened it (DeepSeek R1's templates, Qwen3.5's): the output
+  thinks until ``</think>``;
+- otherwise the output decides: one that opens with ``<think>`` (whitespace before it aside)
+  thinks until ``</think>``, any other is all answer (a model that does not think, say).
+
+Thinking cut short by ``max_tokens`` is all reasoning, with no content. A request whose output is
+constrained (``response_format``, ``structured_outputs``, a named or required tool choice) is held
+to its constraint from the first token, so its prompt's opening is not followed: the output decides
+(JSON is answer; a grammar that writes the markers gets its thinking split off). The qwen3 and
+deepseek_r1 parsers follow the same rules: both models mark their thinking alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yutu.engine.tokenizer import Tokenizer
+
+PROMPT_TAIL_TOKENS = 16  # tokens of the prompt's end read for an opening or closing marker
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A model family's markers around its thinking."""
+
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def opened_by(self, prompt_tail: str) -> bool | None:
+        """Where a prompt ending in ``prompt_tail`` (its text, special tokens kept) leaves the output:
+        True: thinking, False: answering, None: the output decides."""
+        tail = prompt_tail.rstrip()
+        if tail.endswith(self.end):
+            return False
+        if tail.endswith(self.start):
+            return True
+        return None
+
+    def needs_special_tokens(self, tokenizer: Tokenizer) -> bool:
+        """Whether the markers are special tokens of ``tokenizer``, which text keeps only when
+        detokenized with ``skip_special_tokens`` false."""
+        ids = (tokenizer.token_to_id(self.start), tokenizer.token_to_id(self.end))
+        return any(i is not None and i in tokenizer.special_token_ids for i in ids)
+
+
+PARSERS: dict[str, ReasoningParser] = {name: ReasoningParser(name) for name in ("deepseek_r1", "qwen3")}
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """Where one request's thinking is: its gateway's parser and what its prompt says."""
+
+    parser: ReasoningParser
+    opened: bool | None  # ReasoningParser.opened_by
+    skip_special_tokens: bool  # False: the markers are special tokens, which the text must keep
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole output as (its reasoning, None where it had no thinking; its content)."""
+        s = ReasoningSplit(self)
+        reasoning, content = s.feed(text)
+        more_reasoning, more_content = s.finish()
+        return (reasoning + more_reasoning if s.reasoned else None), content + more_content
+
+
+def thinking_of(
+    parser_name: str | None, tokenizer: Tokenizer, prompt: list[int], constrained: bool
+) -> Thinking | None:
+    """A chat request's Thinking on a gateway with ``--reasoning-parser parser_name`` (None: no
+    parser, no Thinking); ``constrained``: the output is held to a grammar from its first token."""
+    if parser_name is None:
+        return None
+    parser = PARSERS[parser_name]
+    opened = None
+    if not constrained:
+        opened = parser.opened_by(tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    return Thinking(parser, opened, not parser.needs_special_tokens(tokenizer))
+
+
+def _partial_end(text: str, marker: str) -> int:
+    """Where ``text`` ends in the beginning of ``marker`` (a marker still coming), else its length."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)
+
+
+class ReasoningSplit:
+    """One choice's output, as it comes, as thinking and answer (the rules above). ``feed`` each
+    new piece of text, then ``finish`` once: each returns the (reasoning, content) text ready to
+    send; text that may still be part of a marker is held until it is known."""
+
+    def __init__(self, thinking: Thinking) -> None:
+        self.parser = thinking.parser
+        self._state = {True: "thinking", False: "answering", None: "undecided"}[thinking.opened]
+        self._held = ""  # text not sent yet: maybe the start of a marker
+        self.reasoned = thinking.opened is True  # whether the output had thinking (so far)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        reasoning = content = ""
+        if self._state == "undecided":
+            lead = self._held.lstrip()
+            if lead.startswith(self.parser.start):
+                self._state, self.reasoned = "thinking", True
+                self._held = lead[len(self.parser.start) :]
+            elif self.parser.start.startswith(lead):
+                return "", ""  # nothing, whitespace, or the start marker coming: wait
+            else:
+                self._state = "answering"
+        if self._state == "thinking":
+            end = self._held.find(self.parser.end)
+            if end < 0:
+                cut = _partial_end(self._held, self.parser.end)
+                reasoning, self._held = self._held[:cut], self._held[cut:]
+                return reasoning, ""
+            reasoning = self._held[:end]
+            self._held = self._held[end + len(self.parser.end) :]
+            self._state = "answering"
+        content, self._held = self._held, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        return (held, "") if self._state == "thinking" else ("", held)

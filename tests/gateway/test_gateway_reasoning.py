@@ -1,0 +1,298 @@
+"""--reasoning-parser: a reasoning model's thinking comes back as ``reasoning``, apart from the
+answer, whole and streamed (services/gateway/reasoning.py).
+
+Units first (the splitter against outputs written out, fed whole and in every cut), then a real
+Qwen3-architecture worker behind two gateways, one with ``--reasoning-parser qwen3`` and one
+without (its text is the reference). The tiny tokenizer's special tokens 2 and 3 are renamed
+``<think>`` and ``</think>``, so the markers are special tokens, and its chat template is one
+written here in Qwen3's manner (``enable_thinking: false`` closes the thinking in the prompt;
+``open_thinking``, this template's own, opens it as DeepSeek R1's templates do). A grammar makes
+the random model write thinking where a test needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_support import MODEL_NAME, gateway_url, start_gateway, start_worker, stop_process, wait_ready
+from yutu.engine.testing import make_tiny_checkpoint
+from yutu.engine.tokenizer import Tokenizer
+
+from services.gateway.prompts import template_messages
+from services.gateway.reasoning import PARSERS, ReasoningSplit, Thinking
+from services.gateway.schemas import ChatMessage
+
+QWEN3 = PARSERS["qwen3"]
+THINK, END_THINK = 2, 3  # special token ids renamed <think>, </think> in the stack's tokenizer
+TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content %}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif open_thinking %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object",
+           "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+
+# (where the prompt left the output, the output) -> (reasoning, content)
+CASES: list[tuple[bool | None, str, tuple[str | None, str]]] = [
+    (None, "<think>plan</think>answer", ("plan", "answer")),
+    (None, "\n <think>\nplan\n</think>\n\nanswer", ("\nplan\n", "\n\nanswer")),  # Qwen3's own layout
+    (None, "answer with <think>in it</think>", (None, "answer with <think>in it</think>")),
+    (None, "<think>cut short", ("cut short", "")),  # max_tokens inside the thinking
+    (None, "<think>", ("", "")),
+    (None, "<thin", (None, "<thin")),  # a start never finished is text
+    (None, "<think>a</thi", ("a</thi", "")),  # an end never finished is thinking
+    (None, "<think></think>", ("", "")),
+    (None, "", (None, "")),
+    (True, "plan</think>answer", ("plan", "answer")),  # the prompt opened the thinking
+    (True, "all thinking", ("all thinking", "")),
+    (True, "<think>x</think>y", ("<think>x", "y")),
+    (False, "<think>x</think>y", (None, "<think>x</think>y")),  # the prompt closed it
+    (None, "<think>a</think>b</think>c", ("a", "b</think>c")),  # one end: the first
+]
+
+
+def streamed(opened: bool | None, pieces: list[str]) -> tuple[str, str, bool]:
+    split = ReasoningSplit(Thinking(QWEN3, opened, True))
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = split.feed(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = split.finish()
+    return reasoning + r, content + c, split.reasoned
+
+
+@pytest.mark.parametrize(("opened", "text", "expected"), CASES)
+def test_the_split_whole_and_in_every_cut(
+    opened: bool | None, text: str, expected: tuple[str | None, str]
+) -> None:
+    assert Thinking(QWEN3, opened, True).split(text) == expected
+    reasoning, content = expected
+    cuts = [[text]] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    cuts += [[text[:i], text[i:j], text[j:]] for i in range(len(text)) for j in range(i, len(text))][::7]
+    cuts.append(list(text))  # a character at a time
+    for pieces in cuts:
+        assert streamed(opened, pieces) == (reasoning or "", content, reasoning is not None), pieces
+
+
+def test_nothing_is_sent_while_it_may_be_a_marker() -> None:
+    split = ReasoningSplit(Thinking(QWEN3, None, True))
+    assert split.feed("  <th") == ("", "")  # may open the thinking
+    assert split.feed("ink>I wonder</") == ("I wonder", "")  # may close it
+    assert split.feed("think>Yes") == ("", "Yes")
+    assert split.feed(" it is") == ("", " it is")
+
+
+def test_the_prompt_end_decides_where_the_output_starts() -> None:
+    assert QWEN3.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False
+    assert QWEN3.opened_by("<｜Assistant｜><think>\n") is True
+    assert QWEN3.opened_by("<|im_start|>assistant\n") is None
+    # an earlier turn's thinking does not count: only the prompt's end
+    assert QWEN3.opened_by("<think>\nr\n</think>\n\nok<|im_end|>\n<|im_start|>assistant\n") is None
+
+
+def test_earlier_thinking_reaches_the_template_under_both_names() -> None:
+    for field in ("reasoning", "reasoning_content"):
+        msg = ChatMessage.model_validate({"role": "assistant", "content": "ok", field: "thought"})
+        (item,) = template_messages([msg])
+        assert (item["reasoning"], item["reasoning_content"]) == ("thought", "thought")
+    user = ChatMessage.model_validate({"role": "user", "content": "hi", "reasoning": "x"})
+    assert "reasoning_content" not in template_messages([user])[0]  # an assistant's only
+
+
+# -- a real stack ---------------------------------------------------------------------------------
+
+
+def thinking_model(directory: Path) -> Path:
+    """A tiny Qwen3 checkpoint whose special tokens 2 and 3 are <think> and </think>, with
+    TEMPLATE as its chat template."""
+    model = make_tiny_checkpoint(directory, arch="qwen3", seed=0)
+    path = model / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
+        (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
+        assert vocab.pop(added["content"]) == token_id
+        added["content"] = name
+        vocab[name] = token_id
+    path.write_text(json.dumps(spec))
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config.pop("added_tokens_decoder", None)  # tokenizer.json's names hold
+    config_path.write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(model)
+    assert tok.id_to_token(THINK) == "<think>" and END_THINK in tok.special_token_ids
+    return model
+
+
+class Stack:
+    def __init__(self, thinking: openai.OpenAI, plain: openai.OpenAI, url: str) -> None:
+        self.thinking, self.plain, self.url = thinking, plain, url
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+    model = thinking_model(tmp_path_factory.mktemp("thinking-model") / "tiny")
+    prefix = f"yutu-reasoning-{uuid.uuid4().hex[:8]}"
+    logs = tmp_path_factory.mktemp("reasoning-stack")
+    worker = start_worker(logs, model, redis_url, prefix)
+    thinking = start_gateway(logs, model, redis_url, prefix, "--reasoning-parser", "qwen3",
+                             "--tool-call-parser", "hermes")  # fmt: skip
+    plain = start_gateway(logs, model, redis_url, prefix)
+    try:
+        urls = [gateway_url(redis_url, prefix, proc) for proc in (thinking, plain)]
+        for url in urls:
+            wait_ready(url, [worker, thinking, plain])
+        yield Stack(
+            *(openai.OpenAI(base_url=f"{u}/v1", api_key="none", max_retries=0) for u in urls), urls[0]
+        )
+    finally:
+        stop_process(thinking)
+        stop_process(plain)
+        stop_process(worker)
+
+
+def ask(client: openai.OpenAI, **extra: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                max_tokens=40, temperature=0)  # fmt: skip
+    args.update(extra)
+    return args
+
+
+def whole_and_streamed(client: openai.OpenAI, **args: Any) -> tuple[Any, list[Any]]:
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    return whole, chunks
+
+
+def joined(chunks: list[Any], field: str, index: int = 0) -> str | None:
+    """A streamed choice's deltas' ``field`` joined (None: no delta had it); both reasoning names
+    agree on every delta."""
+    pieces = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            value = extra.get(field) if field == "reasoning" else getattr(choice.delta, field)
+            if choice.index == index and value is not None:
+                pieces.append(value)
+    return "".join(pieces) if pieces else None
+
+
+def reasoning_of(message: Any) -> str | None:
+    extra = message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
+    return extra.get("reasoning")
+
+
+def test_thinking_comes_back_apart_from_the_answer(stack: Stack) -> None:
+    """The model writes <think>, thinks, writes </think>, answers (a grammar makes it): the
+    thinking is reasoning, the answer content, whole and streamed, for every choice; the plain
+    gateway sends it all as content."""
+    grammar = f'start: <[{THINK}]> "Cold, " "probably." <[{END_THINK}]> "It is cold."'
+    args = ask(stack.thinking, n=2, logprobs=True, extra_body={"structured_outputs": {"grammar": grammar}})
+    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    tokens_each = whole.usage.completion_tokens // 2  # the grammar leaves both choices one way
+    for choice in whole.choices:
+        assert reasoning_of(choice.message) == "Cold, probably."
+        assert choice.message.content == "It is cold." and choice.finish_reason == "stop"
+        assert choice.logprobs is not None and len(choice.logprobs.content or []) == tokens_each
+        assert joined(chunks, "reasoning", choice.index) == "Cold, probably."
+        assert joined(chunks, "content", choice.index) == "It is cold."  # the role chunk's "" aside
+        streamed_logprobs = [  # every token's, once, with the thinking's deltas or the answer's
+            lp for c in chunks for ch in c.choices if ch.index == choice.index and ch.logprobs
+            for lp in ch.logprobs.content or []
+        ]  # fmt: skip
+        assert len(streamed_logprobs) == tokens_each
+    plain = stack.plain.chat.completions.create(**{**args, "n": 1})
+    assert plain.choices[0].message.content == "Cold, probably.It is cold."  # special tokens skipped
+    assert reasoning_of(plain.choices[0].message) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "where"),
+    [({}, "content"), ({"open_thinking": True}, "reasoning"), ({"enable_thinking": False}, "content")],
+    ids=["output-decides", "prompt-opens", "prompt-closes"],
+)
+def test_the_prompt_says_where_free_text_goes(stack: Stack, kwargs: dict[str, Any], where: str) -> None:
+    """Unconstrained greedy text (the plain gateway's, as the reference): all content where the
+    prompt leaves it to the output (which does not open with <think>) or closes the thinking,
+    all reasoning where the prompt opens it (no </think> comes: thinking cut short)."""
+    args = ask(stack.thinking, max_tokens=16, extra_body={"chat_template_kwargs": kwargs})
+    reference = stack.plain.chat.completions.create(**args).choices[0].message.content
+    assert reference and "think>" not in reference
+    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    message = whole.choices[0].message
+    if where == "content":
+        assert (reasoning_of(message), message.content) == (None, reference)
+        assert (joined(chunks, "reasoning"), joined(chunks, "content")) == (None, reference)
+    else:
+        assert (reasoning_of(message), message.content) == (reference, None)
+        assert (joined(chunks, "reasoning"), joined(chunks, "content") or "") == (reference, "")
+
+
+def test_tool_calls_are_looked_for_in_the_answer_only(stack: Stack) -> None:
+    """A call written inside the thinking is thinking; the one after it is a tool call."""
+    call = '"<tool_call>{\\"name\\": \\"weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}</tool_call>"'
+    grammar = f'start: <[{THINK}]> "maybe " {call} <[{END_THINK}]> {call}'
+    args = ask(
+        stack.thinking,
+        tools=[WEATHER],
+        max_tokens=200,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
+    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    choice = whole.choices[0]
+    assert (
+        reasoning_of(choice.message)
+        == 'maybe <tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (found,) = choice.message.tool_calls or []
+    assert (found.function.name, json.loads(found.function.arguments)) == ("weather", {"city": "Oslo"})
+    assert joined(chunks, "reasoning") == reasoning_of(choice.message)
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments or "")) for d in deltas if d.function] == [
+        ("weather", {"city": "Oslo"})
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_constrained_answer_is_content_even_where_the_prompt_opens_thinking(stack: Stack) -> None:
+    """JSON held to its schema from the first token is the answer, though the template opened
+    the thinking (the grammar leaves no room for it)."""
+    args = ask(stack.thinking, response_format={"type": "json_object"}, max_tokens=30,
+               extra_body={"chat_template_kwargs": {"open_thinking": True}})  # fmt: skip
+    message = stack.thinking.chat.completions.create(**args).choices[0].message
+    assert reasoning_of(message) is None and message.content is not None and message.content.startswith("{")
+
+
+def test_earlier_thinking_sent_back_is_rendered(stack: Stack) -> None:
+    """An assistant message's ``reasoning`` (vLLM's newer name) renders as ``reasoning_content``."""
+
+    def tokens(assistant: dict[str, Any]) -> list[int]:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", **assistant}]
+        reply = httpx.post(
+            f"{stack.url}/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=30
+        )
+        assert reply.status_code == 200, reply.text
+        return list(reply.json()["tokens"])
+
+    with_reasoning = tokens({"reasoning": "thought"})
+    assert with_reasoning == tokens({"reasoning_content": "thought"})
+    assert THINK in with_reasoning and with_reasoning != tokens({})
