@@ -348,6 +348,7 @@ def _internal(exc: Exception) -> YutuError:
 def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
     """The choice's SamplingParams as the wire carries them (every field: a test holds it)."""
     s = spec.sampling
+    gate = s.grammar_after_thinking
     return {
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -365,6 +366,7 @@ def _sampling_dict(spec: ChoiceSpec) -> dict[str, object]:
         "frequency_penalty": s.frequency_penalty,
         "presence_penalty": s.presence_penalty,
         "grammar": s.grammar,
+        "grammar_after_thinking": None if gate is None else list(gate),
         "allowed_token_ids": None if s.allowed_token_ids is None else list(s.allowed_token_ids),
         "bad_words": [list(word) for word in s.bad_words],
     }

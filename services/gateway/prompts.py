@@ -381,10 +381,12 @@ def sampling_for(
     logit_bias: tuple[tuple[int, float], ...] = (),
     grammar: str | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
+    grammar_after_thinking: tuple[int, int, bool] | None = None,
 ) -> SamplingParams:
     """SamplingParams of choice ``choice`` (its seed is ``seed + choice``, so choices differ);
     ``logit_bias`` as :func:`logit_bias_for` made it, ``grammar`` as
-    :func:`services.gateway.structured.grammar_for` did, ``bad_words`` as :func:`bad_word_ids` did."""
+    :func:`services.gateway.structured.grammar_for` did, ``bad_words`` as :func:`bad_word_ids` did;
+    ``grammar_after_thinking`` as :func:`services.gateway.reasoning.thinking_of` found it."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     seed = None if req.seed is None else req.seed + choice
     allowed = None if req.allowed_token_ids is None else tuple(dict.fromkeys(req.allowed_token_ids))
@@ -412,6 +414,7 @@ def sampling_for(
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             grammar=grammar,
+            grammar_after_thinking=grammar_after_thinking,
         )
     except ValueError as exc:  # SamplingParams names the field first: "top_p must be ..."
         field = str(exc).split(" ", 1)[0]
@@ -439,6 +442,7 @@ def choice_specs(
     max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
     grammar: str | None = None,
+    grammar_after_thinking: tuple[int, int, bool] | None = None,
     skip_special_tokens: bool | None = None,
 ) -> list[ChoiceSpec]:
     """One spec per (prompt, choice), indexed prompt-major as OpenAI does: index = p * n + i.
@@ -446,8 +450,8 @@ def choice_specs(
     Refuses (400, ``max_tokens_param``) a request whose choices may generate more tokens in all
     than ``limits`` allow, counting each choice's exact max_tokens; and (400, ``prompt_param`` or
     ``max_tokens_param``) one whose prompt and max_tokens do not fit the context. ``grammar``: the
-    output constraint :func:`services.gateway.structured.grammar_for` compiled;
-    ``skip_special_tokens``: the request's own unless given (a tool-call format may need them).
+    output constraint :func:`services.gateway.structured.grammar_for` compiled (held from after a
+    reasoning model's thinking with ``grammar_after_thinking``); ``skip_special_tokens``: the request's own unless given (a tool-call format may need them).
     """
     reject_unsupported(req)
     stops = stop_strings(req.stop)
@@ -467,7 +471,9 @@ def choice_specs(
     specs = []
     for p, (ids, max_tokens) in enumerate(zip(prompts, per_prompt, strict=True)):
         for i in range(req.n):
-            sampling = sampling_for(req, max_tokens, logprobs, i, logit_bias, grammar, bad_words)
+            sampling = sampling_for(
+                req, max_tokens, logprobs, i, logit_bias, grammar, bad_words, grammar_after_thinking
+            )
             specs.append(
                 ChoiceSpec(
                     p * req.n + i,

@@ -15,11 +15,16 @@ Where the thinking is, the rendered prompt says first, then the output:
 - otherwise the output decides: one that opens with ``<think>`` (whitespace before it aside)
   thinks until ``</think>``, any other is all answer (a model that does not think, say).
 
-Thinking cut short by ``max_tokens`` is all reasoning, with no content. A request whose output is
-constrained (``response_format``, ``structured_outputs``, a named or required tool choice) is held
-to its constraint from the first token, so its prompt's opening is not followed: the output decides
-(JSON is answer; a grammar that writes the markers gets its thinking split off). The qwen3 and
-deepseek_r1 parsers follow the same rules: both models mark their thinking alike.
+Thinking cut short by ``max_tokens`` is all reasoning, with no content.
+
+A constrained output (``response_format``, ``structured_outputs``, a named or required tool choice)
+is constrained in its answer only, as vLLM does: where each marker is one token of the model's
+vocabulary (Qwen3's, DeepSeek R1's), the engine lets the model think unconstrained and holds the
+grammar from the token after ``</think>`` -- or from the first token where the prompt closed the
+thinking, or where the first token is not ``<think>`` (SamplingParams' ``grammar_after_thinking``).
+Where a marker is several tokens, the grammar holds from the first token, and the output decides.
+
+The qwen3 and deepseek_r1 parsers follow the same rules: both models mark their thinking alike.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ class ReasoningParser:
             return True
         return None
 
+    def marker_ids(self, tokenizer: Tokenizer) -> tuple[int, int] | None:
+        """The markers' token ids where each is one token of ``tokenizer``, else None."""
+        start, end = tokenizer.token_to_id(self.start), tokenizer.token_to_id(self.end)
+        return None if start is None or end is None else (start, end)
+
     def needs_special_tokens(self, tokenizer: Tokenizer) -> bool:
         """Whether the markers are special tokens of ``tokenizer``, which text keeps only when
         detokenized with ``skip_special_tokens`` false."""
@@ -66,6 +76,7 @@ class Thinking:
     parser: ReasoningParser
     opened: bool | None  # ReasoningParser.opened_by
     skip_special_tokens: bool  # False: the markers are special tokens, which the text must keep
+    grammar_after: tuple[int, int, bool] | None = None  # a grammar's SamplingParams.grammar_after_thinking
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output as (its reasoning, None where it had no thinking; its content)."""
@@ -79,14 +90,19 @@ def thinking_of(
     parser_name: str | None, tokenizer: Tokenizer, prompt: list[int], constrained: bool
 ) -> Thinking | None:
     """A chat request's Thinking on a gateway with ``--reasoning-parser parser_name`` (None: no
-    parser, no Thinking); ``constrained``: the output is held to a grammar from its first token."""
+    parser, no Thinking); ``constrained``: the output follows a grammar (held after the thinking
+    where the markers are single tokens, else from the first token)."""
     if parser_name is None:
         return None
     parser = PARSERS[parser_name]
-    opened = None
-    if not constrained:
-        opened = parser.opened_by(tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
-    return Thinking(parser, opened, not parser.needs_special_tokens(tokenizer))
+    opened = parser.opened_by(tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    skip = not parser.needs_special_tokens(tokenizer)
+    if not constrained or opened is False:
+        return Thinking(parser, opened, skip)
+    ids = parser.marker_ids(tokenizer)
+    if ids is None:
+        return Thinking(parser, None, skip)  # the grammar holds from the first token: the output decides
+    return Thinking(parser, opened, skip, (*ids, opened is True))
 
 
 def _partial_end(text: str, marker: str) -> int:

@@ -96,6 +96,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         body, [prompt], max_model_len, requested, None, logprobs,
         limits=limits, tokenizer=gw.tokenizer,
         max_tokens_param=param, prompt_param="messages", grammar=grammar,
+        grammar_after_thinking=None if thinking is None else thinking.grammar_after,
         skip_special_tokens=skip_special_tokens and (thinking is None or thinking.skip_special_tokens),
     )  # fmt: skip
     gen = Generation(

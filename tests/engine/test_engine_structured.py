@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -470,3 +471,95 @@ def test_an_engine_caches_grammars_within_its_bytes(ckpt: Path, monkeypatch: pyt
     for grammar in grammars:
         cache.matcher(grammar)
     assert [cache.is_compiled(g) for g in grammars] == [False, True, True]
+
+
+START, END = 2, 3  # any two tokens serve as a reasoning model's markers here
+
+
+def allowed_ids(grammar: structured.Grammar, vocab: int = 512) -> set[int]:
+    """The tokens ``grammar``'s mask allows next."""
+    row = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    grammar.fill_bitmask(row)
+    return set(unpack_bitmask(row[None], vocab)[0].nonzero().squeeze(1).tolist())
+
+
+def test_a_grammar_after_thinking_holds_from_the_end_marker(ckpt: Path, tokenizer: Tokenizer) -> None:
+    """(start, end, opened): the first token may be the grammar's or ``start``; while thinking
+    every token may come and the grammar waits; after ``end`` it holds as from its beginning."""
+    grammars = Grammars(ckpt, 512, [1])
+    spec = grammar_from("json_schema", PERSON)
+    fresh = allowed_ids(grammars.matcher(spec))
+    assert START not in fresh and END not in fresh and len(fresh) < 100
+    gated = grammars.matcher(spec, after_thinking=(START, END, False))
+    assert allowed_ids(gated) == fresh | {START}  # undecided: the grammar's first tokens, or start
+    gated.advance(START)
+    assert allowed_ids(gated) == set(range(512)) and not gated.is_done  # thinking: anything
+    for token in (START, 7, 200, 1):  # thinking takes any token, the start marker again too
+        gated.advance(token)
+    gated.advance(END)
+    assert allowed_ids(gated) == fresh  # the grammar, from its beginning
+    with pytest.raises(InvalidRequestError, match="does not follow"):
+        gated.advance(START)
+    straight = grammars.matcher(spec, after_thinking=(START, END, False))
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    straight.advance(brace)  # no thinking: the grammar took the first token
+    assert START not in allowed_ids(straight)
+    opened = grammars.matcher(spec, after_thinking=(START, END, True))
+    assert allowed_ids(opened) == set(range(512))  # the prompt opened the thinking
+    opened.advance(END)
+    assert allowed_ids(opened) == fresh
+
+
+def test_the_engine_defers_a_grammar_while_the_model_thinks(ckpt: Path, tokenizer: Tokenizer) -> None:
+    """A bias the grammar alone would mask: with the gate, a thinking model takes it (the start
+    marker first, then thinking until max_tokens); a prompt that opened the thinking and an end
+    marker sampled first: the grammar's answer follows and ends the request; and a decode
+    instance's replay of thinking tokens goes on under the grammar."""
+    choice = grammar_from("choice", ["yes", "no"])
+    ids = prompt(12, seed=8)
+
+    def params(bias: int, opened: bool, gate: bool = True) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=6, grammar=choice, logit_bias=((bias, 100.0),),
+                              grammar_after_thinking=(START, END, opened) if gate else None)  # fmt: skip
+
+    outs = run(make_engine(ckpt), {"think": (ids, params(START, False)), "plain": (ids, params(START, False, False)),
+                                   "answer": (ids, params(END, True))})  # fmt: skip
+    assert tokens(outs["think"]) == [START] * 6 and outs["think"][-1].finish_reason is FinishReason.LENGTH
+    assert tokenizer.decode(tokens(outs["plain"])) in ("yes", "no")  # the grammar alone masks the bias
+    answer = tokens(outs["answer"])
+    assert answer[0] == END and tokenizer.decode(answer[1:]) in ("yes", "no")
+    assert outs["answer"][-1].finish_reason is FinishReason.STOP
+    engine = make_engine(ckpt)
+    engine.add_request("r", ids, params(END, False), generated=[START, 77, 5, END])
+    continued: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            continued += out.new_token_ids
+    assert tokenizer.decode(continued) in ("yes", "no")
+    with pytest.raises(InvalidRequestError, match="does not follow"):
+        engine.add_request("bad", ids, params(END, False), generated=[77])  # no thinking: the grammar's
+    with pytest.raises(InvalidRequestError, match="grammar_after_thinking token ids"):
+        engine.add_request(
+            "far", ids, replace(params(END, False), grammar_after_thinking=(START, 512, False))
+        )
+
+
+@pytest.mark.parametrize(
+    ("gate", "grammar", "message"),
+    [
+        ((START, START, False), "x", "two distinct token ids"),
+        ((START, END), "x", "two distinct token ids"),
+        ((START, END, 1), "x", "two distinct token ids"),
+        ((-1, END, False), "x", "two distinct token ids"),
+        ((START, END, False), None, "give one"),
+    ],
+)
+def test_grammar_after_thinking_is_checked(gate: Any, grammar: str | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(grammar=grammar, grammar_after_thinking=gate)
+    if grammar is not None:
+        assert SamplingParams(grammar="x", grammar_after_thinking=[2, 3, True]).grammar_after_thinking == (
+            2,
+            3,
+            True,
+        )

@@ -117,54 +117,76 @@ def test_earlier_thinking_reaches_the_template_under_both_names() -> None:
 # -- a real stack ---------------------------------------------------------------------------------
 
 
-def thinking_model(directory: Path) -> Path:
-    """A tiny Qwen3 checkpoint whose special tokens 2 and 3 are <think> and </think>, with
-    TEMPLATE as its chat template."""
+def thinking_model(directory: Path, special_markers: bool) -> Path:
+    """A tiny Qwen3 checkpoint with TEMPLATE as its chat template; ``special_markers``: its special
+    tokens 2 and 3 are <think> and </think> (else the markers are text of several tokens)."""
     model = make_tiny_checkpoint(directory, arch="qwen3", seed=0)
-    path = model / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    vocab = spec["model"]["vocab"]
-    for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
-        (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
-        assert vocab.pop(added["content"]) == token_id
-        added["content"] = name
-        vocab[name] = token_id
-    path.write_text(json.dumps(spec))
+    if special_markers:
+        path = model / "tokenizer.json"
+        spec = json.loads(path.read_text())
+        vocab = spec["model"]["vocab"]
+        for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
+            (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
+            assert vocab.pop(added["content"]) == token_id
+            added["content"] = name
+            vocab[name] = token_id
+        path.write_text(json.dumps(spec))
     config_path = model / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = TEMPLATE
     config.pop("added_tokens_decoder", None)  # tokenizer.json's names hold
     config_path.write_text(json.dumps(config))
     tok = Tokenizer.from_dir(model)
-    assert tok.id_to_token(THINK) == "<think>" and END_THINK in tok.special_token_ids
+    assert (tok.token_to_id("</think>") == END_THINK) is special_markers
+    assert special_markers is (
+        END_THINK in tok.special_token_ids and tok.id_to_token(END_THINK) == "</think>"
+    )
     return model
 
 
 class Stack:
+    """One model's worker behind a gateway with ``--reasoning-parser qwen3`` (``thinking``) and
+    one without (``plain``, the reference)."""
+
     def __init__(self, thinking: openai.OpenAI, plain: openai.OpenAI, url: str) -> None:
         self.thinking, self.plain, self.url = thinking, plain, url
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
-    model = thinking_model(tmp_path_factory.mktemp("thinking-model") / "tiny")
-    prefix = f"yutu-reasoning-{uuid.uuid4().hex[:8]}"
-    logs = tmp_path_factory.mktemp("reasoning-stack")
+def start_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, special_markers: bool
+) -> Iterator[Stack]:
+    name = "special" if special_markers else "text"
+    model = thinking_model(tmp_path_factory.mktemp(f"thinking-model-{name}") / "tiny", special_markers)
+    prefix = f"yutu-reasoning-{name}-{uuid.uuid4().hex[:8]}"
+    logs = tmp_path_factory.mktemp(f"reasoning-stack-{name}")
     worker = start_worker(logs, model, redis_url, prefix)
     thinking = start_gateway(logs, model, redis_url, prefix, "--reasoning-parser", "qwen3",
                              "--tool-call-parser", "hermes")  # fmt: skip
     plain = start_gateway(logs, model, redis_url, prefix)
+    clients = []
     try:
         urls = [gateway_url(redis_url, prefix, proc) for proc in (thinking, plain)]
         for url in urls:
             wait_ready(url, [worker, thinking, plain])
-        yield Stack(
-            *(openai.OpenAI(base_url=f"{u}/v1", api_key="none", max_retries=0) for u in urls), urls[0]
-        )
+        clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) for url in urls]
+        yield Stack(clients[0], clients[1], urls[0])
     finally:
-        stop_process(thinking)
-        stop_process(plain)
-        stop_process(worker)
+        for client in clients:
+            client.close()
+        for proc in (thinking, plain, worker):
+            stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+    """Markers that are special tokens, one each (as Qwen3's): a grammar waits for the thinking."""
+    yield from start_stack(tmp_path_factory, redis_url, special_markers=True)
+
+
+@pytest.fixture(scope="module")
+def text_stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+    """Markers of several tokens each: a grammar holds from the first token, so one can write them."""
+    yield from start_stack(tmp_path_factory, redis_url, special_markers=False)
 
 
 def ask(client: openai.OpenAI, **extra: Any) -> dict[str, Any]:
@@ -200,13 +222,15 @@ def reasoning_of(message: Any) -> str | None:
     return extra.get("reasoning")
 
 
-def test_thinking_comes_back_apart_from_the_answer(stack: Stack) -> None:
+def test_thinking_comes_back_apart_from_the_answer(text_stack: Stack) -> None:
     """The model writes <think>, thinks, writes </think>, answers (a grammar makes it): the
-    thinking is reasoning, the answer content, whole and streamed, for every choice; the plain
-    gateway sends it all as content."""
-    grammar = f'start: <[{THINK}]> "Cold, " "probably." <[{END_THINK}]> "It is cold."'
-    args = ask(stack.thinking, n=2, logprobs=True, extra_body={"structured_outputs": {"grammar": grammar}})
-    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    thinking is reasoning, the answer content, whole and streamed, for every choice, each token's
+    logprobs once; the plain gateway sends it all as content."""
+    grammar = 'start: "<think>" "Cold, " "probably." "</think>" "It is cold."'
+    args = ask(
+        text_stack.thinking, n=2, logprobs=True, extra_body={"structured_outputs": {"grammar": grammar}}
+    )
+    whole, chunks = whole_and_streamed(text_stack.thinking, **args)
     tokens_each = whole.usage.completion_tokens // 2  # the grammar leaves both choices one way
     for choice in whole.choices:
         assert reasoning_of(choice.message) == "Cold, probably."
@@ -219,8 +243,8 @@ def test_thinking_comes_back_apart_from_the_answer(stack: Stack) -> None:
             for lp in ch.logprobs.content or []
         ]  # fmt: skip
         assert len(streamed_logprobs) == tokens_each
-    plain = stack.plain.chat.completions.create(**{**args, "n": 1})
-    assert plain.choices[0].message.content == "Cold, probably.It is cold."  # special tokens skipped
+    plain = text_stack.plain.chat.completions.create(**{**args, "n": 1})
+    assert plain.choices[0].message.content == "<think>Cold, probably.</think>It is cold."
     assert reasoning_of(plain.choices[0].message) is None
 
 
@@ -246,17 +270,17 @@ def test_the_prompt_says_where_free_text_goes(stack: Stack, kwargs: dict[str, An
         assert (joined(chunks, "reasoning"), joined(chunks, "content") or "") == (reference, "")
 
 
-def test_tool_calls_are_looked_for_in_the_answer_only(stack: Stack) -> None:
+def test_tool_calls_are_looked_for_in_the_answer_only(text_stack: Stack) -> None:
     """A call written inside the thinking is thinking; the one after it is a tool call."""
     call = '"<tool_call>{\\"name\\": \\"weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}</tool_call>"'
-    grammar = f'start: <[{THINK}]> "maybe " {call} <[{END_THINK}]> {call}'
+    grammar = f'start: "<think>" "maybe " {call} "</think>" {call}'
     args = ask(
-        stack.thinking,
+        text_stack.thinking,
         tools=[WEATHER],
         max_tokens=200,
         extra_body={"structured_outputs": {"grammar": grammar}},
     )
-    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    whole, chunks = whole_and_streamed(text_stack.thinking, **args)
     choice = whole.choices[0]
     assert (
         reasoning_of(choice.message)
@@ -273,13 +297,37 @@ def test_tool_calls_are_looked_for_in_the_answer_only(stack: Stack) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_constrained_answer_is_content_even_where_the_prompt_opens_thinking(stack: Stack) -> None:
-    """JSON held to its schema from the first token is the answer, though the template opened
-    the thinking (the grammar leaves no room for it)."""
-    args = ask(stack.thinking, response_format={"type": "json_object"}, max_tokens=30,
-               extra_body={"chat_template_kwargs": {"open_thinking": True}})  # fmt: skip
-    message = stack.thinking.chat.completions.create(**args).choices[0].message
-    assert reasoning_of(message) is None and message.content is not None and message.content.startswith("{")
+@pytest.mark.parametrize(
+    ("kwargs", "bias", "expected"),
+    [
+        # the prompt opened the thinking; </think> (the bias) is let through, then the JSON holds
+        ({"open_thinking": True}, END_THINK, ("", "{")),
+        # the output may open it: <think> (the bias) is let through, and thinking goes on unconstrained
+        ({}, THINK, ("<think><think>", None)),
+        # the prompt closed it: the JSON holds from the first token, the bias masked
+        ({"enable_thinking": False}, END_THINK, (None, "{")),
+    ],
+    ids=["prompt-opens", "output-opens", "prompt-closes"],
+)
+def test_a_constrained_answer_waits_for_the_thinking(
+    stack: Stack, kwargs: dict[str, Any], bias: int, expected: tuple[str | None, str | None]
+) -> None:
+    """response_format JSON with single-token markers: the grammar holds after the thinking (a
+    logit bias of 100 on a marker shows where it does not yet hold: JSON alone would mask it)."""
+    reasoning, content = expected
+    args = ask(stack.thinking, response_format={"type": "json_object"}, max_tokens=30, logit_bias={str(bias): 100},
+               extra_body={"chat_template_kwargs": kwargs})  # fmt: skip
+    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    message, finish = whole.choices[0].message, whole.choices[0].finish_reason
+    if content is None:  # thinking until max_tokens
+        assert finish == "length" and message.content is None
+        assert (reasoning_of(message) or "").startswith(reasoning or "")
+    else:
+        assert reasoning_of(message) == reasoning and message.content.startswith(content)
+        if finish == "stop":  # complete JSON where it ended itself
+            json.loads(message.content)
+    assert (joined(chunks, "reasoning") or "") == (reasoning_of(message) or "")  # none streamed, if empty
+    assert (joined(chunks, "content") or None) == message.content
 
 
 def test_earlier_thinking_sent_back_is_rendered(stack: Stack) -> None:

@@ -313,7 +313,7 @@ def test_the_wire_carries_every_sampling_field() -> None:
         temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=9, min_tokens=2,
         stop_token_ids=(4,), ignore_eos=True, logprobs=2, prompt_logprobs=1, logit_bias=((5, 1.5),),
         repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3, grammar="start: /a+/",
-        allowed_token_ids=(7, 8), bad_words=((9,), (10, 11)),
+        allowed_token_ids=(7, 8), bad_words=((9,), (10, 11)), grammar_after_thinking=(12, 13, True),
     )  # fmt: skip
     assert all(getattr(params, f) != v.default for f, v in SamplingParams.__dataclass_fields__.items())
     wire = _sampling_dict(ChoiceSpec(0, 0, [1, 2], params, ()))

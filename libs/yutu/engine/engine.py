@@ -415,6 +415,8 @@ class LLMEngine:
             self._check_token_ids(list(params.allowed_token_ids), "allowed_token_ids")
         if params.bad_words:
             self._check_token_ids([token for word in params.bad_words for token in word], "bad_words")
+        if params.grammar_after_thinking is not None:
+            self._check_token_ids(list(params.grammar_after_thinking[:2]), "grammar_after_thinking")
         if len(generated) >= params.max_tokens:
             raise InvalidRequestError(
                 f"{len(generated)} tokens are already generated of max_tokens={params.max_tokens}: nothing left to do"
@@ -476,7 +478,7 @@ class LLMEngine:
         compile or the tokens do not follow it."""
         params = seq.params
         if params.grammar is not None:
-            seq.grammar = self.grammars.matcher(params.grammar, compiled)
+            seq.grammar = self.grammars.matcher(params.grammar, compiled, params.grammar_after_thinking)
         for token in generated:  # with a grammar, each must follow it (else InvalidRequestError)
             seq.append_token(token)
         if seq.generator is not None and not params.is_greedy:

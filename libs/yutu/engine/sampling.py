@@ -20,6 +20,8 @@ logits' device, token indices as int64), so an accepted request can never make i
   the model's vocabulary by the engine (as ``logit_bias``'s). The sampler masks to float32's lowest,
   after the bias and penalties, so nothing lifts a masked token back up.
 - ``grammar`` is a string; whether it compiles is the engine's to check (it needs the vocabulary).
+  ``grammar_after_thinking`` is None or (start token, end token, opened) of a reasoning model's
+  thinking markers, distinct ids checked against the vocabulary by the engine, with a grammar only.
 - ``seed`` spans what ``torch.Generator.manual_seed`` takes; ``logprobs`` is at most 20 (the sampler
   takes ``min(k, vocab)`` alternatives, and reports a ``-inf`` logprob as float32's lowest);
   ``max_tokens`` is checked against the context by the engine (``PromptTooLongError``).
@@ -102,6 +104,10 @@ class SamplingParams:
     # it from a JSON schema, a regex, choices or a Lark grammar); only its tokens are sampled, and the
     # request ends once the grammar is complete. Compiled against the vocabulary by the engine.
     grammar: str | None = None
+    # A reasoning model's thinking goes unconstrained: (start, end, opened) -- the grammar holds from
+    # the token after ``end``, or (opened False) from the first token unless that is ``start``
+    # (which the first token's mask allows beside the grammar's); opened: the prompt ended in ``start``.
+    grammar_after_thinking: tuple[int, int, bool] | None = None
 
     def __post_init__(self) -> None:
         self._check_temperature()
@@ -146,6 +152,23 @@ class SamplingParams:
         self._check_adjustments()
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be a non-empty string or None, got {self.grammar!r}")
+        self._check_thinking()
+
+    def _check_thinking(self) -> None:
+        gate = self.grammar_after_thinking
+        if gate is None:
+            return
+        if (
+            not isinstance(gate, tuple | list) or len(gate) != 3 or not _is_token(gate[0])
+            or not _is_token(gate[1]) or gate[0] == gate[1] or not isinstance(gate[2], bool)
+        ):  # fmt: skip
+            raise ValueError(
+                "grammar_after_thinking must be (start token, end token, opened): two distinct token ids"
+                f" and a bool, or None; got {gate!r}"
+            )
+        if self.grammar is None:
+            raise ValueError("grammar_after_thinking defers a grammar: give one (grammar is None)")
+        object.__setattr__(self, "grammar_after_thinking", tuple(gate))  # normalise a list to a tuple
 
     def _check_temperature(self) -> None:
         value = _as_float("temperature", self.temperature, "a number >= 0")

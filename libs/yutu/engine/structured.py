@@ -151,17 +151,37 @@ class GrammarFailed(InvalidRequestError):
 
 
 class Grammar:
-    """One request's matcher: which tokens may come next, and the tokens it has taken."""
+    """One request's matcher: which tokens may come next, and the tokens it has taken.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    ``after_thinking`` (a reasoning model's ``(start, end, opened)`` markers, SamplingParams'
+    ``grammar_after_thinking``): the model thinks unconstrained first -- from the first token if
+    ``opened`` (its prompt ended in ``start``), else if its first token is ``start``, which that
+    token's mask allows beside the grammar's -- and the grammar holds from the token after ``end``.
+    """
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, after_thinking: tuple[int, int, bool] | None = None
+    ) -> None:
         self._matcher = matcher
         self._mask: torch.Tensor | None = None  # the bitmask row fill_bitmask last wrote
+        self._markers = None if after_thinking is None else after_thinking[:2]
+        self._state = "answering"  # the grammar holds; else "thinking", or "undecided" (first token)
+        if after_thinking is not None:
+            self._state = "thinking" if after_thinking[2] else "undecided"
 
     def advance(self, token: int) -> None:
         """Take ``token``, the request's next output token. Raises InvalidRequestError if the
         grammar does not allow it (GrammarFailed if the mask last filled allowed it: the grammar
         gave up); the matcher is then broken, and so is its request (every caller refuses or fails
         it): one call per token, no check before it."""
+        if self._state != "answering":
+            assert self._markers is not None
+            start, end = self._markers
+            if self._state == "thinking" or token == start:
+                self._mask = None
+                self._state = "answering" if self._state == "thinking" and token == end else "thinking"
+                return
+            self._state = "answering"  # no thinking: the grammar takes this token
         mask, self._mask = self._mask, None
         if self._matcher.consume_token(token):
             return
@@ -177,15 +197,23 @@ class Grammar:
     @property
     def is_done(self) -> bool:
         """The output is complete: the grammar allows no further token (only an eos)."""
-        return self._matcher.is_stopped()
+        return self._state == "answering" and self._matcher.is_stopped()
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Write into ``row`` (int32, contiguous, on the CPU; one bit per token, token t at bit
         t % 32 of word t // 32) which tokens may come next."""
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
+        if self._state == "thinking":
+            row.fill_(-1)  # every token
+            return
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self._matcher.is_error():  # a resource limit of a pathological grammar
             raise GrammarFailed(f"the request's grammar failed: {self._problem()}")
+        if self._state == "undecided":  # the first token may open the thinking instead
+            assert self._markers is not None
+            start = self._markers[0]
+            word = int(row[start // 32]) | 1 << start % 32
+            row[start // 32] = word - 2**32 if word >= 2**31 else word  # as int32
         self._mask = row
 
 
@@ -254,17 +282,22 @@ class Grammars:
             self._compiling[grammar] = future
         return future
 
-    def matcher(self, grammar: str, compiled: llguidance.LLMatcher | None = None) -> Grammar:
+    def matcher(
+        self,
+        grammar: str,
+        compiled: llguidance.LLMatcher | None = None,
+        after_thinking: tuple[int, int, bool] | None = None,
+    ) -> Grammar:
         """A fresh matcher of ``grammar``: a copy of the cached one, else of ``compiled`` (a
-        :meth:`compile` result), else compiled here, on the caller's thread (the plain path).
-        Raises InvalidRequestError if it does not compile."""
+        :meth:`compile` result), else compiled here, on the caller's thread (the plain path);
+        ``after_thinking``: see :class:`Grammar`. Raises InvalidRequestError if it does not compile."""
         pristine = self._pristine.get(grammar)
         if pristine is None:
             pristine = compiled if compiled is not None else _compile(self._tokenizer_view(), grammar)
             if pristine.is_error():
                 raise InvalidRequestError(f"the request's grammar does not compile: {pristine.get_error()}")
             self._pristine.put(grammar, pristine)
-        return Grammar(pristine.deep_copy())
+        return Grammar(pristine.deep_copy(), after_thinking)
 
 
 def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
