@@ -10,8 +10,9 @@ Where the thinking is, the rendered prompt says first, then the output:
 
 - a prompt that ends with ``</think>`` closed it (Qwen3 with ``enable_thinking: false`` puts an
   empty ``<think>\\n\\n</think>``): the output is all answer;
-- a prompt that ends with ``<think>`` opened it (DeepSeek R1's templates, Qwen3.5's): the output
-  thinks until ``</think>``;
+- a prompt that ends with ``<think>`` opened it (DeepSeek R1's templates, Qwen3.5's), as does one
+  whose end holds a ``<think>`` after any ``</think>`` (an assistant's thinking continued, with
+  ``continue_final_message``): the output thinks until ``</think>``;
 - otherwise the output decides: one that opens with ``<think>`` (whitespace before it aside)
   thinks until ``</think>``, any other is all answer (a model that does not think, say).
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 from yutu.engine.tokenizer import Tokenizer
 
-PROMPT_TAIL_TOKENS = 16  # tokens of the prompt's end read for an opening or closing marker
+PROMPT_TAIL_TOKENS = 64  # tokens of the prompt's end read for an opening or closing marker
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class ReasoningParser:
         tail = prompt_tail.rstrip()
         if tail.endswith(self.end):
             return False
-        if tail.endswith(self.start):
+        if tail.rfind(self.start) > tail.rfind(self.end):  # opened, not closed since
             return True
-        return None
+        return None  # no marker, or an earlier turn's closed thinking
 
     def marker_ids(self, tokenizer: Tokenizer) -> tuple[int, int] | None:
         """The markers' token ids where each is one token of ``tokenizer``, else None."""
@@ -77,6 +78,7 @@ class Thinking:
     opened: bool | None  # ReasoningParser.opened_by
     skip_special_tokens: bool  # False: the markers are special tokens, which the text must keep
     grammar_after: tuple[int, int, bool] | None = None  # a grammar's SamplingParams.grammar_after_thinking
+    shown: bool = True  # the thinking goes to the client (vLLM's include_reasoning); else it is dropped
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output as (its reasoning, None where it had no thinking; its content)."""
@@ -87,22 +89,23 @@ class Thinking:
 
 
 def thinking_of(
-    parser_name: str | None, tokenizer: Tokenizer, prompt: list[int], constrained: bool
+    parser_name: str | None, tokenizer: Tokenizer, prompt: list[int], constrained: bool, shown: bool = True
 ) -> Thinking | None:
     """A chat request's Thinking on a gateway with ``--reasoning-parser parser_name`` (None: no
     parser, no Thinking); ``constrained``: the output follows a grammar (held after the thinking
-    where the markers are single tokens, else from the first token)."""
+    where the markers are single tokens, else from the first token); ``shown``: the request's
+    ``include_reasoning``."""
     if parser_name is None:
         return None
     parser = PARSERS[parser_name]
     opened = parser.opened_by(tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
     skip = not parser.needs_special_tokens(tokenizer)
     if not constrained or opened is False:
-        return Thinking(parser, opened, skip)
+        return Thinking(parser, opened, skip, shown=shown)
     ids = parser.marker_ids(tokenizer)
-    if ids is None:
-        return Thinking(parser, None, skip)  # the grammar holds from the first token: the output decides
-    return Thinking(parser, opened, skip, (*ids, opened is True))
+    if ids is None:  # the grammar holds from the first token: the output decides
+        return Thinking(parser, None, skip, shown=shown)
+    return Thinking(parser, opened, skip, (*ids, opened is True), shown)
 
 
 def _partial_end(text: str, marker: str) -> int:
@@ -120,6 +123,7 @@ class ReasoningSplit:
 
     def __init__(self, thinking: Thinking) -> None:
         self.parser = thinking.parser
+        self.shown = thinking.shown  # False: the thinking is split off, not sent
         self._state = {True: "thinking", False: "answering", None: "undecided"}[thinking.opened]
         self._held = ""  # text not sent yet: maybe the start of a marker
         self.reasoned = thinking.opened is True  # whether the output had thinking (so far)

@@ -88,9 +88,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # No default cap: a chat completion may run to the end of the context, as with OpenAI.
     grammar = await grammar_for(body, gw.prompts, plan.schema)
-    thinking = thinking_of(
-        gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=grammar is not None
-    )
+    thinking = thinking_of(gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=grammar is not None,
+                           shown=body.include_reasoning)  # fmt: skip
     skip_special_tokens = plan.skip_special_tokens(body.skip_special_tokens)
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
@@ -151,7 +150,9 @@ async def _beam_search(
     except ClientGone:
         return Response(status_code=499)
     echo = chat_echo(body)
-    thinking = thinking_of(gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=False)
+    thinking = thinking_of(
+        gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=False, shown=body.include_reasoning
+    )
     skip = body.skip_special_tokens and (thinking is None or thinking.skip_special_tokens)
     choices = []
     for j, beam in enumerate(result.beams):
@@ -171,8 +172,11 @@ async def _beam_search(
 
 
 def _split(thinking: Thinking | None, text: str) -> tuple[str | None, str]:
-    """A choice's text as its reasoning (None: no thinking, or no parser) and its answer."""
-    return (None, text) if thinking is None else thinking.split(text)
+    """A choice's text as its reasoning (None: no thinking, no parser, or not asked for) and its answer."""
+    if thinking is None:
+        return None, text
+    reasoning, content = thinking.split(text)
+    return (reasoning if thinking.shown else None), content
 
 
 def _content(echo: str, content: str | None, reasoning: str | None) -> str | None:

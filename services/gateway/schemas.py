@@ -173,6 +173,7 @@ class ChatCompletionRequest(_GenerationRequest):
     echo: bool = False  # the response's content starts with the last message's, where it continues it
     add_special_tokens: bool = False  # the tokenizer's BOS too, where the chat template did not put it
     chat_template: str | None = None  # the request's own (a gateway started --trust-request-chat-template)
+    include_reasoning: bool = True  # False: the thinking is left out (--reasoning-parser; content as ever)
     # refused unless neutral (prompts.NOT_IMPLEMENTED_IN_CHAT)
     mm_processor_kwargs: Any = None
 

@@ -205,7 +205,7 @@ class ChoiceStream:
         if finish_reason is not None:
             more_thought, more_text = self.reasoning.finish()
             thought, text = thought + more_thought, text + more_text
-        thinking = [self._delta(reasoning=thought)] if thought else []
+        thinking = [self._delta(reasoning=thought)] if thought and self.reasoning.shown else []
         deltas, finish_reason = self._answer(text, finish_reason)
         return thinking + deltas, finish_reason
 

@@ -101,6 +101,7 @@ def test_the_prompt_end_decides_where_the_output_starts() -> None:
     assert QWEN3.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False
     assert QWEN3.opened_by("<｜Assistant｜><think>\n") is True
     assert QWEN3.opened_by("<|im_start|>assistant\n") is None
+    assert QWEN3.opened_by("<|im_start|>assistant\n<think>\nLet me see,") is True  # thinking continued
     # an earlier turn's thinking does not count: only the prompt's end
     assert QWEN3.opened_by("<think>\nr\n</think>\n\nok<|im_end|>\n<|im_start|>assistant\n") is None
 
@@ -246,6 +247,15 @@ def test_thinking_comes_back_apart_from_the_answer(text_stack: Stack) -> None:
     plain = text_stack.plain.chat.completions.create(**{**args, "n": 1})
     assert plain.choices[0].message.content == "<think>Cold, probably.</think>It is cold."
     assert reasoning_of(plain.choices[0].message) is None
+    # vLLM's include_reasoning: false -- the thinking is left out, the answer as before
+    hidden = {**args, "n": 1, "extra_body": {**args["extra_body"], "include_reasoning": False}}
+    whole, chunks = whole_and_streamed(text_stack.thinking, **hidden)
+    assert (whole.choices[0].message.content, reasoning_of(whole.choices[0].message)) == ("It is cold.", None)
+    assert (joined(chunks, "content"), joined(chunks, "reasoning")) == ("It is cold.", None)
+    streamed_logprobs = [
+        lp for c in chunks for ch in c.choices if ch.logprobs for lp in ch.logprobs.content or []
+    ]
+    assert len(streamed_logprobs) == tokens_each  # the thinking's too, with the answer's first delta
 
 
 @pytest.mark.parametrize(
