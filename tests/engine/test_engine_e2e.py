@@ -59,6 +59,8 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("llama", 37, {}),
         ("qwen2", 37, {}),
         ("qwen3", 37, {"head_dim": 32}),
+        ("qwen3_moe", 37, {"mlp_only_layers": [1]}),
+        ("mixtral", 37, {"sliding_window": 24}),
         ("mistral", 37, {"sliding_window": 24}),
     ],
 )

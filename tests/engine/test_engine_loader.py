@@ -16,6 +16,7 @@ from yutu.engine.loader import (
     default_device_and_dtype,
     expected_weight_shapes,
     load_model,
+    parameter_name,
 )
 from yutu.engine.model_config import ModelConfig, UnsupportedModelError
 from yutu.engine.model_source import resolve_model
@@ -96,6 +97,57 @@ QWEN3_06B: dict[str, Any] = {  # Qwen/Qwen3-0.6B's config.json
     "use_sliding_window": False,
     "vocab_size": 151936,
 }
+QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B's config.json
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+MIXTRAL_8X7B: dict[str, Any] = {  # mistralai/Mixtral-8x7B-v0.1's config.json
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 32000,
+}
 MISTRAL_7B_V01: dict[str, Any] = {
     "architectures": ["MistralForCausalLM"],
     "model_type": "mistral",
@@ -167,6 +219,42 @@ def test_config_qwen2_and_mistral() -> None:
     assert no_window.sliding_window is None and no_window.layer_sliding_window(0) is None
 
 
+def test_config_mixtures_of_experts() -> None:
+    """Qwen3-30B-A3B: 128 experts of 768, 8 per token, renormalized, every layer sparse; Mixtral
+    8x7B: 8 of 14336, 2 per token, every layer; the checkpoint's tensors as each names them."""
+    q = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    assert (q.model_type, q.qk_norm, q.head_dim, q.attention_bias) == ("qwen3_moe", True, 128, False)
+    assert (q.num_experts, q.experts_per_token, q.moe_intermediate_size, q.norm_topk_prob) == (
+        128,
+        8,
+        768,
+        True,
+    )
+    assert q.moe_layers == tuple(range(48)) and q.sliding_window is None
+    mixed = ModelConfig.from_hf_dict({**QWEN3_30B_A3B, "mlp_only_layers": [0, 5], "decoder_sparse_step": 2})
+    assert mixed.moe_layers == tuple(i for i in range(48) if i % 2 == 1 and i != 5)
+    shapes = expected_weight_shapes(q)
+    assert shapes["model.layers.3.mlp.gate.weight"] == (128, 2048)
+    assert shapes["model.layers.3.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    assert "model.layers.3.mlp.gate_proj.weight" not in shapes
+    m = ModelConfig.from_hf_dict(MIXTRAL_8X7B)
+    assert (m.model_type, m.qk_norm, m.attention_bias, m.sliding_window) == ("mixtral", False, False, None)
+    assert (m.num_experts, m.experts_per_token, m.moe_intermediate_size, m.norm_topk_prob) == (
+        8,
+        2,
+        14336,
+        True,
+    )
+    assert m.moe_layers == tuple(range(32))
+    shapes = expected_weight_shapes(m)
+    assert shapes["model.layers.0.block_sparse_moe.experts.7.w2.weight"] == (4096, 14336)
+    assert parameter_name(m, "model.layers.0.block_sparse_moe.experts.7.w3.weight") == (
+        "model.layers.0.mlp.experts.7.up_proj.weight"
+    )
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9"):
+        ModelConfig.from_hf_dict({**MIXTRAL_8X7B, "num_experts_per_tok": 9})
+
+
 def test_config_qwen3() -> None:
     """Qwen3: no biases unless attention_bias (then on the output projection too), a head width of
     its own (128 where config.json says none, as transformers' Qwen3Config), q/k norms."""
@@ -193,7 +281,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -364,5 +452,7 @@ def test_resolve_unreachable_hub_id() -> None:
 
 
 def test_tiny_config_rejects_unknown_arch() -> None:
-    with pytest.raises(ValueError, match="arch must be one of llama, qwen2, qwen3, mistral"):
+    with pytest.raises(
+        ValueError, match="arch must be one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral"
+    ):
         tiny_hf_config("gpt2")

@@ -14,7 +14,14 @@ import pytest
 import torch
 from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model, native_bf16
-from yutu.engine.model import Linear, LlamaForCausalLM, RMSNorm, fuse_projections, pack_cpu_linears
+from yutu.engine.model import (
+    Linear,
+    LlamaForCausalLM,
+    RMSNorm,
+    SparseMoE,
+    fuse_projections,
+    pack_cpu_linears,
+)
 from yutu.engine.testing import (
     PagedRunner,
     greedy_generate,
@@ -62,6 +69,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     ),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
+    "qwen3-moe-mixed-top1": (
+        "qwen3_moe",
+        {"mlp_only_layers": [0], "norm_topk_prob": False, "num_experts_per_tok": 1, "num_experts": 8},
+    ),
+    "mixtral-sliding": ("mixtral", {"sliding_window": 8}),
     # Only layers >= max_window_layers slide: the forward mixes full and windowed layers.
     "qwen2-sliding-layer1": (
         "qwen2",
@@ -228,6 +242,7 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         (torch.bfloat16, {"tie_word_embeddings": True}, 1e-3),  # packed for oneDNN afterwards
         (torch.float32, {"arch": "qwen3"}, 1e-5),  # q/k norms between the product and the rotation
         (torch.bfloat16, {"arch": "qwen3", "attention_bias": True}, 1e-3),
+        (torch.float32, {"arch": "mixtral"}, 1e-5),  # every expert's gate and up fused
     ],
 )
 def test_fused_projections_compute_what_the_separate_ones_do(
@@ -245,6 +260,8 @@ def test_fused_projections_compute_what_the_separate_ones_do(
             assert fuse_projections(model) == config.num_layers
             assert fuse_projections(model) == 0  # once only
             attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+            if isinstance(mlp, SparseMoE):
+                mlp = mlp.experts[-1]  # each expert's fused
             assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
             assert all(
                 m.weight.is_meta for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)

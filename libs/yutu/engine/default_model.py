@@ -33,7 +33,8 @@ _README = f"""# {DEFAULT_MODEL_NAME} ({DEFAULT_MODEL_VERSION})
 Built-in demo model of Yutu: a Llama-architecture decoder (hidden 256, 4 layers, 8 query heads,
 2 key/value heads) with RANDOM weights and a byte-level BPE tokenizer trained on a small generated
 corpus. Its output text is meaningless. It exists so Yutu runs end to end offline; serve a real
-Hugging Face Llama / Qwen2 / Qwen3 / Mistral checkpoint directory for real answers.
+Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral checkpoint directory for real
+answers.
 Generated deterministically by yutu.engine.default_model (seed {_SEED}).
 """
 

@@ -106,14 +106,48 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            shapes[p + f"mlp.{name}.weight"] = shape
-            if config.mlp_bias:
-                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
+        if n in config.moe_layers:
+            shapes.update(_expert_shapes(config, p))
+        else:
+            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                shapes[p + f"mlp.{name}.weight"] = shape
+                if config.mlp_bias:
+                    shapes[p + f"mlp.{name}.bias"] = (shape[0],)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
+
+
+# Mixtral's checkpoints name a layer's experts their own way; the model's modules are Qwen3-MoE's.
+_MIXTRAL_NAMES = {
+    ".block_sparse_moe.": ".mlp.",
+    ".w1.": ".gate_proj.",
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
+}
+
+
+def _expert_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and experts, as its checkpoint names them."""
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    if config.model_type == "mixtral":
+        moe, names = "block_sparse_moe", (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i)))
+    else:
+        moe, names = "mlp", (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}{moe}.gate.weight": (e, h)}
+    for expert in range(e):
+        for name, shape in names:
+            shapes[f"{prefix}{moe}.experts.{expert}.{name}.weight"] = shape
+    return shapes
+
+
+def parameter_name(config: ModelConfig, name: str) -> str:
+    """The model's parameter that checkpoint tensor ``name`` fills."""
+    if config.model_type == "mixtral" and ".block_sparse_moe." in name:
+        for theirs, ours in _MIXTRAL_NAMES.items():
+            name = name.replace(theirs, ours)
+    return name
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -174,7 +208,7 @@ def load_model(
                             f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                             f"config.json implies {expected[name]}"
                         )
-                    params[name].copy_(tensor.to(dtype=dtype))
+                    params[parameter_name(config, name)].copy_(tensor.to(dtype=dtype))
                     loaded.add(name)
     missing = [name for name in expected if name not in loaded]
     if missing:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral; Qwen3-MoE, Mixtral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -248,14 +248,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); a dense layer's, or one expert's."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = Linear(h, i, bias=config.mlp_bias)
-        self.down_proj = Linear(i, h, bias=config.mlp_bias)
+        h, i = hidden_size, intermediate_size
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.gate_up_proj: Linear | None = None  # gate and up in one product, once fuse_projections ran
 
     def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
@@ -268,13 +268,46 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])  # (T, I) -> (T, H)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """A sparse mixture of SwiGLU experts (Qwen3-MoE, Mixtral): the router's softmax over the
+    experts picks each token's top ``experts_per_token``, whose outputs are summed weighted by
+    those probabilities (renormalized over the chosen where ``norm_topk_prob``) -- transformers'
+    computation, expert by expert in increasing order, each over the tokens that chose it."""
+
     def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+        self.top_k = config.experts_per_token
+        self.renormalize = config.norm_topk_prob
+
+    def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k), (T, k)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)  # (T, H)
+        for expert in chosen.unique().tolist():  # sorted
+            tokens, slot = torch.where(chosen == expert)  # the tokens that chose it, and in which place
+            y = self.experts[expert](x[tokens], ops) * weights[tokens, slot, None]  # (t, H)
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config)
+            if layer in config.moe_layers
+            else MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        )
 
     def forward(
         self,
@@ -299,7 +332,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -6,8 +6,11 @@ downstream -- model, loader, engine -- reads plain fields.
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
 (q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
-each query and key head RMS-normalized before its rotation) and ``MistralForCausalLM``
-(sliding-window attention).
+each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
+(sliding-window attention), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
+``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
+attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,6 +61,14 @@ class ModelConfig:
     sliding_window: int | None = None  # attention window in tokens for sliding layers, None: full
     sliding_window_layers: tuple[int, ...] = ()  # indices of layers that use sliding_window
     qk_norm: bool = False  # each query and key head is RMS-normalized before RoPE (Qwen3)
+    # Sparse mixture of experts (Qwen3-MoE, Mixtral): in moe_layers, the MLP is num_experts SwiGLU
+    # experts of moe_intermediate_size, experts_per_token of them per token, chosen by a router's
+    # softmax and weighted by it (renormalized over the chosen where norm_topk_prob).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -66,6 +79,11 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE; check config.json")
+        if self.moe_layers and not 1 <= self.experts_per_token <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.experts_per_token} must be in [1, {self.num_experts}] (the"
+                " experts); check config.json"
+            )
 
     @property
     def model_type(self) -> str:
@@ -114,14 +132,15 @@ class ModelConfig:
         num_layers = int(d["num_hidden_layers"])
         # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), not hidden / heads.
         head_dim = d.get("head_dim") or (128 if model_type == "qwen3" else hidden_size // num_heads)
+        qwen3_family = model_type in ("qwen3", "qwen3_moe")
         rope_theta, rope_scaling = _rope(d)
 
         # Which projections carry a bias differs per architecture.
         if model_type == "qwen2":
             attention_bias, o_proj_bias, mlp_bias = True, False, False
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             attention_bias, o_proj_bias, mlp_bias = False, False, False
-        elif model_type == "qwen3":  # one switch for q/k/v and the output projection
+        elif qwen3_family:  # one switch for q/k/v and the output projection
             attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
             mlp_bias = False
         else:
@@ -152,7 +171,8 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=model_type == "qwen3",
+            qk_norm=qwen3_family,
+            **_experts(d, model_type, num_layers),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -232,7 +252,9 @@ def _sliding_window(
     window = d.get("sliding_window")
     if model_type == "llama" or window is None:
         return None, ()
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "qwen3_moe":  # every layer, where use_sliding_window (transformers' Qwen3Moe)
+        layers = tuple(range(num_layers)) if d.get("use_sliding_window", False) else ()
+    elif model_type in ("qwen2", "qwen3"):
         if not d.get("use_sliding_window", False):
             return None, ()
         layer_types = d.get("layer_types")
@@ -241,13 +263,34 @@ def _sliding_window(
         else:
             first = int(d.get("max_window_layers", 28))
             layers = tuple(range(first, num_layers))
-    else:  # mistral: every layer
+    else:  # mistral, mixtral: every layer
         layers = tuple(range(num_layers))
     if not layers:
         return None, ()
     if int(window) <= 0:
         raise UnsupportedModelError(f"sliding_window={window} must be positive")
     return int(window), layers
+
+
+def _experts(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts (none for a dense model)."""
+    if model_type == "mixtral":  # every layer sparse; intermediate_size is an expert's
+        experts, size, norm = int(d.get("num_local_experts", 8)), int(d["intermediate_size"]), True
+        layers = tuple(range(num_layers))
+    elif model_type == "qwen3_moe":
+        experts, size = int(d.get("num_experts", 128)), int(d.get("moe_intermediate_size", 768))
+        norm = bool(d.get("norm_topk_prob", False))
+        step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    else:
+        return {}
+    return {
+        "num_experts": experts,
+        "experts_per_token": int(d.get("num_experts_per_tok", 2 if model_type == "mixtral" else 8)),
+        "moe_intermediate_size": size,
+        "norm_topk_prob": norm,
+        "moe_layers": layers,
+    }
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -38,6 +38,29 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralForCausalLM", {"sliding_window": None, "tie_word_embeddings": False}),
+    # four experts of width 32, two per token
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),  # fmt: skip
+    "mixtral": (
+        "MixtralForCausalLM",
+        {
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+        },
+    ),  # fmt: skip
 }
 
 
@@ -87,7 +110,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in {"llama", "qwen2", "qwen3", "mistral"}; ``config_overrides`` are config.json keys
+    ``arch`` in {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"}; ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
