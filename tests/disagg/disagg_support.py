@@ -81,6 +81,7 @@ class DisaggStack:
         prefill_stealing: bool = False,
         conductor_flags: tuple[str, ...] = (),
         worker_flags: tuple[str, ...] = (),
+        gateway_flags: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
         self.model = model
@@ -129,7 +130,8 @@ class DisaggStack:
         for i in range(mixed):
             self._add(f"worker-{i}", "worker", *engine, *common)
         gateway = python_module("yutu.cli", "gateway", *model_flags, "--port", str(self.port), "--instance-id", "gateway",
-                                "--worker-liveness-timeout", "3", "--registry-poll", "0.3", *common)  # fmt: skip
+                                "--worker-liveness-timeout", "3", "--registry-poll", "0.3", *common,
+                                *gateway_flags)  # fmt: skip
         self.specs["gateway"] = ChildSpec("gateway", tuple(gateway), self.env, f"{self.url}/ready")
 
     def _add(self, name: str, command: str, *flags: str) -> None:

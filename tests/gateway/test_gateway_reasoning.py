@@ -1,13 +1,13 @@
 """--reasoning-parser: a reasoning model's thinking comes back as ``reasoning``, apart from the
 answer, whole and streamed (services/gateway/reasoning.py).
 
-Units first (the splitter against outputs written out, fed whole and in every cut), then a real
-Qwen3-architecture worker behind two gateways, one with ``--reasoning-parser qwen3`` and one
-without (its text is the reference). The tiny tokenizer's special tokens 2 and 3 are renamed
-``<think>`` and ``</think>``, so the markers are special tokens, and its chat template is one
-written here in Qwen3's manner (``enable_thinking: false`` closes the thinking in the prompt;
-``open_thinking``, this template's own, opens it as DeepSeek R1's templates do). A grammar makes
-the random model write thinking where a test needs it.
+Units first (the splitter against outputs written out, fed whole and in every cut), then real
+Qwen3-architecture workers behind two gateways each, one with ``--reasoning-parser qwen3`` and one
+without (its text is the reference), on a tiny thinking checkpoint
+(``yutu.engine.testing.make_thinking_checkpoint``: a chat template in Qwen3's manner, where
+``enable_thinking: false`` closes the thinking in the prompt and ``open_thinking`` opens it as
+DeepSeek R1's templates do), with markers that are special tokens and with markers that are text.
+A grammar makes the random model write thinking where a test needs it.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from gateway_support import MODEL_NAME, gateway_url, start_gateway, start_worker, stop_process, wait_ready
-from yutu.engine.testing import make_tiny_checkpoint
+from yutu.engine.testing import END_THINK, THINK, make_thinking_checkpoint
 from yutu.engine.tokenizer import Tokenizer
 
 from services.gateway.prompts import template_messages
@@ -30,20 +29,6 @@ from services.gateway.reasoning import PARSERS, ReasoningSplit, Thinking
 from services.gateway.schemas import ChatMessage
 
 QWEN3 = PARSERS["qwen3"]
-THINK, END_THINK = 2, 3  # special token ids renamed <think>, </think> in the stack's tokenizer
-TEMPLATE = (
-    "{%- for m in messages %}"
-    "{{- '<|im_start|>' + m.role + '\\n' }}"
-    "{%- if m.role == 'assistant' and m.reasoning_content %}"
-    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{{- m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- elif open_thinking %}{{- '<think>\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object",
            "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
@@ -118,33 +103,6 @@ def test_earlier_thinking_reaches_the_template_under_both_names() -> None:
 # -- a real stack ---------------------------------------------------------------------------------
 
 
-def thinking_model(directory: Path, special_markers: bool) -> Path:
-    """A tiny Qwen3 checkpoint with TEMPLATE as its chat template; ``special_markers``: its special
-    tokens 2 and 3 are <think> and </think> (else the markers are text of several tokens)."""
-    model = make_tiny_checkpoint(directory, arch="qwen3", seed=0)
-    if special_markers:
-        path = model / "tokenizer.json"
-        spec = json.loads(path.read_text())
-        vocab = spec["model"]["vocab"]
-        for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
-            (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
-            assert vocab.pop(added["content"]) == token_id
-            added["content"] = name
-            vocab[name] = token_id
-        path.write_text(json.dumps(spec))
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config.pop("added_tokens_decoder", None)  # tokenizer.json's names hold
-    config_path.write_text(json.dumps(config))
-    tok = Tokenizer.from_dir(model)
-    assert (tok.token_to_id("</think>") == END_THINK) is special_markers
-    assert special_markers is (
-        END_THINK in tok.special_token_ids and tok.id_to_token(END_THINK) == "</think>"
-    )
-    return model
-
-
 class Stack:
     """One model's worker behind a gateway with ``--reasoning-parser qwen3`` (``thinking``) and
     one without (``plain``, the reference)."""
@@ -157,7 +115,14 @@ def start_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, special_markers: bool
 ) -> Iterator[Stack]:
     name = "special" if special_markers else "text"
-    model = thinking_model(tmp_path_factory.mktemp(f"thinking-model-{name}") / "tiny", special_markers)
+    model = make_thinking_checkpoint(
+        tmp_path_factory.mktemp(f"thinking-model-{name}") / "tiny", special_markers
+    )
+    tok = Tokenizer.from_dir(model)
+    assert (tok.token_to_id("</think>") == END_THINK) is special_markers
+    assert (
+        END_THINK in tok.special_token_ids and tok.id_to_token(END_THINK) == "</think>"
+    ) is special_markers
     prefix = f"yutu-reasoning-{name}-{uuid.uuid4().hex[:8]}"
     logs = tmp_path_factory.mktemp(f"reasoning-stack-{name}")
     worker = start_worker(logs, model, redis_url, prefix)

@@ -6,6 +6,7 @@ default_model.write_checkpoint in the Hugging Face layout, so transformers can l
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -219,3 +220,46 @@ def greedy_generate(
         if len(out) < max_new_tokens:
             (logits,) = runner.step([(0, out[-1:])])
     return out
+
+
+THINK, END_THINK = 2, 3  # the tiny tokenizer's special tokens renamed <think> and </think>
+# A chat template in Qwen3's manner: enable_thinking false closes the thinking in the prompt;
+# open_thinking (this template's own) opens it there, as DeepSeek R1's templates do.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content %}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif open_thinking %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def make_thinking_checkpoint(out_dir: Path, special_markers: bool = True, **config_overrides: Any) -> Path:
+    """A tiny Qwen3 checkpoint of a reasoning model's shape, with THINKING_TEMPLATE as its chat
+    template; ``special_markers``: its special tokens THINK and END_THINK are renamed <think> and
+    </think>, one token each as in Qwen3's vocabulary (else the markers are text of several tokens).
+    The weights do not care what a token is called."""
+    model = make_tiny_checkpoint(out_dir, arch="qwen3", seed=0, **config_overrides)
+    if special_markers:
+        path = model / "tokenizer.json"
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        vocab = spec["model"]["vocab"]
+        for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
+            (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
+            if vocab.pop(added["content"]) != token_id:
+                raise AssertionError(f"the tiny tokenizer's token {token_id} is not {added['content']!r}")
+            added["content"] = name
+            vocab[name] = token_id
+        path.write_text(json.dumps(spec), encoding="utf-8")
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = THINKING_TEMPLATE
+    config.pop("added_tokens_decoder", None)  # tokenizer.json's names hold
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return model
