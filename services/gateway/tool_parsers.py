@@ -16,7 +16,12 @@ flag of the same name):
 - ``pythonic`` (Llama 3.2 and 4, and others taught Python's call syntax): the whole answer is a
   Python list of calls with keyword arguments of literal values,
   ``[weather(city="Oslo", days=2), now()]``, in Llama 4 between ``<|python_start|>`` and
-  ``<|python_end|>``; read with ``ast``, never evaluated.
+  ``<|python_end|>``; read with ``ast``, never evaluated;
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): calls are XML-like blocks after any text,
+  ``<tool_call><function=weather><parameter=city>Oslo</parameter></function></tool_call>`` (the
+  ``<tool_call>`` wrapper optional, each value on lines of its own), whose values are text: each is
+  read as the type the tool's schema gives its parameter (integer, number, boolean, object or array;
+  ``null`` is null; a string, or a parameter the schema does not name, stays text), as vLLM reads them.
 
 Where a format's markers are special tokens (``[TOOL_CALLS]``; ``<tool_call>`` in some Hermes
 models), the text must keep them: with ``auto`` the choice is detokenized with
@@ -32,12 +37,18 @@ from __future__ import annotations
 
 import ast
 import json
+import math
+import re
 import secrets
 import string
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from services.gateway.schemas import ToolSpec
 
 
 def default_call_id() -> str:
@@ -61,8 +72,9 @@ class ToolCallParser:
         """A new tool call's id."""
         return default_call_id()
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
-        """(the content before the calls, the calls) when ``text`` holds calls, else None."""
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
+        """(the content before the calls, the calls) when ``text`` holds calls, else None;
+        ``tools``: the request's (a format whose values are text reads them by their schema)."""
         raise NotImplementedError
 
     def content_end(self, text: str) -> int:
@@ -92,7 +104,7 @@ class HermesParser(ToolCallParser):
     skip_special_tokens = False  # Hermes 2 Pro and 3 (Llama 3 based) make <tool_call> a special token
     START, END = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
         first = text.find(self.START)
         if first < 0:
             return None
@@ -123,7 +135,7 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
         body = text.strip().removeprefix(self.TAG).lstrip()
         if not body.startswith("{"):
             return None
@@ -159,7 +171,7 @@ class MistralParser(ToolCallParser):
     def call_id(self) -> str:
         return "".join(secrets.choice(self.ID_CHARACTERS) for _ in range(9))
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
         first = text.find(self.START)
         if first < 0:
             return None
@@ -202,7 +214,7 @@ class PythonicParser(ToolCallParser):
     skip_special_tokens = False  # Llama 4's <|python_start|> and <|python_end|> are special tokens
     START, END = "<|python_start|>", "<|python_end|>"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]] | None:
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
         body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
         if not body.startswith("["):
             return None
@@ -232,8 +244,82 @@ class PythonicParser(ToolCallParser):
         return len(text)
 
 
+class Qwen3CoderParser(ToolCallParser):
+    name = "qwen3_coder"
+    skip_special_tokens = False  # its markers may be special tokens
+    START, FUNCTION, PARAMETER = "<tool_call>", "<function=", "<parameter="
+    BLOCK = re.compile(
+        r"\s*(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>)?", re.DOTALL
+    )
+    PARAMETERS = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
+        first = self.content_end(text)
+        if first == len(text):
+            return None
+        calls, at = [], first
+        while at < len(text):
+            block = self.BLOCK.match(text, at)
+            if block is None:
+                return None  # text between or after the calls, or a call cut short: all content
+            name, body = block.group(1).strip(), block.group(2)
+            schema = _parameters(tools, name)
+            arguments = {}
+            for parameter in self.PARAMETERS.finditer(body):
+                key, value = parameter.group(1).strip(), parameter.group(2)
+                value = value.removeprefix("\n").removesuffix("\n")  # each value on lines of its own
+                arguments[key] = _typed(value, schema.get(key))
+            if self.PARAMETERS.sub("", body).strip():
+                return None  # something in the call that is no parameter
+            calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
+            at = block.end()
+        return text[:first], calls
+
+    def content_end(self, text: str) -> int:
+        found = [i for i in (text.find(self.START), text.find(self.FUNCTION)) if i >= 0]
+        if found:
+            return min(found)
+        return min(_partial_start(text, self.START), _partial_start(text, self.FUNCTION))
+
+
+def _parameters(tools: Sequence[ToolSpec], name: str) -> dict[str, Any]:
+    """The JSON schemas of function ``name``'s parameters, by parameter (empty where unknown)."""
+    for tool in tools:
+        if tool.function.name == name:
+            properties = (tool.function.parameters or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as the type its JSON schema names (vLLM's reading of Qwen3-Coder's
+    values): text that does not read as that type stays text, as does a string's or an unknown
+    parameter's; ``null`` is null whatever the type."""
+    if value.lower() == "null":
+        return None
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]: the type that is not null
+        kind = next((k for k in kind if k != "null"), None)
+    if kind is None or kind == "string":
+        return value
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            number = float(value)
+            return int(number) if number.is_integer() and math.isfinite(number) else number
+        if kind == "boolean":
+            return value.strip().lower() == "true"
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return ast.literal_eval(value)  # Python's literals (single quotes, True), never run
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return value
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)
 }
 
 

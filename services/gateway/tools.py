@@ -47,6 +47,7 @@ class ToolPlan:
     schema: dict[str, Any] | None = None  # the JSON schema the output follows (named, required)
     parser: ToolCallParser | None = None  # the gateway's: finds the calls in free text (auto), names calls
     parallel: bool = True  # auto: every call found comes back (False: the first only)
+    tools: tuple[ToolSpec, ...] = ()  # auto: the request's, which a parser may read values by
 
     @property
     def calls(self) -> bool:
@@ -83,7 +84,7 @@ class ToolPlan:
             return "", calls
         if self.mode == "auto":
             assert self.parser is not None
-            parsed = self.parser.parse(text)
+            parsed = self.parser.parse(text, self.tools)
             if parsed is not None:
                 found = parsed[1] if self.parallel else parsed[1][:1]
                 return parsed[0], [self.new_call(c.name, c.arguments) for c in found]
@@ -124,7 +125,7 @@ def tool_plan(req: ChatCompletionRequest, parser: ToolCallParser | None = None) 
                 ' or "none"',
                 "tool_choice",
             )
-        return ToolPlan("auto", parser=parser, parallel=req.parallel_tool_calls)
+        return ToolPlan("auto", parser=parser, parallel=req.parallel_tool_calls, tools=tuple(tools))
     if choice == "required":
         return ToolPlan("required", schema=_any_of_the_calls(tools, req.parallel_tool_calls), parser=parser)
     assert not isinstance(choice, str)

@@ -16,6 +16,7 @@ from services.gateway.tool_parsers import (
     MistralParser,
     ParsedCall,
     PythonicParser,
+    Qwen3CoderParser,
 )
 from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
 
@@ -243,3 +244,50 @@ def test_pythonic_calls() -> None:
     }
     deltas, reason = feed(ToolPlan("auto", parser=p), ["It is ", "[late]"])
     assert "".join(d["content"] for d in deltas) == "It is [late]" and reason == "stop"
+
+
+def test_qwen3_coder_calls() -> None:
+    """vLLM's qwen3_coder format: XML-like calls after any text, each value read as the type its
+    parameter's schema names (text where it does not read so, or the schema names none)."""
+    from services.gateway.schemas import ToolSpec
+
+    p = Qwen3CoderParser()
+    find = ToolSpec.model_validate({"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "near": {"type": "object"},
+            "km": {"type": "number"}, "hourly": {"type": "boolean"}, "tags": {"type": ["array", "null"]},
+            "when": {"type": "integer"}}}}})  # fmt: skip
+    text = (
+        "Let me look.\n<tool_call>\n<function=find>\n<parameter=city>\n42\n</parameter>\n"
+        '<parameter=days>\n2\n</parameter>\n<parameter=near>\n{"lat": -1.5}\n</parameter>\n'
+        "<parameter=km>\n3.0\n</parameter>\n<parameter=hourly>\nTrue\n</parameter>\n"
+        "<parameter=tags>\n['moon', 'rabbit']\n</parameter>\n<parameter=when>\nsoon\n</parameter>\n"
+        "<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>\n"
+        "<function=now>\n</function>"
+    )
+    content, calls = p.parse(text, [find]) or ("", [])
+    assert content == "Let me look.\n"
+    assert [c.name for c in calls] == ["find", "now"] and json.loads(calls[1].arguments) == {}
+    assert json.loads(calls[0].arguments) == {
+        "city": "42", "days": 2, "near": {"lat": -1.5}, "km": 3, "hourly": True, "tags": ["moon", "rabbit"],
+        "when": "soon", "extra": "7",
+    }  # fmt: skip
+    unknown = p.parse("<function=find><parameter=days>\n2\n</parameter></function>")  # no tools: text
+    assert unknown == ("", [ParsedCall("find", '{"days": "2"}')])
+    assert p.parse("<function=x><parameter=v>\nnull\n</parameter></function>") == (
+        "", [ParsedCall("x", '{"v": null}')]
+    )  # fmt: skip
+    for not_calls in ["No call here.", "<function=find><parameter=days>\n2\n</parameter>",  # cut short
+                      "<tool_call><function=find></function></tool_call> and after",
+                      "<function=find>stray text</function>"]:  # fmt: skip
+        assert p.parse(not_calls, [find]) is None, not_calls
+    assert p.content_end("Sure <tool") == 5 and p.content_end("Sure <func") == 5
+    assert p.content_end("Sure <function=x>") == 5 and p.content_end("Sure") == 4
+    plan = ToolPlan("auto", parser=p, tools=(find,))
+    deltas, reason = feed(plan, ["Sure ", "<tool_call><function=find><parameter=days>\n", "3\n</parameter>",
+                                 "</function></tool_call>"])  # fmt: skip
+    assert reason == "tool_calls" and deltas[0]["content"] == "Sure "
+    (call,) = deltas[-1]["tool_calls"]
+    assert call["function"] == {"name": "find", "arguments": '{"days": 3}'}
+    from_request = tool_plan(request(tools=[WEATHER, NOW]), p)  # auto: the request's tools reach the parser
+    assert [t.function.name for t in from_request.tools] == ["weather", "now"]
