@@ -108,6 +108,12 @@ def thinking_of(
     return Thinking(parser, opened, skip, (*ids, opened is True), shown)
 
 
+def skip_special_tokens_for(thinking: Thinking | None, skip_special_tokens: bool) -> bool:
+    """``skip_special_tokens`` as the output's text must be detokenized: false where the
+    thinking's markers are special tokens, which the split needs to see."""
+    return skip_special_tokens and (thinking is None or thinking.skip_special_tokens)
+
+
 def _partial_end(text: str, marker: str) -> int:
     """Where ``text`` ends in the beginning of ``marker`` (a marker still coming), else its length."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):

@@ -29,7 +29,7 @@ from services.gateway.prompts import (
     request_chat_template,
     truncated,
 )
-from services.gateway.reasoning import ReasoningSplit, Thinking, thinking_of
+from services.gateway.reasoning import ReasoningSplit, Thinking, skip_special_tokens_for, thinking_of
 from services.gateway.routes_completions import beam_usage, prompt_logprobs_of, token_ids, usage_of
 from services.gateway.routing import instance_headers
 from services.gateway.schemas import (
@@ -90,13 +90,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     grammar = await grammar_for(body, gw.prompts, plan.schema)
     thinking = thinking_of(gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=grammar is not None,
                            shown=body.include_reasoning)  # fmt: skip
-    skip_special_tokens = plan.skip_special_tokens(body.skip_special_tokens)
     specs = choice_specs(
         body, [prompt], max_model_len, requested, None, logprobs,
         limits=limits, tokenizer=gw.tokenizer,
         max_tokens_param=param, prompt_param="messages", grammar=grammar,
         grammar_after_thinking=None if thinking is None else thinking.grammar_after,
-        skip_special_tokens=skip_special_tokens and (thinking is None or thinking.skip_special_tokens),
+        skip_special_tokens=skip_special_tokens_for(thinking, plan.skip_special_tokens(body.skip_special_tokens)),
     )  # fmt: skip
     gen = Generation(
         gw.router,
@@ -153,14 +152,15 @@ async def _beam_search(
     thinking = thinking_of(
         gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=False, shown=body.include_reasoning
     )
-    skip = body.skip_special_tokens and (thinking is None or thinking.skip_special_tokens)
+    skip = skip_special_tokens_for(thinking, body.skip_special_tokens)
     choices = []
     for j, beam in enumerate(result.beams):
         reasoning, content = _split(thinking, gw.tokenizer.decode(beam.tokens, skip))
+        shown = _shown(thinking, reasoning)
         choices.append(ChatChoice(
             index=j,
-            message=AssistantMessage(content=_content(echo, content, reasoning), reasoning=reasoning,
-                                     reasoning_content=reasoning),
+            message=AssistantMessage(content=_content(echo, content, reasoning), reasoning=shown,
+                                     reasoning_content=shown),
             finish_reason=beam.finish_reason,
             token_ids=list(beam.tokens) if body.return_token_ids else None,
         ))  # fmt: skip
@@ -172,11 +172,13 @@ async def _beam_search(
 
 
 def _split(thinking: Thinking | None, text: str) -> tuple[str | None, str]:
-    """A choice's text as its reasoning (None: no thinking, no parser, or not asked for) and its answer."""
-    if thinking is None:
-        return None, text
-    reasoning, content = thinking.split(text)
-    return (reasoning if thinking.shown else None), content
+    """A choice's text as its reasoning (None: no thinking, or no parser) and its answer."""
+    return (None, text) if thinking is None else thinking.split(text)
+
+
+def _shown(thinking: Thinking | None, reasoning: str | None) -> str | None:
+    """The reasoning the response carries: none where the request asked for none (include_reasoning)."""
+    return reasoning if thinking is not None and thinking.shown else None
 
 
 def _content(echo: str, content: str | None, reasoning: str | None) -> str | None:
@@ -199,11 +201,10 @@ def _choice(
     reasoning, text = _split(thinking, state.text)
     content, calls = plan.message(text)
     content = _content(chat_echo(body), content, reasoning)
+    shown = _shown(thinking, reasoning)
     return ChatChoice(
         index=state.spec.index,
-        message=AssistantMessage(
-            content=content, tool_calls=calls, reasoning=reasoning, reasoning_content=reasoning
-        ),
+        message=AssistantMessage(content=content, tool_calls=calls, reasoning=shown, reasoning_content=shown),
         logprobs=lp,
         finish_reason=plan.finish_reason(state.finish_reason, calls),
         stop_reason=state.stop_reason,

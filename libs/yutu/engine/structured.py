@@ -177,11 +177,15 @@ class Grammar:
         if self._state != "answering":
             assert self._markers is not None
             start, end = self._markers
-            if self._state == "thinking" or token == start:
+            if self._state == "thinking":  # every token is the thinking's, the end marker its last
+                self._state = "answering" if token == end else "thinking"
                 self._mask = None
-                self._state = "answering" if self._state == "thinking" and token == end else "thinking"
                 return
-            self._state = "answering"  # no thinking: the grammar takes this token
+            if token == start:  # the first token opens the thinking
+                self._state = "thinking"
+                self._mask = None
+                return
+            self._state = "answering"  # no thinking: the grammar takes the first token
         mask, self._mask = self._mask, None
         if self._matcher.consume_token(token):
             return
