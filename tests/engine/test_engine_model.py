@@ -363,3 +363,19 @@ def test_paged_attention_matches_dense_reference(
     torch.testing.assert_close(
         paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, 0.3, sliding_window=window), out
     )
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_one_tokens_experts_equal_the_general_path(tmp_path: Path, arch: str) -> None:
+    """SparseMoE's one-token path (a decode step of one sequence) against its reference, bit for
+    bit, on torch's operations and with fused projections; and the logits of a one-sequence decode."""
+    model, _ = load_model(make_tiny_checkpoint(tmp_path, arch, seed=9), torch.device("cpu"), torch.float32)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        x = torch.randn(1, model.config.hidden_size, generator=gen)
+        assert torch.equal(moe(x), moe.reference(x))
+    fuse_projections(model)
+    x = torch.randn(1, model.config.hidden_size, generator=gen)
+    assert torch.equal(moe(x), moe.reference(x))

@@ -284,11 +284,34 @@ class SparseMoE(nn.Module):
         self.renormalize = config.norm_topk_prob
 
     def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+        weights, chosen = self._route(x)
+        if x.shape[0] != 1:
+            return self.reference(x, ops, weights, chosen)
+        # One token (a decode step of one sequence): its k experts straight, without finding each
+        # expert's tokens; the same sums in the same order as the reference (a test holds them equal).
+        out = torch.zeros_like(x)  # (1, H)
+        for slot, expert in sorted(enumerate(chosen[0].tolist()), key=lambda pair: pair[1]):
+            out += self.experts[expert](x, ops) * weights[0, slot]
+        return out
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts (T, k) and their weights (T, k) in x's dtype."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # (T, E)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k), (T, k)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), chosen
+
+    def reference(
+        self,
+        x: torch.Tensor,
+        ops: ModuleType | None = None,
+        weights: torch.Tensor | None = None,
+        chosen: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every chosen expert in increasing order, over the tokens that chose it (any T)."""
+        if weights is None or chosen is None:
+            weights, chosen = self._route(x)
         out = torch.zeros_like(x)  # (T, H)
         for expert in chosen.unique().tolist():  # sorted
             tokens, slot = torch.where(chosen == expert)  # the tokens that chose it, and in which place
