@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 from yutu.engine.tokenizer import Tokenizer
 
+from services.gateway.tool_parsers import partial_marker
+
 PROMPT_TAIL_TOKENS = 64  # tokens of the prompt's end read for an opening or closing marker
 
 
@@ -63,8 +65,7 @@ class ReasoningParser:
     def needs_special_tokens(self, tokenizer: Tokenizer) -> bool:
         """Whether the markers are special tokens of ``tokenizer``, which text keeps only when
         detokenized with ``skip_special_tokens`` false."""
-        ids = (tokenizer.token_to_id(self.start), tokenizer.token_to_id(self.end))
-        return any(i is not None and i in tokenizer.special_token_ids for i in ids)
+        return any(tokenizer.token_to_id(m) in tokenizer.special_token_ids for m in (self.start, self.end))
 
 
 PARSERS: dict[str, ReasoningParser] = {name: ReasoningParser(name) for name in ("deepseek_r1", "qwen3")}
@@ -114,14 +115,6 @@ def skip_special_tokens_for(thinking: Thinking | None, skip_special_tokens: bool
     return skip_special_tokens and (thinking is None or thinking.skip_special_tokens)
 
 
-def _partial_end(text: str, marker: str) -> int:
-    """Where ``text`` ends in the beginning of ``marker`` (a marker still coming), else its length."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return len(text) - k
-    return len(text)
-
-
 class ReasoningSplit:
     """One choice's output, as it comes, as thinking and answer (the rules above). ``feed`` each
     new piece of text, then ``finish`` once: each returns the (reasoning, content) text ready to
@@ -149,7 +142,7 @@ class ReasoningSplit:
         if self._state == "thinking":
             end = self._held.find(self.parser.end)
             if end < 0:
-                cut = _partial_end(self._held, self.parser.end)
+                cut = partial_marker(self._held, self.parser.end)
                 reasoning, self._held = self._held[:cut], self._held[cut:]
                 return reasoning, ""
             reasoning = self._held[:end]

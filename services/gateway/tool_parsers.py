@@ -91,10 +91,10 @@ def _call(item: Any, arguments_key: str) -> ParsedCall | None:
     return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_start(text: str, start: str) -> int:
-    """Where ``text`` ends in the beginning of ``start`` (a marker coming in pieces), else its length."""
-    for keep in range(min(len(start) - 1, len(text)), 0, -1):
-        if start.startswith(text[-keep:]):
+def partial_marker(text: str, marker: str) -> int:
+    """Where ``text`` ends in the beginning of ``marker`` (a marker coming in pieces), else its length."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
             return len(text) - keep
     return len(text)
 
@@ -128,7 +128,7 @@ class HermesParser(ToolCallParser):
 
     def content_end(self, text: str) -> int:
         first = text.find(self.START)
-        return first if first >= 0 else _partial_start(text, self.START)
+        return first if first >= 0 else partial_marker(text, self.START)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -206,7 +206,7 @@ class MistralParser(ToolCallParser):
 
     def content_end(self, text: str) -> int:
         first = text.find(self.START)
-        return first if first >= 0 else _partial_start(text, self.START)
+        return first if first >= 0 else partial_marker(text, self.START)
 
 
 class PythonicParser(ToolCallParser):
@@ -247,7 +247,7 @@ class PythonicParser(ToolCallParser):
 class Qwen3CoderParser(ToolCallParser):
     name = "qwen3_coder"
     skip_special_tokens = False  # its markers may be special tokens
-    START, FUNCTION, PARAMETER = "<tool_call>", "<function=", "<parameter="
+    START, FUNCTION = "<tool_call>", "<function="
     BLOCK = re.compile(
         r"\s*(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>)?", re.DOTALL
     )
@@ -279,7 +279,7 @@ class Qwen3CoderParser(ToolCallParser):
         found = [i for i in (text.find(self.START), text.find(self.FUNCTION)) if i >= 0]
         if found:
             return min(found)
-        return min(_partial_start(text, self.START), _partial_start(text, self.FUNCTION))
+        return min(partial_marker(text, self.START), partial_marker(text, self.FUNCTION))
 
 
 def _parameters(tools: Sequence[ToolSpec], name: str) -> dict[str, Any]:

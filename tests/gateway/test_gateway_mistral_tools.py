@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 from gateway_support import MODEL_NAME, gateway_url, start_gateway, start_worker, stop_process, wait_ready
-from yutu.engine.testing import make_tiny_checkpoint
+from yutu.engine.testing import make_tiny_checkpoint, rename_special_tokens
 from yutu.engine.tokenizer import Tokenizer
 
 TOOL_CALLS = 3  # the id of <|end_header_id|> in the tiny tokenizer, renamed [TOOL_CALLS] here
@@ -28,14 +28,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"t
 def mistral_like(directory: Path) -> Path:
     """A tiny checkpoint whose special token 3 is [TOOL_CALLS]."""
     model = make_tiny_checkpoint(directory, arch="llama", seed=0)
-    path = model / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    (added,) = [t for t in spec["added_tokens"] if t["id"] == TOOL_CALLS]
-    vocab = spec["model"]["vocab"]
-    assert vocab.pop(added["content"]) == TOOL_CALLS
-    added["content"] = "[TOOL_CALLS]"
-    vocab["[TOOL_CALLS]"] = TOOL_CALLS
-    path.write_text(json.dumps(spec))
+    rename_special_tokens(model, {TOOL_CALLS: "[TOOL_CALLS]"})
     tok = Tokenizer.from_dir(model)
     assert tok.id_to_token(TOOL_CALLS) == "[TOOL_CALLS]" and TOOL_CALLS in tok.special_token_ids
     return model

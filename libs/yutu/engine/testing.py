@@ -240,23 +240,28 @@ THINKING_TEMPLATE = (
 )
 
 
+def rename_special_tokens(model_dir: Path, names: dict[int, str]) -> None:
+    """Give the special tokens of ``model_dir``'s tokenizer.json new names, by id (a model family's
+    markers on the tiny tokenizer: the weights do not care what a token is called)."""
+    path = model_dir / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    for token_id, name in names.items():
+        (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
+        if vocab.pop(added["content"]) != token_id:
+            raise AssertionError(f"the tokenizer's token {token_id} is not {added['content']!r}")
+        added["content"] = name
+        vocab[name] = token_id
+    path.write_text(json.dumps(spec), encoding="utf-8")
+
+
 def make_thinking_checkpoint(out_dir: Path, special_markers: bool = True, **config_overrides: Any) -> Path:
     """A tiny Qwen3 checkpoint of a reasoning model's shape, with THINKING_TEMPLATE as its chat
     template; ``special_markers``: its special tokens THINK and END_THINK are renamed <think> and
-    </think>, one token each as in Qwen3's vocabulary (else the markers are text of several tokens).
-    The weights do not care what a token is called."""
+    </think>, one token each as in Qwen3's vocabulary (else the markers are text of several tokens)."""
     model = make_tiny_checkpoint(out_dir, arch="qwen3", seed=0, **config_overrides)
     if special_markers:
-        path = model / "tokenizer.json"
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        vocab = spec["model"]["vocab"]
-        for token_id, name in ((THINK, "<think>"), (END_THINK, "</think>")):
-            (added,) = [t for t in spec["added_tokens"] if t["id"] == token_id]
-            if vocab.pop(added["content"]) != token_id:
-                raise AssertionError(f"the tiny tokenizer's token {token_id} is not {added['content']!r}")
-            added["content"] = name
-            vocab[name] = token_id
-        path.write_text(json.dumps(spec), encoding="utf-8")
+        rename_special_tokens(model, {THINK: "<think>", END_THINK: "</think>"})
     config_path = model / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["chat_template"] = THINKING_TEMPLATE
