@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from yutu.engine import native
 from yutu.engine.attention import AttentionMetadata, build_attention_plan, paged_attention, write_kv_cache
 from yutu.engine.loader import load_model, native_bf16
 from yutu.engine.model import (
@@ -366,16 +367,23 @@ def test_paged_attention_matches_dense_reference(
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_one_tokens_experts_equal_the_general_path(tmp_path: Path, arch: str) -> None:
-    """SparseMoE's one-token path (a decode step of one sequence) against its reference, bit for
-    bit, on torch's operations and with fused projections; and the logits of a one-sequence decode."""
+def test_experts_fast_paths_equal_the_general_path(tmp_path: Path, arch: str) -> None:
+    """SparseMoE's fast paths -- one token (a decode step of one sequence) and many grouped by
+    expert (batches, prompts) -- against its reference, bit for bit, on torch's operations and with
+    fused projections and the native kernels."""
     model, _ = load_model(make_tiny_checkpoint(tmp_path, arch, seed=9), torch.device("cpu"), torch.float32)
     moe = model.model.layers[0].mlp
     assert isinstance(moe, SparseMoE)
     gen = torch.Generator().manual_seed(4)
-    for _ in range(20):
-        x = torch.randn(1, model.config.hidden_size, generator=gen)
-        assert torch.equal(moe(x), moe.reference(x))
+    sizes = [1] * 10 + [2, 3, 16, 64, 257, 1024]
+    for tokens in sizes:
+        x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+        assert torch.equal(moe(x), moe.reference(x)), tokens
     fuse_projections(model)
-    x = torch.randn(1, model.config.hidden_size, generator=gen)
+    for ops in (None, native.load()):  # the native kernels as the engine runs them on CPU
+        for tokens in (1, 16, 257):
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            assert torch.equal(moe(x, ops), moe.reference(x, ops)), tokens
+    # Tokens that all choose the same experts (the others' runs empty).
+    x = torch.randn(1, model.config.hidden_size, generator=gen).expand(8, -1).contiguous()
     assert torch.equal(moe(x), moe.reference(x))
