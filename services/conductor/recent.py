@@ -24,6 +24,7 @@ class PlacementRecord:
     predicted_ttft_s: float
     predicted_tbt_s: float
     reason: str
+    priority: int = 0  # the request's (the engines serve a lower value first)
     measured_ttft_s: float | None = None
     cached_tokens: int | None = None
 

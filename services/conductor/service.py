@@ -203,7 +203,12 @@ class ConductorService(Service):
             raise YutuError("block_keys must be a list of hex strings", ErrorKind.INVALID_REQUEST)
         try:
             request = RequestView(
-                msg.request_id, tuple(msg.block_keys), msg.prompt_len, msg.max_tokens, msg.waited_s
+                msg.request_id,
+                tuple(msg.block_keys),
+                msg.prompt_len,
+                msg.max_tokens,
+                msg.waited_s,
+                msg.priority,
             )
         except ValueError as exc:
             raise YutuError(str(exc), ErrorKind.INVALID_REQUEST) from None
@@ -236,7 +241,7 @@ class ConductorService(Service):
             PlacementRecord(
                 request.request_id, time.time(), self.policy.name, placement.prefill_id, placement.decode_id,
                 request.prompt_len, plan.local_blocks, plan.fetch_end, placement.ttft_s, placement.tbt_s,
-                placement.reason,
+                placement.reason, request.priority,
             )
         )  # fmt: skip
         return c.Placement(

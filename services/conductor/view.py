@@ -65,6 +65,7 @@ class Pending:
     ready_at: float  # predicted end of its prefill (when a decode instance gets it)
     handed_at: float | None = None  # its first token came: the decode instance has it from now on
     local: bool = False  # on a decode instance that prefills it itself (no prefill instance named)
+    priority: int = 0  # its request's (the engines serve a lower value first)
     floor: int | None = None  # on a decode: fewest running sequences of its signature seen since then
 
     @property
@@ -207,6 +208,7 @@ class GlobalView:
                         now,
                         placement.ready_at_s,
                         local=placement.prefill_id is None,
+                        priority=request.priority,
                     )  # fmt: skip
                 )
 
@@ -267,7 +269,7 @@ class GlobalView:
         report = instance.report
         assert report is not None
         queue = [_queued(q) for q in report.queued if q and q[0] > 0]
-        queue += [QueuedPrefill(p.prompt_len, p.reused_tokens) for p in instance.pending]
+        queue += [_waiting(p) for p in instance.pending]
         free = report.free_blocks - sum(p.blocks for p in instance.pending)
         return PrefillView(instance.instance_id, instance.cached, max(0, free), tuple(queue))
 
@@ -291,9 +293,17 @@ class GlobalView:
 
 
 def _queued(q: list[Any]) -> QueuedPrefill:
-    """A load report's ``[prompt_len, reused, computed, ...]`` row, clamped into a valid entry."""
+    """A load report's ``[prompt_len, reused, computed, request_id, priority, admitted]`` row, clamped
+    into a valid entry."""
     reused = min(q[1], q[0])
-    return QueuedPrefill(q[0], reused, max(0, min(q[2], q[0] - reused)))
+    priority = q[4] if len(q) > 4 and isinstance(q[4], int) and not isinstance(q[4], bool) else 0
+    admitted = len(q) > 5 and q[5] is True
+    return QueuedPrefill(q[0], reused, max(0, min(q[2], q[0] - reused)), priority, admitted)
+
+
+def _waiting(p: Pending) -> QueuedPrefill:
+    """A placement its instance has not reported yet: a prompt waiting there."""
+    return QueuedPrefill(p.prompt_len, p.reused_tokens, priority=p.priority)
 
 
 def _local_prefills(pending: list[Pending], report: LoadReport) -> tuple[QueuedPrefill, ...]:
@@ -307,7 +317,7 @@ def _local_prefills(pending: list[Pending], report: LoadReport) -> tuple[QueuedP
     for p in pending:
         if p.local and p.handed_at is None:
             row = rows.get(p.request_id)
-            out.append(QueuedPrefill(p.prompt_len, p.reused_tokens) if row is None else _queued(row))
+            out.append(_waiting(p) if row is None else _queued(row))
     return tuple(out)
 
 

@@ -230,7 +230,13 @@ class DisaggRouter:
         max_tokens = int(request.sampling.get("max_tokens", 16))
         waited = max(0.0, time.time() - request.arrival_time)  # a busy gateway's delay counts in the TTFT
         msg = c.Place(
-            request.request_id, keys, len(request.prompt_token_ids), max_tokens, sorted(exclude), waited
+            request.request_id,
+            keys,
+            len(request.prompt_token_ids),
+            max_tokens,
+            sorted(exclude),
+            waited,
+            request.priority,
         )
         reply = await self.conductor.place(msg)
         if isinstance(reply, c.Rejected):

@@ -287,3 +287,21 @@ def test_the_ttft_correction_keeps_a_margin_for_scattered_ratios() -> None:
     # the margin is about the typical deviation, log(1.25) = 0.22 on either side of log(1.2) (the
     # smoothed mean itself still sways with the last samples, hence the range)
     assert 1.2 * 1.2 < scattered.factor < 1.2 * 1.35
+
+
+def test_queued_prompts_keep_their_priority_and_whether_the_engine_admitted_them() -> None:
+    view = GlobalView(BS, report_stale_s=5.0)
+    view.update_records([record("prefill", "p0"), record("decode", "d0", pid=101)])
+    rows = [[64, 16, 8, "a", 3, True], [32, 0, 0, "b", -2, False], [16, 0, 0, "c", "junk", "yes"]]
+    view.on_report(report("p0", 1, "prefill", queued=rows), now=10.0)
+    view.on_report(report("d0", 1, "decode"), now=10.0)
+    request = RequestView("r1", (key(1),), 40, 8, priority=7)
+    placement = Placement("r1", "p0", "d0", PrefixPlan(0, 0, 40), 0.5, 0.01, 10.5, "kvcentric", "test")
+    view.note_placement(placement, request, now=10.1)
+    (p,) = view.snapshot(now=10.1).prefills
+    assert [(q.prompt_len, q.priority, q.admitted) for q in p.queue] == [
+        (64, 3, True),
+        (32, -2, False),
+        (16, 0, False),  # a malformed priority or flag reads as the defaults
+        (40, 7, False),  # the placement itself, until a report names it: waiting, at its priority
+    ]

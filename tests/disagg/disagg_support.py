@@ -304,8 +304,11 @@ class DisaggStack:
             reply.logprobs = lp["token_logprobs"] if lp else []
         return reply
 
-    def burst(self, prompts: list[list[int]], max_tokens: int) -> list[Reply]:
-        """Send every prompt at once (non-streamed) and return the replies in order.
+    def burst(
+        self, prompts: list[list[int]], max_tokens: int, extras: list[dict[str, Any]] | None = None
+    ) -> list[Reply]:
+        """Send every prompt at once (non-streamed; ``extras``: more fields for each request's body)
+        and return the replies in order.
 
         Like many remote clients, not one busy local one: bodies are encoded up front and one
         connection pool serves every thread, so the client's own CPU (a fresh ``httpx`` client per
@@ -313,8 +316,8 @@ class DisaggStack:
         """
         bodies = [
             json.dumps({"model": MODEL_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                        "ignore_eos": True}).encode()
-            for ids in prompts
+                        "ignore_eos": True, **extra}).encode()
+            for ids, extra in zip(prompts, extras or [{}] * len(prompts), strict=True)
         ]  # fmt: skip
         headers = {"content-type": "application/json"}
         limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))

@@ -7,7 +7,9 @@ not room. The stack first learns its speed as a burst sees it: sequential reques
 cost models, a burst of the same size the measured/predicted correction (on these two shared cores
 the gateway's intake of a burst slows every prefill, which no quiet request shows). After a warm-up
 burst half the size, one CI run accepted 40 of the measured burst and 9 missed the SLO; with a
-warm-up as large as the burst, 7 runs (4 with a core kept busy) accepted 18-35, none missing."""
+warm-up as large as the burst, 7 runs (4 with a core kept busy) accepted 18-35, none missing.
+A burst with some requests urgent (a lower ``priority``) accepts every urgent one: only the urgent
+work counts in their predicted queue, and the engines serve them first."""
 
 from __future__ import annotations
 
@@ -48,3 +50,17 @@ def test_a_burst_beyond_the_slo_is_rejected_early_and_the_accepted_meet_it(
         assert statistics.median(measured) <= SLO_MS / 1000
         within = sum(t <= SLO_MS / 1000 for t in measured)
         assert within >= 0.8 * len(measured), sorted(measured)
+        # The same burst with every tenth request urgent (priority -1, served first by the engines):
+        # only the urgent work queued counts in an urgent request's predicted TTFT, so the burst's
+        # load turns none of them away, and they come first.
+        urgent = {i for i in range(0, BURST, 10)}
+        extras = [{"priority": -1 if i in urgent else 0} for i in range(BURST)]
+        replies = s.burst([prompt(1500, seed=600 + i) for i in range(BURST)], max_tokens=2, extras=extras)
+        assert {r.status for i, r in enumerate(replies) if i in urgent} == {200}, [r.body for r in replies]
+        assert any(r.status == 429 for r in replies), [r.status for r in replies]
+        accepted = sum(r.status == 200 for r in replies)
+        recent = s.get("conductor", "conductor", f"/placements/recent?limit={accepted}")["placements"]
+        by_priority = {p: [r["measured_ttft_s"] for r in recent if r["priority"] == p] for p in (-1, 0)}
+        assert len(by_priority[-1]) == len(urgent) and None not in by_priority[-1]
+        print("measured TTFT by priority:", {p: sorted(t) for p, t in by_priority.items()})
+        assert statistics.median(by_priority[-1]) < statistics.median(by_priority[0]), by_priority

@@ -229,6 +229,19 @@ def test_priority_serves_the_lower_value_first(ckpt: Path) -> None:
             engine.add_request("bad", [1, 2], greedy(2), priority=bad)  # type: ignore[arg-type]
 
 
+def test_the_load_reports_rows_carry_priority_and_admission(ckpt: Path) -> None:
+    """What the conductor orders a request's queue by (yutu.sched.QueuedPrefill): each prompt's
+    priority, and whether the engine admitted it (its chunks run before any waiting prompt's)."""
+    engine = make_engine(ckpt, max_num_seqs=1, max_num_batched_tokens=16)
+    for i, (rid, priority) in enumerate([("a", 2), ("b", -1)]):
+        engine.add_request(rid, prompt(40, seed=60 + i), greedy(2), priority=priority)
+    queued, decoding = engine.queue_snapshot()
+    assert queued == [[40, 0, 0, "b", -1, False], [40, 0, 0, "a", 2, False]] and decoding == []
+    engine.step()  # b's first chunk of 16
+    queued, _ = engine.queue_snapshot()
+    assert queued == [[40, 0, 0, "a", 2, False], [40, 0, 16, "b", -1, True]]
+
+
 def test_prompt_logprobs_refuse_kv_from_elsewhere(ckpt: Path) -> None:
     engine = make_engine(ckpt)
     scored = greedy(4, prompt_logprobs=0)

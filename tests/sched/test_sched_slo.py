@@ -183,3 +183,41 @@ def test_no_early_rejection_before_the_models_are_calibrated() -> None:
     assert guess.prefill.calibrated and guess.decode.calibrated
     rejected = policy.place(view, request(), now=0.0)
     assert rejected.__class__.__name__ == "Rejection"
+
+
+def test_only_the_prompts_served_before_a_request_count_in_its_ttft() -> None:
+    """The engines serve by priority (a lower value first), then first come first served, and finish
+    the prompts they admitted before any waiting one starts: a request's predicted queue is the
+    admitted prompts and the waiting ones of its priority or a lower value."""
+    queue = (
+        QueuedPrefill(4096, priority=5, admitted=True, computed_tokens=1024),  # 3 s left, running
+        QueuedPrefill(2048, priority=0),  # 2 s waiting
+        QueuedPrefill(1024, priority=-1),  # 1 s waiting
+        QueuedPrefill(8192, priority=3),  # 8 s waiting
+    )
+    view = cluster((prefill("p0", queue=queue),), (decode("d0"),))
+    policy = policy_by_name("kvcentric", costs=costs(), slo_ttft_s=8.0)
+    expected = {-2: 3.0, -1: 4.0, 0: 6.0, 2: 6.0, 3: 14.0, 9: 14.0}
+    for priority, queued in expected.items():
+        req = RequestView("r1", request().block_keys, PROMPT, 8, priority=priority)
+        out = policy.place(view, req, 0.0)
+        assert out.ttft_s == queued + prefill_time(PROMPT), priority
+        # The SLO admits what the engines serve in time and rejects what would wait behind 14 s.
+        assert isinstance(out, Placement) if priority < 3 else isinstance(out, Rejection), priority
+    with pytest.raises(ValueError, match="priority"):
+        RequestView("r1", (), PROMPT, 8, priority=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="priority"):
+        QueuedPrefill(10, priority=True)
+
+
+def test_a_decode_prefilling_itself_counts_only_the_prefills_ahead_of_the_request() -> None:
+    """Without a prefill instance the decode instance prefills: its own queued prompts count as a
+    prefill instance's do, by priority."""
+    d0 = decode("d0", prefills=(QueuedPrefill(2048, priority=0), QueuedPrefill(1024, priority=-1)))
+    view = cluster((), (d0,))
+    policy = policy_by_name("kvcentric", costs=costs())
+    for priority, queued in ((-5, 0.0), (-1, 1.0), (0, 3.0)):
+        req = RequestView("r1", request().block_keys, PROMPT, 8, priority=priority)
+        out = policy.place(view, req, 0.0)
+        assert isinstance(out, Placement) and out.prefill_id is None
+        assert out.ttft_s == queued + prefill_time(PROMPT), priority

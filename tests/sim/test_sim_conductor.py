@@ -71,7 +71,7 @@ def conductor_view(sim: Simulation) -> GlobalView:
     snap = sim.view(T)
     for seq, p in enumerate(snap.prefills, 1):
         jobs = sim.prefills[seq - 1].queue
-        rows = [[q.prompt_len, q.reused_tokens, q.computed_tokens, f"r{job.record.index}"]
+        rows = [[q.prompt_len, q.reused_tokens, q.computed_tokens, f"r{job.record.index}", q.priority, q.admitted]
                 for q, job in zip(p.queue, jobs, strict=True)]  # fmt: skip
         view.on_report(_report(p.instance_id, "prefill", seq, p.free_blocks, queued=rows), T)
         cached = [int(k, 16) for k in sim.prefills[seq - 1].cache.keys()]

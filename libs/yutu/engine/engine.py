@@ -577,17 +577,19 @@ class LLMEngine:
         return len(self._held)
 
     def queue_snapshot(self) -> tuple[list[list[Any]], list[list[int]]]:
-        """(prefill work left: [prompt_len, reused, computed, request_id] per request not yet past
-        its prompt, decodes: [context_tokens, tokens it may still generate] per running sequence) --
-        the load report's view of this engine."""
+        """(prefill work left: [prompt_len, reused, computed, request_id, priority, admitted] per
+        request not yet past its prompt -- admitted: its blocks taken, its chunks run before any
+        waiting prompt's -- and decodes: [context_tokens, tokens it may still generate] per running
+        sequence) -- the load report's view of this engine."""
         queued: list[list[Any]] = []
         decoding: list[list[int]] = []
         for seq in [c.seq for c in self._compiling.values()] + list(self.scheduler.waiting):
-            queued.append([seq.num_tokens, 0, 0, seq.seq_id])
+            queued.append([seq.num_tokens, 0, 0, seq.seq_id, seq.priority, False])
         for seq in list(self.scheduler.loading.values()) + self.scheduler.running:
             if seq.num_computed_tokens + 1 < seq.num_tokens:  # still in its prompt (or a recompute)
                 reused = seq.num_cached_tokens or 0
-                queued.append([seq.num_tokens, reused, max(0, seq.num_computed_tokens - reused), seq.seq_id])
+                computed = max(0, seq.num_computed_tokens - reused)
+                queued.append([seq.num_tokens, reused, computed, seq.seq_id, seq.priority, True])
             else:
                 decoding.append([seq.num_tokens, max(0, seq.params.max_tokens - seq.num_output_tokens)])
         return queued, decoding

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("conductor", version=3)
+CHANNEL = Channel("conductor", version=4)  # 4: Place.priority
 
 
 @CHANNEL.message("place")
@@ -33,6 +33,7 @@ class Place:
     max_tokens: int
     exclude: list[str]  # instance ids not to use (a retry after one of them failed)
     waited_s: float = 0.0  # how long the request already waited in the front end (counts in its TTFT)
+    priority: int = 0  # served before higher values, after lower ones (yutu.engine.scheduler)
 
 
 @CHANNEL.message("placement")

@@ -15,7 +15,7 @@ from typing import Any
 
 from yutu.protocol.codec import Channel
 
-CHANNEL = Channel("load", version=2)
+CHANNEL = Channel("load", version=3)  # 3: a queued row carries its priority and admitted
 
 
 @CHANNEL.message("load")
@@ -31,8 +31,9 @@ class LoadReport:
     free_blocks: int
     total_blocks: int
     block_size: int
-    # Prefill work not done yet, one [prompt_len, reused_prefix_len, computed_tokens, request_id]
-    # per request: the conductor counts a placement as pending until a report names it here.
+    # Prefill work not done yet, one [prompt_len, reused_prefix_len, computed_tokens, request_id,
+    # priority, admitted] per request (admitted: the engine took it on, its chunks run before any
+    # waiting prompt's): the conductor counts a placement as pending until a report names it here.
     queued: list[list[Any]] = field(default_factory=list)
     # Running decodes, one [context_tokens, remaining_max_tokens] per sequence.
     decoding: list[list[int]] = field(default_factory=list)

@@ -14,10 +14,12 @@ Fetching all of ``[local, reach)`` or none is exact under the cost models: with 
 ``a + b*n + c*(L^2 - p^2)`` (``n*(L+p) = L^2 - p^2``) the time saved is convex in the fetched length
 and the transfer time is affine in it, so their difference peaks at an end of the range.
 
-TTFT on a prefill instance = queue (predicted compute of everything queued there) + transfer +
-prefill, as in Algorithm 1 (no overlap assumed). On a decode instance prefilling locally, the queue is
-the step it is running now (the prompt's chunk rides the next step) and the prefills it already
-took on.
+TTFT on a prefill instance = queue (predicted compute of everything queued there that runs before
+the request) + transfer + prefill, as in Algorithm 1 (no overlap assumed). What runs before it: the
+prompts the engine admitted, then the waiting ones of its priority or a lower value (the engines
+serve by priority, then first come first served). On a decode instance prefilling locally, the
+queue is the step it is running now (the prompt's chunk rides the next step) and the prefills it
+already took on that run before the request.
 """
 
 from __future__ import annotations
@@ -85,10 +87,13 @@ def plan_prefix(
     return plan, reach, transfer_s, decision
 
 
-def queue_time(queue: Sequence[QueuedPrefill], costs: CostModels) -> float:
-    """Predicted compute time of the prefills of ``queue`` (an instance's, queued or running)."""
+def queue_time(queue: Sequence[QueuedPrefill], costs: CostModels, priority: int = 0) -> float:
+    """Predicted compute time of the prefills of ``queue`` (an instance's, queued or running) that run
+    before a request of ``priority`` placed there now."""
     return sum(
-        costs.prefill.predict(q.prompt_len, q.done_tokens) for q in queue if q.done_tokens < q.prompt_len
+        costs.prefill.predict(q.prompt_len, q.done_tokens)
+        for q in queue
+        if q.done_tokens < q.prompt_len and q.runs_before(priority)
     )
 
 

@@ -191,7 +191,7 @@ class Placer(ABC):
                 p.instance_id,
                 p.cached,
                 p.bandwidth_bps,
-                queue_time(p.queue, self.costs),
+                queue_time(p.queue, self.costs, request.priority),
                 self.costs,
                 self.options.balancing_threshold,
             )
@@ -236,7 +236,8 @@ class Placer(ABC):
         """``d`` prefilling the request itself: the step it runs now and the prefills it took on are
         its queue. With ``overflow`` (a prefill instance could take it instead): None unless ``d`` can
         afford the stall."""
-        wait = (step_now(d, self.costs.decode) if d.running else 0.0) + queue_time(d.prefills, self.costs)
+        stepping = step_now(d, self.costs.decode) if d.running else 0.0
+        wait = stepping + queue_time(d.prefills, self.costs, request.priority)
         est = estimate(
             view,
             request,

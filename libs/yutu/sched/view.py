@@ -31,6 +31,11 @@ def _check_count(name: str, value: int, minimum: int = 0) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_priority(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
 def _check_seconds(name: str, value: float, *, positive: bool = False) -> None:
     bad = not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
     if bad or value < 0 or (positive and value == 0):
@@ -45,7 +50,9 @@ class RequestView:
     ``block_keys`` holds the keys of the prompt's full blocks, in order (a partial tail block has
     none); ``ClusterView.check_request`` verifies there are at most ``prompt_len // block_size``.
     ``waited_s`` is how long the request already waited before it asked to be placed (in a busy
-    front end): its client counts it in the TTFT, so the TTFT SLO does too.
+    front end): its client counts it in the TTFT, so the TTFT SLO does too. ``priority``: the
+    engines serve a lower value first (vLLM's; 0 by default), so only the queued prompts that run
+    before it count in its wait (:meth:`QueuedPrefill.runs_before`).
     """
 
     request_id: str
@@ -53,6 +60,7 @@ class RequestView:
     prompt_len: int
     max_tokens: int
     waited_s: float = 0.0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_count("RequestView.prompt_len", self.prompt_len, 1)
@@ -65,6 +73,7 @@ class RequestView:
             )
         if not isinstance(self.block_keys, tuple):
             raise ValueError("RequestView.block_keys must be a tuple of hex keys (pass tuple(keys))")
+        _check_priority("RequestView.priority", self.priority)
 
 
 @dataclass(frozen=True)
@@ -73,17 +82,22 @@ class QueuedPrefill:
 
     Its remaining work is tokens ``[reused_tokens + computed_tokens, prompt_len)``: ``reused_tokens``
     came from a cache (local or store) and ``computed_tokens`` were already computed by chunked prefill
-    (0 for a prompt still waiting).
+    (0 for a prompt still waiting). ``priority`` is its request's; ``admitted``: the engine took it
+    on (its blocks are allocated, its chunks run), so it ends before any waiting prompt starts,
+    whatever their priorities.
     """
 
     prompt_len: int
     reused_tokens: int = 0
     computed_tokens: int = 0
+    priority: int = 0
+    admitted: bool = False
 
     def __post_init__(self) -> None:
         _check_count("QueuedPrefill.prompt_len", self.prompt_len, 1)
         _check_count("QueuedPrefill.reused_tokens", self.reused_tokens)
         _check_count("QueuedPrefill.computed_tokens", self.computed_tokens)
+        _check_priority("QueuedPrefill.priority", self.priority)
         if self.reused_tokens + self.computed_tokens > self.prompt_len:
             raise ValueError(
                 f"QueuedPrefill: reused ({self.reused_tokens}) + computed ({self.computed_tokens}) tokens "
@@ -94,6 +108,11 @@ class QueuedPrefill:
     def done_tokens(self) -> int:
         """Tokens whose KV exists already: reused plus computed."""
         return self.reused_tokens + self.computed_tokens
+
+    def runs_before(self, priority: int) -> bool:
+        """Whether this prompt's prefill runs before that of a request of ``priority`` queued after
+        it: admitted, or waiting with a priority no higher (equals are served first come first)."""
+        return self.admitted or self.priority <= priority
 
 
 @dataclass(frozen=True)

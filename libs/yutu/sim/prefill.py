@@ -109,4 +109,4 @@ class PrefillInstance:
         done = 0
         if now > compute_start and job.record.prefill_s > 0:
             done = min(todo - 1, int(todo * (now - compute_start) / job.record.prefill_s))
-        return QueuedPrefill(length, job.reused_tokens, max(0, done))
+        return QueuedPrefill(length, job.reused_tokens, max(0, done), admitted=True)
