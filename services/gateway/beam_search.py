@@ -10,8 +10,9 @@ the finished ones and the ``width`` best are the choices. A round's sequences sh
 last tokens with the round before, so the prefix cache computes little more than those.
 
 The width is the request's ``n`` (at most 10: twice that many alternatives per token is the API's
-limit of 20). Beam search answers whole responses; what it does not use (sampling, penalties,
-stop conditions, logprobs, structured outputs, tools) is refused, not ignored.
+limit of 20). What it does not use (sampling, penalties, stop conditions, logprobs, structured
+outputs, tools) is refused, not ignored. Streamed, it is what vLLM's server sends: the beams are
+known only when the search ends, so then each choice's text comes in one piece, with its finish.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _APPLIES = frozenset(
         "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "use_beam_search",
         "length_penalty", "ignore_eos", "echo", "user", "skip_special_tokens", "truncate_prompt_tokens",
         "cache_salt", "priority", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-        "documents", "add_special_tokens", "chat_template", "return_token_ids",
+        "documents", "add_special_tokens", "chat_template", "return_token_ids", "stream", "stream_options",
     }
 )  # fmt: skip
 _ids = itertools.count()
@@ -68,8 +69,6 @@ def check_beam_search(req: _GenerationRequest) -> None:
     """400s for a beam search request that sets what beam search does not use, or a bad width."""
     if not req.use_beam_search:
         return
-    if req.stream:
-        raise invalid("beam search answers whole responses: set stream false", "stream")
     if not 1 <= req.n <= MAX_WIDTH:
         raise invalid(f"n is the beam width with use_beam_search: 1 to {MAX_WIDTH}", "n")
     if req.temperature not in (None, 0):
@@ -77,7 +76,7 @@ def check_beam_search(req: _GenerationRequest) -> None:
             "beam search ranks by the model's logprobs: leave temperature unset (or 0)", "temperature"
         )
     defaults = type(req).model_fields
-    for name in sorted(req.model_fields_set - _APPLIES - {"temperature", "stream"}):
+    for name in sorted(req.model_fields_set - _APPLIES - {"temperature"}):
         if getattr(req, name) != defaults[name].get_default(call_default_factory=True):
             raise invalid(f"{name} does not apply to beam search: leave it unset", name)
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from starlette.responses import StreamingResponse
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
-from services.gateway.beam_search import check_beam_search, search
+from services.gateway.beam_search import Searched, check_beam_search, search
 from services.gateway.chunks import chat_choice, chat_chunk
 from services.gateway.deps import GatewayDep
 from services.gateway.errors import invalid
@@ -39,9 +40,18 @@ from services.gateway.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    Usage,
 )
 from services.gateway.service import GatewayService
-from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
+from services.gateway.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientGone,
+    EventStream,
+    error_event,
+    event,
+    unless_disconnected,
+)
 from services.gateway.structured import grammar_for
 from services.gateway.tool_parsers import parser_named
 from services.gateway.tools import ChoiceStream, ToolPlan, tool_plan
@@ -153,9 +163,10 @@ async def _beam_search(
         gw.settings.reasoning_parser, gw.tokenizer, prompt, constrained=False, shown=body.include_reasoning
     )
     skip = skip_special_tokens_for(thinking, body.skip_special_tokens)
+    texts = [gw.tokenizer.decode(beam.tokens, skip) for beam in result.beams]
     choices = []
-    for j, beam in enumerate(result.beams):
-        reasoning, content = _split(thinking, gw.tokenizer.decode(beam.tokens, skip))
+    for j, (beam, text) in enumerate(zip(result.beams, texts, strict=True)):
+        reasoning, content = _split(thinking, text)
         shown = _shown(thinking, reasoning)
         choices.append(ChatChoice(
             index=j,
@@ -164,11 +175,66 @@ async def _beam_search(
             finish_reason=beam.finish_reason,
             token_ids=list(beam.tokens) if body.return_token_ids else None,
         ))  # fmt: skip
+    usage = beam_usage([prompt], [result])
     response = ChatCompletionResponse(
-        id=request_id, created=created, model=gw.model_name, choices=choices, usage=beam_usage([prompt], [result]),
+        id=request_id, created=created, model=gw.model_name, choices=choices, usage=usage,
         prompt_token_ids=prompt if body.return_token_ids else None,
     )  # fmt: skip
+    if body.stream:
+        return _beam_stream(body, response, usage, result, texts, thinking)
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _beam_stream(
+    body: ChatCompletionRequest, response: ChatCompletionResponse, usage: Usage, result: Searched,
+    texts: list[str], thinking: Thinking | None,
+) -> Response:  # fmt: skip
+    """A beam search's ``response`` streamed as vLLM's server streams it (services/gateway/beam_search.py):
+    each choice's role, then its whole output through the deltas a streamed choice makes (the
+    reasoning first, with a parser), its finish; the usage if asked; [DONE]."""
+    options = body.stream_options
+    continuous = usage.model_dump() if options is not None and options.continuous_usage_stats else None
+    ids = body.return_token_ids
+
+    def chunk(choice: dict[str, Any], prompt_token_ids: list[int] | None = None) -> str:
+        return chat_chunk(
+            response.id, response.created, response.model, [choice], continuous, prompt_token_ids
+        )
+
+    indices = range(len(result.beams))
+    events = list(_openings(chunk, indices, "", response.prompt_token_ids, chat_echo(body)))
+    for index, beam, text in zip(indices, result.beams, texts, strict=True):
+        stream = ChoiceStream(
+            index, ToolPlan("none"), ids, None if thinking is None else ReasoningSplit(thinking)
+        )
+        deltas, finish_reason = stream.feed(text, None, beam.finish_reason, beam.tokens)
+        events += map(chunk, deltas)
+        events.append(chunk(chat_choice(index, finish_reason=finish_reason)))
+    if options is not None and options.include_usage:
+        events.append(
+            event(ChatCompletionChunk(id=response.id, created=response.created, model=response.model, choices=[],
+                                      usage=usage))
+        )  # fmt: skip
+    return StreamingResponse(
+        iter(["".join(events) + DONE]), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+def _openings(
+    chunk: Callable[..., str],
+    indices: Iterable[int],
+    opening: str | None,
+    prompt_ids: list[int] | None,
+    echo: str,
+) -> Iterator[str]:
+    """What a streamed response starts with: each choice's role (with ``opening`` as content: "",
+    or None where the output is tool calls; vLLM's ``prompt_ids`` on each role chunk), as OpenAI
+    sends it, then with ``echo`` each choice's echoed content (vLLM's), before any generated."""
+    yield "".join(
+        chunk(chat_choice(index, role="assistant", content=opening), prompt_ids) for index in indices
+    )
+    if echo:
+        yield "".join(chunk(chat_choice(index, content=echo)) for index in indices)
 
 
 def _split(thinking: Thinking | None, text: str) -> tuple[str | None, str]:
@@ -236,19 +302,11 @@ async def _stream(
     tail = ""
     try:
         async with gen:
-            # The role comes first, once per choice, as OpenAI sends it (with "" as content, unless
-            # the output is tool calls).
+            # The choices share one prompt (vLLM's return_token_ids: its ids on each role chunk).
+            prompt_ids = gen.choices[min(gen.choices)].spec.prompt_ids if ids else None
             opening = None if plan.calls else ""
-            yield "".join(
-                chunk(
-                    chat_choice(index, role="assistant", content=opening),
-                    gen.choices[index].spec.prompt_ids if ids else None,  # vLLM's: on each role chunk
-                )
-                for index in sorted(gen.choices)
-            )
-            echo = chat_echo(body)
-            if echo:  # vLLM's: the echoed content comes next, before any generated
-                yield "".join(chunk(chat_choice(index, content=echo)) for index in sorted(gen.choices))
+            for opened in _openings(chunk, sorted(gen.choices), opening, prompt_ids, chat_echo(body)):
+                yield opened
             async for update in gen.updates():
                 lp = chat_logprobs(update.tokens, gw.token_text, as_ids) if logprobs else None
                 deltas, finish_reason = streams[update.index].feed(

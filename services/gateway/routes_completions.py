@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from starlette.responses import StreamingResponse
 from yutu.errors import ErrorKind, YutuError
 
 from services.gateway.auth import require_api_key
@@ -40,7 +41,15 @@ from services.gateway.schemas import (
     Usage,
 )
 from services.gateway.service import GatewayService
-from services.gateway.streaming import DONE, ClientGone, EventStream, error_event, event, unless_disconnected
+from services.gateway.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientGone,
+    EventStream,
+    error_event,
+    event,
+    unless_disconnected,
+)
 from services.gateway.structured import grammar_for
 from services.gateway.valid_text import require_valid_text
 
@@ -162,14 +171,31 @@ async def _beam_search(
         for p, result in enumerate(results)
         for j, beam in enumerate(result.beams)
     ]
+    usage = beam_usage(prompts, results)
     response = CompletionResponse(
-        id=request_id,
-        created=created,
-        model=gw.model_name,
-        choices=choices,
-        usage=beam_usage(prompts, results),
+        id=request_id, created=created, model=gw.model_name, choices=choices, usage=usage
     )
+    if body.stream:
+        return _beam_stream(body, response, usage)
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _beam_stream(body: CompletionRequest, response: CompletionResponse, usage: Usage) -> Response:
+    """A beam search's ``response`` streamed as vLLM's server streams it (services/gateway/beam_search.py):
+    each choice in one chunk, its text and finish reason; the usage if asked; [DONE]."""
+    options = body.stream_options
+    continuous = usage.model_dump() if options is not None and options.continuous_usage_stats else None
+    events = [completion_chunk(response.id, response.created, response.model, c.index, c.text, None,
+                               c.finish_reason, None, continuous, c.prompt_token_ids, c.token_ids)
+              for c in response.choices]  # fmt: skip
+    if options is not None and options.include_usage:
+        tail = CompletionChunk(
+            id=response.id, created=response.created, model=response.model, choices=[], usage=usage
+        )
+        events.append(event(tail))
+    return StreamingResponse(
+        iter(["".join(events) + DONE]), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 def beam_usage(prompts: list[list[int]], results: list[Searched]) -> Usage:

@@ -3,6 +3,7 @@ on the model's own logits (the algorithm vLLM's server runs, spelled out indepen
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -108,10 +109,46 @@ def test_beam_search_on_chat_and_on_several_prompts(stack: Stack, model: torch.n
     assert both.json()["usage"]["prompt_tokens"] == len(tok.encode(PROMPT)) + len(tok.encode("a b c"))
 
 
+def sse_payloads(stack: Stack, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_beam_search_streamed_as_vllm_streams_it(stack: Stack) -> None:
+    """Streamed, a beam search sends what its whole response holds once the search ends: each
+    completion choice in one chunk (text, finish reason, ids); a chat choice's role, its content and
+    its finish; the usage last where asked (and on every chunk with continuous_usage_stats)."""
+    body = {"model": MODEL_NAME, "prompt": [PROMPT, "a b c"], "max_tokens": 4, "n": 2, "use_beam_search": True,
+            "echo": True, "return_token_ids": True}  # fmt: skip
+    whole = post(stack, "/v1/completions", body).json()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *chunks, last = sse_payloads(stack, "/v1/completions", {**body, "stream_options": options})
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert all(c["usage"] == whole["usage"] and len(c["choices"]) == 1 for c in chunks)
+    streamed = sorted((c["choices"][0] for c in chunks), key=lambda choice: choice["index"])
+    keys = ("index", "text", "finish_reason", "prompt_token_ids", "token_ids")
+    assert [{k: c[k] for k in keys} for c in streamed] == [{k: c[k] for k in keys} for c in whole["choices"]]
+
+    messages = [{"role": "user", "content": "Tell a story"}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    whole = post(stack, "/v1/chat/completions", body).json()
+    chunks = sse_payloads(stack, "/v1/chat/completions", body)
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    for choice in whole["choices"]:
+        deltas = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert deltas[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == choice["message"]["content"]
+        assert [d["finish_reason"] for d in deltas][-1] == choice["finish_reason"]
+        assert all(d["finish_reason"] is None for d in deltas[:-1])
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/completions", {"stream": True}, "stream"),
         ("/v1/completions", {"n": 11}, "n"),
         ("/v1/completions", {"temperature": 0.7}, "temperature"),
         ("/v1/completions", {"top_p": 0.5}, "top_p"),

@@ -319,3 +319,25 @@ def test_earlier_thinking_sent_back_is_rendered(stack: Stack) -> None:
     with_reasoning = tokens({"reasoning": "thought"})
     assert with_reasoning == tokens({"reasoning_content": "thought"})
     assert THINK in with_reasoning and with_reasoning != tokens({})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"open_thinking": True}], ids=["output-decides", "prompt-opens"])
+def test_beam_search_beams_split_whole_and_streamed(stack: Stack, kwargs: dict[str, Any]) -> None:
+    """use_beam_search's beams go through the same split: each choice's reasoning and answer, whole
+    and streamed (each choice whole once the search ends), alike."""
+    args = ask(
+        stack.thinking,
+        max_tokens=6,
+        n=2,
+        extra_body={"use_beam_search": True, "chat_template_kwargs": kwargs},
+    )
+    whole, chunks = whole_and_streamed(stack.thinking, **args)
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        whole_split = (reasoning_of(choice.message), choice.message.content or "")  # "": the role chunk's
+        assert whole_split == (
+            joined(chunks, "reasoning", choice.index),
+            joined(chunks, "content", choice.index),
+        )
+    if kwargs:  # the prompt opened the thinking: the beams think
+        assert all(reasoning_of(choice.message) is not None for choice in whole.choices)
