@@ -62,6 +62,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("qwen3_moe", 37, {"mlp_only_layers": [1]}),
         ("mixtral", 37, {"sliding_window": 24}),
         ("mistral", 37, {"sliding_window": 24}),
+        ("phi3", 37, {"sliding_window": 24}),
     ],
 )
 def test_greedy_matches_transformers(

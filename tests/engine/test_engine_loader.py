@@ -17,6 +17,7 @@ from yutu.engine.loader import (
     expected_weight_shapes,
     load_model,
     parameter_name,
+    parameter_parts,
 )
 from yutu.engine.model_config import ModelConfig, UnsupportedModelError
 from yutu.engine.model_source import resolve_model
@@ -255,6 +256,78 @@ def test_config_mixtures_of_experts() -> None:
         ModelConfig.from_hf_dict({**MIXTRAL_8X7B, "num_experts_per_tok": 9})
 
 
+PHI_4: dict[str, Any] = {  # microsoft/phi-4's config.json
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 100257,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 17920,
+    "max_position_embeddings": 16384,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 10,
+    "original_max_position_embeddings": 16384,
+    "pad_token_id": 100257,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 250000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+
+
+def test_config_phi3() -> None:
+    """Phi-4 (Phi3ForCausalLM): Llama's shape, no biases, q/k/v and gate/up each one tensor in the
+    checkpoint, split into the model's projections; a sliding window on every layer where set
+    (2047 in a Phi-3 config); LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) and partial rotation refused."""
+    c = ModelConfig.from_hf_dict(PHI_4)
+    assert (c.model_type, c.num_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling) == (
+        "phi3",
+        10,
+        128,
+        250000.0,
+        None,
+    )
+    assert not (c.attention_bias or c.o_proj_bias or c.mlp_bias or c.qk_norm) and c.sliding_window is None
+    shapes = expected_weight_shapes(c)
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (5120 + 2 * 1280, 5120)
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 17920, 5120)
+    assert (
+        "model.layers.0.self_attn.q_proj.weight" not in shapes
+        and "model.layers.0.mlp.up_proj.weight" not in shapes
+    )
+    small = ModelConfig.from_hf_dict({**PHI_4, "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                      "head_dim": 4, "intermediate_size": 3})  # fmt: skip
+    qkv = torch.arange(16 * 8).reshape(16, 8)
+    parts = parameter_parts(small, "model.layers.3.self_attn.qkv_proj.weight", qkv)
+    assert [name for name, _ in parts] == [
+        f"model.layers.3.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")
+    ]
+    assert [t.tolist() for _, t in parts] == [qkv[:8].tolist(), qkv[8:12].tolist(), qkv[12:].tolist()]
+    gate_up = torch.arange(6 * 8).reshape(6, 8)
+    (gate, g), (up, u) = parameter_parts(small, "model.layers.3.mlp.gate_up_proj.weight", gate_up)
+    assert (gate, up) == ("model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")
+    assert (g.tolist(), u.tolist()) == (gate_up[:3].tolist(), gate_up[3:].tolist())
+    assert parameter_parts(small, "model.norm.weight", qkv) == [("model.norm.weight", qkv)]
+    mini = ModelConfig.from_hf_dict({**PHI_4, "sliding_window": 2047, "num_hidden_layers": 32})
+    assert mini.sliding_window == 2047 and mini.sliding_window_layers == tuple(range(32))
+    longrope = {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}
+    with pytest.raises(UnsupportedModelError, match="rope_type='longrope' is not supported"):
+        ModelConfig.from_hf_dict({**PHI_4, "rope_scaling": longrope})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.75"):
+        ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.75})
+
+
 def test_config_qwen3() -> None:
     """Qwen3: no biases unless attention_bias (then on the output projection too), a head width of
     its own (128 where config.json says none, as transformers' Qwen3Config), q/k norms."""
@@ -281,7 +354,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -453,6 +526,6 @@ def test_resolve_unreachable_hub_id() -> None:
 
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
-        ValueError, match="arch must be one of llama, qwen2, qwen3, mistral, qwen3_moe, mixtral"
+        ValueError, match="arch must be one of llama, qwen2, qwen3, mistral, phi3, qwen3_moe, mixtral"
     ):
         tiny_hf_config("gpt2")

@@ -70,6 +70,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     ),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
+    "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     "qwen3-moe": ("qwen3_moe", {}),
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
     "qwen3-moe-mixed-top1": (
@@ -244,6 +246,7 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         (torch.float32, {"arch": "qwen3"}, 1e-5),  # q/k norms between the product and the rotation
         (torch.bfloat16, {"arch": "qwen3", "attention_bias": True}, 1e-3),
         (torch.float32, {"arch": "mixtral"}, 1e-5),  # every expert's gate and up fused
+        (torch.float32, {"arch": "phi3"}, 1e-5),  # fused again from the checkpoint's fused tensors
     ],
 )
 def test_fused_projections_compute_what_the_separate_ones_do(

@@ -95,10 +95,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        for name, out_dim in (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)):
-            shapes[p + f"self_attn.{name}.weight"] = (out_dim, h)
-            if config.attention_bias:
-                shapes[p + f"self_attn.{name}.bias"] = (out_dim,)
+        if config.model_type == "phi3":  # q, k and v as one tensor (parameter_parts)
+            shapes[p + "self_attn.qkv_proj.weight"] = (qd + 2 * kvd, h)
+        else:
+            for name, out_dim in (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)):
+                shapes[p + f"self_attn.{name}.weight"] = (out_dim, h)
+                if config.attention_bias:
+                    shapes[p + f"self_attn.{name}.bias"] = (out_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, qd)
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
@@ -108,6 +111,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if n in config.moe_layers:
             shapes.update(_expert_shapes(config, p))
+        elif config.model_type == "phi3":  # gate and up as one tensor (parameter_parts)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         else:
             for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
                 shapes[p + f"mlp.{name}.weight"] = shape
@@ -148,6 +154,26 @@ def parameter_name(config: ModelConfig, name: str) -> str:
         for theirs, ours in _MIXTRAL_NAMES.items():
             name = name.replace(theirs, ours)
     return name
+
+
+def parameter_parts(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters that checkpoint tensor ``name`` fills, each with its rows of it: one,
+    whole, except where a checkpoint stores projections fused (Phi-3's ``qkv_proj`` holds q, k and v
+    one after another, ``gate_up_proj`` gate then up)."""
+    if config.model_type == "phi3":
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            kvd = config.num_kv_heads * config.head_dim
+            sizes, parts = [config.num_heads * config.head_dim, kvd, kvd], ["q_proj", "k_proj", "v_proj"]
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            sizes, parts = [config.intermediate_size] * 2, ["gate_proj", "up_proj"]
+        else:
+            return [(name, tensor)]
+        fused = name.rsplit(".", 2)[-2]
+        return [
+            (name.replace(f".{fused}.", f".{part}."), rows)
+            for part, rows in zip(parts, tensor.split(sizes), strict=True)
+        ]
+    return [(parameter_name(config, name), tensor)]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -208,7 +234,8 @@ def load_model(
                             f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                             f"config.json implies {expected[name]}"
                         )
-                    params[parameter_name(config, name)].copy_(tensor.to(dtype=dtype))
+                    for target, rows in parameter_parts(config, name, tensor):
+                        params[target].copy_(rows.to(dtype=dtype))
                     loaded.add(name)
     missing = [name for name in expected if name not in loaded]
     if missing:

@@ -7,7 +7,9 @@ downstream -- model, loader, engine -- reads plain fields.
 Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
 (q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
 each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
-(sliding-window attention), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-4: Llama's shape with q/k/v and gate/up
+each stored as one fused tensor, a sliding window on every layer where set; LongRoPE and partial
+rotation are refused), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -138,7 +141,7 @@ class ModelConfig:
         # Which projections carry a bias differs per architecture.
         if model_type == "qwen2":
             attention_bias, o_proj_bias, mlp_bias = True, False, False
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             attention_bias, o_proj_bias, mlp_bias = False, False, False
         elif qwen3_family:  # one switch for q/k/v and the output projection
             attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
@@ -263,7 +266,7 @@ def _sliding_window(
         else:
             first = int(d.get("max_window_layers", 28))
             layers = tuple(range(first, num_layers))
-    else:  # mistral, mixtral: every layer
+    else:  # mistral, mixtral, phi3: every layer
         layers = tuple(range(num_layers))
     if not layers:
         return None, ()

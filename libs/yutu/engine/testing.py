@@ -39,6 +39,10 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralForCausalLM", {"sliding_window": None, "tie_word_embeddings": False}),
+    "phi3": (
+        "Phi3ForCausalLM",
+        {"sliding_window": None, "tie_word_embeddings": False, "rope_scaling": None, "pad_token_id": None},
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
