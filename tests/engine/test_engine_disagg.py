@@ -15,6 +15,7 @@ from yutu.engine.errors import InvalidRequestError
 from yutu.engine.sampling import SamplingParams
 from yutu.engine.scheduler import KVLoad
 from yutu.engine.sequence import RequestStatus
+from yutu.engine.testing import make_tiny_checkpoint
 
 from tests.engine.engine_support import make_engine, prompt
 
@@ -98,6 +99,21 @@ def test_prefill_then_decode_elsewhere_equals_one_engine(ckpt: Path, length: int
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_used_blocks == 0
     assert prefiller.num_held == 0 and not prefiller.release("r")
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3", "mixtral"])
+def test_other_architectures_hand_over_as_llama_does(tmp_path: Path, arch: str) -> None:
+    """The KV handed over is every layer's, whatever computes it: Gemma 3's sliding and full layers
+    (each rotated by its own base), Phi-3's, a mixture's -- prefill here, decode there, one engine's tokens."""
+    model_dir = make_tiny_checkpoint(tmp_path, arch, seed=4, sliding_window=16)
+    ids = prompt(40, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    prefiller, decoder = make_engine(model_dir), make_engine(model_dir)
+    first = prefill(prefiller, "g", ids, params)
+    rest = handoff(prefiller, first, decoder, ids, params)
+    ref = reference(model_dir, ids, params)
+    assert tokens([first, *rest]) == tokens(ref)
+    assert logprobs([first, *rest]) == pytest.approx(logprobs(ref), abs=1e-5)
 
 
 def test_seeded_sampling_continues_the_same_stream_after_a_handoff(ckpt: Path) -> None:

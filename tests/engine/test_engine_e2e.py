@@ -63,6 +63,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("mixtral", 37, {"sliding_window": 24}),
         ("mistral", 37, {"sliding_window": 24}),
         ("phi3", 37, {"sliding_window": 24}),
+        ("gemma3_text", 37, {"sliding_window": 24}),
     ],
 )
 def test_greedy_matches_transformers(

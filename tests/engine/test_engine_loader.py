@@ -328,6 +328,79 @@ def test_config_phi3() -> None:
         ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.75})
 
 
+GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "initializer_range": 0.02,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+
+
+def test_config_gemma3() -> None:
+    """Gemma 3 1B: GeGLU, norms scaling by 1 + weight on each block's input and output, q/k norms,
+    embeddings times sqrt(1152), scores times 256 ** -0.5; five sliding layers (window 512, RoPE
+    base 1e4) in six, the sixth full (1e6; transformers 5's rope_parameters read too, with a
+    scaling the 4B+ models' linear factor 8); soft-capping (Gemma 2) and bidirectional attention refused."""
+    c = ModelConfig.from_hf_dict(GEMMA_3_1B)
+    assert (c.model_type, c.hidden_act, c.norm_offset, c.sandwich_norms, c.qk_norm) == (
+        "gemma3_text", "gelu_pytorch_tanh", 1.0, True, True,
+    )  # fmt: skip
+    assert (c.embedding_scale, c.attention_scale) == (1152**0.5, 256**-0.5)
+    assert (c.rope_theta, c.rope_scaling, c.sliding_rope_theta, c.sliding_window) == (1e6, None, 1e4, 512)
+    assert c.sliding_window_layers == tuple(i for i in range(26) if (i + 1) % 6)
+    assert c.tie_word_embeddings and not c.attention_bias and c.eos_token_ids == (1, 106)
+    shapes = expected_weight_shapes(c)
+    assert shapes["model.layers.0.pre_feedforward_layernorm.weight"] == (1152,)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (256,)
+    assert "lm_head.weight" not in shapes
+    v5 = {**GEMMA_3_1B, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+        v5.pop(key)
+    c5 = ModelConfig.from_hf_dict(v5)
+    assert (c5.rope_theta, c5.rope_scaling, c5.sliding_rope_theta) == (
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+        1e4,
+    )
+    typed = ModelConfig.from_hf_dict(
+        {**GEMMA_3_1B, "layer_types": ["full_attention"] * 25 + ["sliding_attention"]}
+    )
+    assert typed.sliding_window_layers == (25,)
+    for change, message in (
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"sliding_window": None}, "sliding_window=None"),
+        ({"hidden_activation": "relu"}, "hidden_act='relu'"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=message):
+            ModelConfig.from_hf_dict({**GEMMA_3_1B, **change})
+
+
 def test_config_qwen3() -> None:
     """Qwen3: no biases unless attention_bias (then on the output projection too), a head width of
     its own (128 where config.json says none, as transformers' Qwen3Config), q/k norms."""
@@ -354,7 +427,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -526,6 +599,7 @@ def test_resolve_unreachable_hub_id() -> None:
 
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
-        ValueError, match="arch must be one of llama, qwen2, qwen3, mistral, phi3, qwen3_moe, mixtral"
+        ValueError,
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

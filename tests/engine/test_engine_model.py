@@ -70,6 +70,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     ),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    "gemma3": ("gemma3_text", {}),  # layer 0 sliding (window 8, RoPE base 500), layer 1 full
+    # transformers 5's layout (rope_parameters per layer type), a linear-scaled global RoPE, MQA
+    "gemma3-rope-parameters-mqa": (
+        "gemma3_text",
+        {
+            "rope_theta": None,
+            "rope_local_base_freq": None,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 20000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 700.0},
+            },
+        },
+    ),  # fmt: skip
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     "qwen3-moe": ("qwen3_moe", {}),
@@ -99,8 +114,11 @@ def pair(
     """(our model, transformers' model) loaded from the same tiny checkpoint."""
     arch, overrides = CASES[request.param]
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=7, **overrides)
-    if overrides.get("rope_theta", 0) is None:  # drop the key altogether, as transformers 5 writes it
-        _drop_key(model_dir, "rope_theta")
+    for key in ("rope_theta", "rope_local_base_freq"):
+        if (
+            key in overrides and overrides[key] is None
+        ):  # drop the key altogether, as transformers 5 writes it
+            _drop_key(model_dir, key)
     ours, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return ours, hf
@@ -247,6 +265,7 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         (torch.bfloat16, {"arch": "qwen3", "attention_bias": True}, 1e-3),
         (torch.float32, {"arch": "mixtral"}, 1e-5),  # every expert's gate and up fused
         (torch.float32, {"arch": "phi3"}, 1e-5),  # fused again from the checkpoint's fused tensors
+        (torch.float32, {"arch": "gemma3_text"}, 1e-5),  # gate and up fused under a gelu
     ],
 )
 def test_fused_projections_compute_what_the_separate_ones_do(

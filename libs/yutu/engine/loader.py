@@ -109,6 +109,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if n in config.moe_layers:
             shapes.update(_expert_shapes(config, p))
         elif config.model_type == "phi3":  # gate and up as one tensor (parameter_parts)

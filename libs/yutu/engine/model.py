@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral; Qwen3-MoE, Mixtral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3; Qwen3-MoE, Mixtral) over a
+paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -12,6 +13,8 @@ heads, hd head dim, I intermediate size, V vocab size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import cast
 
@@ -116,16 +119,21 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like the reference implementation."""
+    """x / rms(x) * weight, computed in float32 like the reference implementation; with an
+    ``offset`` (Gemma's 1), x / rms(x) * (offset + weight), rounded to x's dtype after the product
+    as Gemma's own norm does."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one kernel, tested against
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the reference
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.offset:  # one
+            return F.rms_norm(
+                x, self.weight.shape, self.weight, self.eps
+            )  # kernel, tested against the reference
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +141,8 @@ class RMSNorm(nn.Module):
         x32 = x.float()  # (T, H)
         var = x32.pow(2).mean(-1, keepdim=True)  # (T, 1)
         x32 = x32 * torch.rsqrt(var + self.eps)  # (T, H)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)  # (T, H)
         return self.weight * x32.to(dtype)  # (T, H)
 
 
@@ -190,7 +200,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         h, qd, kvd = (
             config.hidden_size,
             config.num_heads * config.head_dim,
@@ -201,9 +211,10 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, kvd, bias=config.attention_bias)
         self.o_proj = Linear(qd, h, bias=config.o_proj_bias)
         self.qkv_proj: Linear | None = None  # q, k and v in one product, once fuse_projections ran
-        # Qwen3: every query and key head RMS-normalized (weights of one head's width) before RoPE
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: every query and key head RMS-normalized (weights of one head's width) before RoPE
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
 
     def forward(
         self,
@@ -247,25 +258,40 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n_tok, nh * hd))  # (T, H)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); a dense layer's, or one expert's."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+
+
+class MLP(nn.Module):
+    """A gated MLP: down(act(gate(x)) * up(x)) -- SwiGLU (silu), or GeGLU (Gemma's tanh-approximated
+    gelu); a dense layer's, or one expert's."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
         h, i = hidden_size, intermediate_size
         self.gate_proj = Linear(h, i, bias=bias)
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
         self.gate_up_proj: Linear | None = None  # gate and up in one product, once fuse_projections ran
+        self.act = act
+        self.act_fn = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
         if self.gate_up_proj is None:  # the reference
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # (T, I) -> (T, H)
         gate_up = self.gate_up_proj(x)  # (T, 2I): [ gate | up ]
-        if ops is not None:
+        if ops is not None and self.act == "silu":
             return self.down_proj(ops.silu_mul(gate_up))  # (T, I) -> (T, H)
         i = gate_up.shape[1] // 2
-        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])  # (T, I) -> (T, H)
+        return self.down_proj(self.act_fn(gate_up[:, :i]) * gate_up[:, i:])  # (T, I) -> (T, H)
 
 
 class SparseMoE(nn.Module):
@@ -342,15 +368,23 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each added to the residual stream. Llama's: each block's input
+    normalized (``post_attention_layernorm`` is the MLP's input norm); with ``sandwich_norms``
+    (Gemma 3), each block's output normalized too (``post_attention_layernorm`` is the attention's
+    output norm, ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` the MLP's)."""
+
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset) if config.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, offset) if config.sandwich_norms else None
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config)
             if layer in config.moe_layers
-            else MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+            else MLP(h, config.intermediate_size, config.mlp_bias, config.hidden_act)
         )
 
     def forward(
@@ -363,11 +397,17 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         plan: AttentionPlan,
         layer: int = 0,
+        ops: ModuleType | None = None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(
-            self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, plan, layer
-        )  # (T, H)
-        return h + self.mlp(self.post_attention_layernorm(h))  # (T, H)
+        """``ops``: the native kernels for attention and the MLP (LlamaForCausalLM.ops), or None."""
+        x = self.input_layernorm(h)  # (T, H)
+        attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, plan, layer, ops)  # (T, H)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            h = h + attn  # (T, H)
+            return h + self.mlp(self.post_attention_layernorm(h), ops)  # (T, H)
+        h = h + self.post_attention_layernorm(attn)  # (T, H)
+        mlp = self.mlp(self.pre_feedforward_layernorm(h), ops)  # (T, H)
+        return h + self.post_feedforward_layernorm(mlp)  # (T, H)
 
 
 class LlamaModel(nn.Module):
@@ -377,7 +417,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -397,6 +437,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's sliding layers rotate by a base of their own, unscaled
+        self.sliding_rotary = (
+            None
+            if config.sliding_rope_theta is None
+            else RotaryEmbedding(replace(config, rope_theta=config.sliding_rope_theta, rope_scaling=None))
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -417,19 +463,25 @@ class LlamaForCausalLM(nn.Module):
         self._check_cache(kv_cache)
         block_size = kv_cache.shape[3]
         h = self.model.embed_tokens(input_ids)  # (T, H)
+        if self.config.embedding_scale is not None:  # Gemma: the scale rounded to the model's dtype first
+            h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)  # (T, H)
         cos, sin = self.rotary(positions, h.dtype)  # (T, hd), (T, hd)
+        sliding = (cos, sin) if self.sliding_rotary is None else self.sliding_rotary(positions, h.dtype)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
         group_tokens = self._decode_group_tokens(kv_cache)
         for i in range(len(self.model.layers)):
             window = self.config.layer_sliding_window(i)
             if window not in plans:
                 plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
-        if self.ops is not None:
+        # The native layer loop is Llama's: one norm per block input, one rotation for every layer.
+        # Elsewhere (Gemma 3) the kernels run attention and the MLP, torch the norms.
+        if self.ops is not None and not self.config.sandwich_norms and self.sliding_rotary is None:
             return self._forward_ops(self.ops, h, cos, sin, kv_cache, meta, plans)
         for i, layer in enumerate(self.model.layers):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
-            plan = plans[self.config.layer_sliding_window(i)]
-            h = layer(h, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plan, i)  # (T, H)
+            window = self.config.layer_sliding_window(i)
+            cos_i, sin_i = (cos, sin) if window is None else sliding
+            h = layer(h, cos_i, sin_i, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window], i, self.ops)
         return self.model.norm(h)  # (T, H)
 
     def _forward_ops(self, ops: ModuleType, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

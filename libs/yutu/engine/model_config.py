@@ -9,7 +9,10 @@ Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), 
 each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
 (sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-4: Llama's shape with q/k/v and gate/up
 each stored as one fused tensor, a sliding window on every layer where set; LongRoPE and partial
-rotation are refused), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+rotation are refused), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
+scaling by 1 + weight, a norm on each block's output as well as its input, q/k norms, embeddings
+scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own), and two sparse
+mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
@@ -30,10 +33,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # an MLP's gate: SwiGLU, or GeGLU (Gemma)
 
 
 class UnsupportedModelError(ValueError):
@@ -72,6 +77,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Gemma 3: the MLP gate's activation; RMSNorm scaling by (norm_offset + weight); a norm on each
+    # block's output before the residual add, besides the one on its input (sandwich_norms); the
+    # embedding's output times embedding_scale; attention scores times attention_scale (None:
+    # head_dim ** -0.5); the sliding layers' RoPE base (None: rope_theta and rope_scaling as the others).
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
+    sliding_rope_theta: float | None = None
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -82,6 +97,10 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE; check config.json")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act={self.hidden_act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
         if self.moe_layers and not 1 <= self.experts_per_token <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.experts_per_token} must be in [1, {self.num_experts}] (the"
@@ -127,23 +146,24 @@ class ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``; raise UnsupportedModelError if unusable."""
         architecture = _architecture(d)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+        gemma = model_type == "gemma3_text"
+        hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
-        # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), not hidden / heads.
-        head_dim = d.get("head_dim") or (128 if model_type == "qwen3" else hidden_size // num_heads)
+        # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), Gemma 3's to 256, not
+        # hidden / heads.
+        default_head_dim = {"qwen3": 128, "gemma3_text": 256}.get(model_type, hidden_size // num_heads)
+        head_dim = d.get("head_dim") or default_head_dim
         qwen3_family = model_type in ("qwen3", "qwen3_moe")
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = _gemma3_rope(d) if gemma else _rope(d)
 
         # Which projections carry a bias differs per architecture.
         if model_type == "qwen2":
             attention_bias, o_proj_bias, mlp_bias = True, False, False
         elif model_type in ("mistral", "mixtral", "phi3"):
             attention_bias, o_proj_bias, mlp_bias = False, False, False
-        elif qwen3_family:  # one switch for q/k/v and the output projection
+        elif qwen3_family or gemma:  # one switch for q/k/v and the output projection
             attention_bias = o_proj_bias = bool(d.get("attention_bias", False))
             mlp_bias = False
         else:
@@ -165,7 +185,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # transformers' defaults
             attention_bias=attention_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
@@ -174,8 +194,10 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=qwen3_family,
+            qk_norm=qwen3_family or gemma,
             **_experts(d, model_type, num_layers),
+            hidden_act=str(hidden_act),
+            **(_gemma3(d, hidden_size) if gemma else {}),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -242,6 +264,41 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     }
 
 
+def _gemma3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Gemma 3's full-attention layers' (rope_theta, rope_scaling): ``rope_parameters``'
+    ``full_attention`` entry (transformers 5), else the top-level keys (4.x; 1e6 by default)."""
+    params = d.get("rope_parameters") or {}
+    full = params.get("full_attention")
+    if full is not None:
+        return _rope({"rope_parameters": {"rope_theta": 1_000_000.0, **full}})
+    return _rope({"rope_theta": 1_000_000.0, **{k: d[k] for k in ("rope_theta", "rope_scaling") if k in d}})
+
+
+def _gemma3(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """The ModelConfig fields particular to Gemma 3 (its sliding layers' RoPE base among them)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise UnsupportedModelError(
+                f"{key}={d[key]} is not supported (Gemma 3 sets none; Gemma 2 is not supported)"
+            )
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention is not supported: a decoder attends causally"
+        )
+    local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"sliding layers' rope_type={local['rope_type']!r} is not supported (only default)"
+        )
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_scale": hidden_size**0.5,
+        "attention_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "sliding_rope_theta": float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+    }
+
+
 def _positive(params: dict[str, Any], key: str) -> float:
     value = params.get(key)
     if value is None or not math.isfinite(float(value)) or float(value) <= 0:
@@ -253,10 +310,22 @@ def _sliding_window(
     d: dict[str, Any], model_type: str, num_layers: int
 ) -> tuple[int | None, tuple[int, ...]]:
     window = d.get("sliding_window")
+    if model_type == "gemma3_text":  # its sliding layers also rotate by a base of their own: never unset
+        window = d.get("sliding_window", 4096)  # transformers' Gemma3TextConfig default
+        if window is None:
+            raise UnsupportedModelError("sliding_window=None is not supported for Gemma 3")
     if model_type == "llama" or window is None:
         return None, ()
     if model_type == "qwen3_moe":  # every layer, where use_sliding_window (transformers' Qwen3Moe)
         layers = tuple(range(num_layers)) if d.get("use_sliding_window", False) else ()
+    elif model_type == "gemma3_text":  # layer_types, else every layer but each sliding_window_pattern-th
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = int(d.get("sliding_window_pattern", 6))
+            layer_types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+            ]
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     elif model_type in ("qwen2", "qwen3"):
         if not d.get("use_sliding_window", False):
             return None, ()

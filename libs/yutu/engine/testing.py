@@ -43,6 +43,21 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
         "Phi3ForCausalLM",
         {"sliding_window": None, "tie_word_embeddings": False, "rope_scaling": None, "pad_token_id": None},
     ),
+    # layer 0 sliding, layer 1 full, each with its own RoPE base; a query scale of its own
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_local_base_freq": 500.0,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "pad_token_id": None,
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -115,7 +130,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"}; ``config_overrides`` are config.json keys
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral);
+    ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
