@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from starlette.responses import StreamingResponse
 from yutu.errors import YutuError
 
 from services.gateway.auth import require_api_key
@@ -45,11 +44,11 @@ from services.gateway.schemas import (
 from services.gateway.service import GatewayService
 from services.gateway.streaming import (
     DONE,
-    SSE_HEADERS,
     ClientGone,
     EventStream,
     error_event,
     event,
+    finished_stream,
     unless_disconnected,
 )
 from services.gateway.structured import grammar_for
@@ -215,9 +214,7 @@ def _beam_stream(
             event(ChatCompletionChunk(id=response.id, created=response.created, model=response.model, choices=[],
                                       usage=usage))
         )  # fmt: skip
-    return StreamingResponse(
-        iter(["".join(events) + DONE]), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return finished_stream(events)
 
 
 def _openings(

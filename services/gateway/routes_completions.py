@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from starlette.responses import StreamingResponse
 from yutu.errors import ErrorKind, YutuError
 
 from services.gateway.auth import require_api_key
@@ -43,11 +42,11 @@ from services.gateway.schemas import (
 from services.gateway.service import GatewayService
 from services.gateway.streaming import (
     DONE,
-    SSE_HEADERS,
     ClientGone,
     EventStream,
     error_event,
     event,
+    finished_stream,
     unless_disconnected,
 )
 from services.gateway.structured import grammar_for
@@ -193,9 +192,7 @@ def _beam_stream(body: CompletionRequest, response: CompletionResponse, usage: U
             id=response.id, created=response.created, model=response.model, choices=[], usage=usage
         )
         events.append(event(tail))
-    return StreamingResponse(
-        iter(["".join(events) + DONE]), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return finished_stream(events)
 
 
 def beam_usage(prompts: list[list[int]], results: list[Searched]) -> Usage:

@@ -54,6 +54,14 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+def finished_stream(events: list[str]) -> StreamingResponse:
+    """Server-sent events computed whole before the response starts (a beam search's), then [DONE]:
+    one socket write."""
+    return StreamingResponse(
+        iter(["".join(events) + DONE]), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
 class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 

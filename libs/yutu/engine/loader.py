@@ -163,20 +163,19 @@ def parameter_parts(config: ModelConfig, name: str, tensor: torch.Tensor) -> lis
     """The model's parameters that checkpoint tensor ``name`` fills, each with its rows of it: one,
     whole, except where a checkpoint stores projections fused (Phi-3's ``qkv_proj`` holds q, k and v
     one after another, ``gate_up_proj`` gate then up)."""
-    if config.model_type == "phi3":
-        if name.endswith(".self_attn.qkv_proj.weight"):
-            kvd = config.num_kv_heads * config.head_dim
-            sizes, parts = [config.num_heads * config.head_dim, kvd, kvd], ["q_proj", "k_proj", "v_proj"]
-        elif name.endswith(".mlp.gate_up_proj.weight"):
-            sizes, parts = [config.intermediate_size] * 2, ["gate_proj", "up_proj"]
-        else:
-            return [(name, tensor)]
-        fused = name.rsplit(".", 2)[-2]
-        return [
-            (name.replace(f".{fused}.", f".{part}."), rows)
-            for part, rows in zip(parts, tensor.split(sizes), strict=True)
-        ]
-    return [(parameter_name(config, name), tensor)]
+    if config.model_type != "phi3":
+        return [(parameter_name(config, name), tensor)]
+    kvd = config.num_kv_heads * config.head_dim
+    fused = {
+        "self_attn.qkv_proj": {"q_proj": config.num_heads * config.head_dim, "k_proj": kvd, "v_proj": kvd},
+        "mlp.gate_up_proj": {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size},
+    }
+    for module, parts in fused.items():
+        if name.endswith(f".{module}.weight"):
+            prefix = name.removesuffix(f"{module.rsplit('.', 1)[1]}.weight")
+            rows = tensor.split(list(parts.values()))
+            return [(f"{prefix}{part}.weight", r) for part, r in zip(parts, rows, strict=True)]
+    return [(name, tensor)]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
