@@ -101,8 +101,10 @@ class Store:
     """redis-server, a store master and a store node, children of this process (they die with it,
     see :class:`yutu.launcher.ProcessGroup`; logs in ``workdir``); stopped by ``close``."""
 
-    def __init__(self, workdir: Path, node_bytes: int) -> None:
+    def __init__(self, workdir: Path, node_bytes: int, master_spin_us: int | None = None) -> None:
+        """``master_spin_us``: the master's ``--spin-us`` (None: its default)."""
         self.workdir = workdir
+        self.master_spin_us = master_spin_us
         self.group = ProcessGroup(log_dir=workdir)
         self.redis_url = f"redis://127.0.0.1:{free_port()}/0"
         self.prefix = "bench"
@@ -115,8 +117,9 @@ class Store:
         common = ["--redis-url", self.redis_url, "--registry-prefix", self.prefix, "--log-level", "warning"]
         master_admin, node_admin = free_port(), free_port()
         self.master_admin = f"http://127.0.0.1:{master_admin}"
+        spin = [] if self.master_spin_us is None else ["--spin-us", str(self.master_spin_us)]
         self.group.spawn("master", python_module("services.store_master.main", *common, "--admin-port",
-                                                 str(master_admin), "--instance-id", "bench-master"),
+                                                 str(master_admin), "--instance-id", "bench-master", *spin),
                          ready_url=self.master_admin + "/ready", env=env)  # fmt: skip
         self.group.wait_ready(30)  # the node mounts its segment at the master
         self.group.spawn("node", python_module("services.store_node.main", *common, "--admin-port",
@@ -384,6 +387,9 @@ def main() -> int:
                         help="the store clients' spin_us: how long a call waits for the master's reply, and a "
                         "small TCP transfer for the node's, awake before sleeping (yutu.busypoll); 0 measures "
                         "the plain path (default %(default)s)")  # fmt: skip
+    parser.add_argument("--master-spin-us", type=int, default=None,
+                        help="the store master's --spin-us: how long its stream RPC polls after a reply while "
+                        "calls come back to back (default: the master's own default; 0 measures it asleep)")  # fmt: skip
     args = parser.parse_args()
     mooncake = (
         None
@@ -403,7 +409,7 @@ def main() -> int:
     # a short --seconds several sizes' working sets are still held when the next one is put. The
     # master evicts past 90% usage -- the objects a get is about to read, as they are the least
     # recently used -- so the node gets ten working sets: no eviction ever runs during a bench.
-    store = Store(workdir, node_bytes=10 * working_set)
+    store = Store(workdir, node_bytes=10 * working_set, master_spin_us=args.master_spin_us)
     try:
         store.start()
         print(f"services up in {time.perf_counter() - started:.1f}s; baselines...", flush=True)
@@ -456,6 +462,7 @@ def main() -> int:
     res["rows"] = rows
     res["reserve_bytes"] = args.reserve_bytes
     res["spin_us"] = args.spin_us
+    res["master_spin_us"] = args.master_spin_us
     res["targets"] = targets(res)
     if "mooncake" in res:
         res["mooncake_targets"] = compare(res, SIZES)

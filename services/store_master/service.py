@@ -106,7 +106,9 @@ class StoreMasterService(Service):
         self._rpc = RpcServer(p.CHANNEL, self._handle, s.host, s.port)
         self._rpc.start()
         if s.stream_port is not None:
-            self._stream = StreamRpcServer(p.CHANNEL, self._handle, s.host, s.stream_port)
+            self._stream = StreamRpcServer(
+                p.CHANNEL, self._handle, s.host, s.stream_port, spin_s=s.spin_us / 1e6
+            )
             await self._stream.start()
         self._sweeper = self.loops.spawn("store-sweeper", self._sweep_loop())
         if self._watch is not None:

@@ -22,8 +22,11 @@ class MasterSettings(ServiceSettings):
     sweep_interval_s: float  # how often liveness, put timeouts, retired space and watermark are checked
     persist: bool  # keep metadata in Redis (and recover it at start)
     stream_port: int | None = 0  # the same RPC over a plain TCP stream (yutu.rpc.stream); 0: any; None: off
+    spin_us: int = 0  # the stream server polls this long after a reply while calls come back to back
 
     def __post_init__(self) -> None:
+        if self.spin_us < 0:
+            raise ValueError(f"--spin-us must be >= 0, got {self.spin_us}")
         if self.sweep_interval_s <= 0:
             raise ValueError(f"--sweep-interval must be positive, got {self.sweep_interval_s}")
         for name in ("port", "admin_port", "kv_events_port", "stream_port"):

@@ -134,6 +134,37 @@ async def test_a_client_polling_for_replies_answers_like_one_that_sleeps() -> No
         await server.close()
 
 
+async def test_a_server_polls_after_replies_only_while_calls_come_back_to_back() -> None:
+    """A polling server (``spin_s``) answers exactly like a sleeping one; it keeps its loop awake
+    after a reply only when the call came within ``spin_s`` of the reply before it, and only for
+    ``spin_s``: a server called now and then never polls."""
+    handler = Handler()
+    sleeping = StreamRpcServer(p.CHANNEL, handler)
+    polling = StreamRpcServer(p.CHANNEL, handler, spin_s=0.3)
+    await sleeping.start()
+    await polling.start()
+    to_sleeping = StreamRpcClient(p.CHANNEL, sleeping.endpoint)
+    to_polling = StreamRpcClient(p.CHANNEL, polling.endpoint)
+    try:
+        assert [await outcome(to_polling, m) for m in CALLS] == [await outcome(to_sleeping, m) for m in CALLS]
+        await asyncio.sleep(0.6)  # past the budget: the loop sleeps again
+        assert not polling._awake
+        assert await to_polling.call(p.Exists("here")) == p.ExistsReply(True)
+        assert not polling._awake  # the first call after a pause: nothing says another follows
+        assert await to_polling.call(p.Exists("here")) == p.ExistsReply(True)
+        assert polling._awake  # back to back: it polls for the next one
+        await asyncio.sleep(0.6)
+        assert not polling._awake
+        assert not sleeping._awake
+        with pytest.raises(ValueError, match="spin_s"):
+            StreamRpcServer(p.CHANNEL, handler, spin_s=-1.0)
+    finally:
+        await to_sleeping.close()
+        await to_polling.close()
+        await sleeping.close()
+        await polling.close()
+
+
 async def test_a_call_in_flight_fails_at_once_when_the_server_goes_and_the_next_reconnects() -> None:
     handler = Handler()
     server = StreamRpcServer(p.CHANNEL, handler)

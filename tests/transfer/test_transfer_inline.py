@@ -9,11 +9,15 @@ against a peer in another process; a killed peer fails them the same way.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from transfer_helpers import PeerProcess, digest, pattern
-from yutu.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus
+from yutu import busypoll
+from yutu.transfer import TransferEngine, TransferOp, TransferRequest, TransferStatus, tcp_inline
 from yutu.transfer.tcp_client import PIPELINE_WINDOW
 
 KiB = 1 << 10
@@ -147,3 +151,94 @@ async def test_small_items_move_as_vector_requests_and_a_refused_range_fails_onl
     for k in range(64):
         sink[remote[k] : remote[k] + block] = written[k * block : (k + 1) * block]
     assert await peer.adigest("sink-a", 0, SIZE) == await peer.adigest("sink-b", 0, SIZE) == digest(sink)
+
+
+class _Clock:
+    """A ``time`` whose ``perf_counter`` moves 1 ms each time it is read: the poll budget of the
+    inline path, in steps that do not depend on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def _count_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every time the inline path sleeps on its socket (True: for writability)."""
+    monkeypatch.setattr(busypoll, "time", _Clock())
+    sleeps: list[bool] = []
+    real_wait = tcp_inline._wait
+
+    async def wait(loop: asyncio.AbstractEventLoop, sock: socket.socket, writable: bool) -> None:
+        sleeps.append(writable)
+        await real_wait(loop, sock, writable)
+
+    monkeypatch.setattr(tcp_inline, "_wait", wait)
+    return sleeps
+
+
+async def test_a_payload_that_keeps_streaming_in_never_puts_the_loop_to_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poll budget counts silence, not the whole call: 40 pieces, each a few polls after the
+    last, take many budgets in all and are read without sleeping; a silence longer than the
+    budget still sleeps."""
+    sleeps = _count_sleeps(monkeypatch)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    pieces = [bytes([i]) * 1000 for i in range(40)]
+
+    async def feed(gap: int, last_gap: int) -> None:
+        for i, piece in enumerate(pieces):
+            for _ in range(last_gap if i == len(pieces) - 1 else gap):
+                await asyncio.sleep(0)
+            theirs.send(piece)
+
+    try:
+        loop = asyncio.get_running_loop()
+        for last_gap, slept in ((3, False), (30, True)):  # 30 polls: 30 ms of silence, over 10
+            sleeps.clear()
+            view = memoryview(bytearray(40_000))
+            feeder = asyncio.ensure_future(feed(3, last_gap))
+            await tcp_inline.recv_into(loop, ours, view, spin_s=0.010)
+            await feeder
+            assert bytes(view) == b"".join(pieces)
+            assert bool(sleeps) is slept, sleeps
+    finally:
+        ours.close()
+        theirs.close()
+
+
+async def test_a_send_the_peer_keeps_draining_never_puts_the_loop_to_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for a send bigger than the socket buffer, which the other side reads a little at a
+    time: polled, not slept on, while it moves."""
+    sleeps = _count_sleeps(monkeypatch)
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * KiB)
+    ours.setblocking(False)
+    payload = bytes(range(256)) * 2048  # 512 KiB
+    got = bytearray()
+
+    async def drain() -> None:
+        theirs.setblocking(False)
+        while len(got) < 4 + len(payload):
+            for _ in range(3):
+                await asyncio.sleep(0)
+            try:
+                got.extend(theirs.recv(16 * KiB))
+            except BlockingIOError:
+                pass
+
+    try:
+        reader = asyncio.ensure_future(drain())
+        await tcp_inline.send(asyncio.get_running_loop(), ours, [b"head", payload], spin_s=0.010)
+        await reader
+        assert bytes(got) == b"head" + payload
+        assert not sleeps, sleeps
+    finally:
+        ours.close()
+        theirs.close()

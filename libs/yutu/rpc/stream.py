@@ -31,6 +31,7 @@ import itertools
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -156,16 +157,28 @@ class StreamRpcServer:
     """Serves one channel on a TCP listener (see the module docstring); :meth:`start` binds."""
 
     def __init__(self, channel: Channel, handler: Callable[[Any], Any], host: str = "127.0.0.1",
-                 port: int = 0, on_undelivered: Callable[[Any], None] | None = None) -> None:  # fmt: skip
+                 port: int = 0, on_undelivered: Callable[[Any], None] | None = None,
+                 spin_s: float = 0.0) -> None:  # fmt: skip
+        """``spin_s``: while calls come back to back (each within ``spin_s`` of the previous reply),
+        keep the event loop awake for up to ``spin_s`` after each reply, so the next call finds it
+        polling instead of asleep (``yutu.busypoll``; 0: sleep at once). A server called now and
+        then never spins; one called back to back spends at most ``spin_s`` of CPU a call."""
+        if spin_s < 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
         self.channel = channel
         self.name = f"rpc-stream-{channel.name}"
         self.endpoint = ""  # tcp://host:port once started
+        self.spin_s = spin_s
         self._handler = handler
         self._on_undelivered = on_undelivered  # called with a reply whose client is gone
         self._host, self._port = host, port
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._replied_at = float("-inf")  # time.perf_counter() of the last reply
+        self._hot = False  # the last call came within spin_s of the reply before it
+        self._awake_until = 0.0  # keep the loop polling until this time.perf_counter()
+        self._awake = False  # a keep-awake callback is scheduled
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -179,6 +192,8 @@ class StreamRpcServer:
         self.endpoint = f"tcp://{self._host}:{port}"
 
     def _on_request(self, conn: _ServerConnection, call_id: int, payload: bytes) -> None:
+        if self.spin_s:
+            self._hot = time.perf_counter() - self._replied_at <= self.spin_s
         try:
             msg = self.channel.decode(payload)
         except Exception as exc:  # noqa: BLE001 - answered as an error, see _error
@@ -208,6 +223,20 @@ class StreamRpcServer:
     def _answer(self, conn: _ServerConnection, call_id: int, reply: Any) -> None:
         if not conn.send(self._reply(call_id, reply)) and self._on_undelivered is not None:
             self._on_undelivered(reply)
+        if self.spin_s:
+            self._replied_at = now = time.perf_counter()
+            if self._hot:
+                self._awake_until = now + self.spin_s
+                if not self._awake:
+                    self._awake = True
+                    asyncio.get_running_loop().call_soon(self._keep_awake)
+
+    def _keep_awake(self) -> None:
+        """Polls: a loop with a callback ready checks its sockets without sleeping."""
+        if time.perf_counter() < self._awake_until:
+            asyncio.get_running_loop().call_soon(self._keep_awake)
+        else:
+            self._awake = False
 
     def _reply(self, call_id: int, reply: Any) -> bytes:
         try:
@@ -227,6 +256,7 @@ class StreamRpcServer:
 
     async def close(self) -> None:
         """Stop listening, cut every connection (their calls in flight fail at the clients)."""
+        self._awake_until = 0.0
         if self._server is not None:
             self._server.close()
         for conn in list(self._connections):

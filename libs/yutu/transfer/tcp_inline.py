@@ -73,7 +73,9 @@ async def recv_into(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, spin_s: float = 0.0
 ) -> None:
     """Fill ``view`` from non-blocking ``sock``; ``ConnectionError`` on EOF. While nothing is there,
-    poll for up to ``spin_s`` (yielding to the loop between tries), then sleep until readable."""
+    poll for up to ``spin_s`` (yielding to the loop between tries), then sleep until readable. The
+    budget counts silence, not the whole call: it starts again whenever bytes arrive, so a payload
+    that streams in never puts the loop to sleep between two of its pieces."""
     pos, total = 0, len(view)
     until = awake_until(spin_s)
     while pos < total:
@@ -86,18 +88,28 @@ async def recv_into(
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {pos} of {total} bytes")
         pos += n
+        if spin_s:
+            until = awake_until(spin_s)
 
 
-async def send(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """Send ``parts`` in order from non-blocking ``sock``, one ``sendmsg`` when the buffer takes them."""
+async def send(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[bytes | memoryview], spin_s: float = 0.0
+) -> None:
+    """Send ``parts`` in order from non-blocking ``sock``, one ``sendmsg`` when the buffer takes them.
+    While the buffer is full, poll for up to ``spin_s`` of no progress (as :func:`recv_into`) before
+    sleeping until writable."""
     views, k = [memoryview(p).cast("B") for p in parts], 0
+    until = awake_until(spin_s)
     while k < len(views):
         try:
             sent = sock.sendmsg(views[k:])
         except (BlockingIOError, InterruptedError):
-            await _wait(loop, sock, True)
+            if not (spin_s and await poll_once(until)):
+                await _wait(loop, sock, True)
             continue
         k = advance(views, k, sent)
+        if spin_s:
+            until = awake_until(spin_s)
 
 
 def windows(ops: list[WireOp], limit: int) -> Iterator[tuple[int, int]]:
@@ -125,12 +137,12 @@ async def run_window(
     own. Raises on a broken connection (the caller fails the rest)."""
     op = window[0].op
     if op == WireOp.READ:
-        await send(loop, sock, [s.request(rid) for rid, s in zip(ids, window, strict=True)])
+        await send(loop, sock, [s.request(rid) for rid, s in zip(ids, window, strict=True)], spin_s)
     else:
         parts: list[bytes | memoryview] = []
         for rid, s in zip(ids, window, strict=True):
             parts += [s.request(rid), *(p.local for p in s.pieces)]
-        await send(loop, sock, parts)
+        await send(loop, sock, parts, spin_s)
     reply = bytearray(REPLY.size)
     reply_view = memoryview(reply)
     for rid, s in zip(ids, window, strict=True):
