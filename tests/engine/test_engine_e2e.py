@@ -64,6 +64,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("mistral", 37, {"sliding_window": 24}),
         ("phi3", 37, {"sliding_window": 24}),
         ("gemma3_text", 37, {"sliding_window": 24}),
+        ("gemma3", 37, {"sliding_window": 24}),  # the image-text checkpoint's language model
     ],
 )
 def test_greedy_matches_transformers(

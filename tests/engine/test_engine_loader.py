@@ -18,6 +18,7 @@ from yutu.engine.loader import (
     load_model,
     parameter_name,
     parameter_parts,
+    text_tensor_name,
 )
 from yutu.engine.model_config import ModelConfig, UnsupportedModelError
 from yutu.engine.model_source import resolve_model
@@ -401,6 +402,98 @@ def test_config_gemma3() -> None:
             ModelConfig.from_hf_dict({**GEMMA_3_1B, **change})
 
 
+GEMMA_3_4B: dict[str, Any] = {  # google/gemma-3-4b-it's config.json: the text model sets what differs
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_config_gemma3_image_text() -> None:
+    """Gemma 3 4B-27B (image-text checkpoints): the language model of ``text_config``, whose unset
+    keys take transformers' Gemma3TextConfig defaults, with the top level's token ids and dtype."""
+    c = ModelConfig.from_hf_dict(GEMMA_3_4B)
+    assert (c.architecture, c.model_type) == ("Gemma3ForConditionalGeneration", "gemma3_text")
+    assert (c.hidden_size, c.intermediate_size, c.num_layers) == (2560, 10240, 34)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
+    assert (c.rope_theta, c.rope_scaling, c.sliding_rope_theta) == (
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+        1e4,
+    )
+    assert c.sliding_window == 1024 and c.sliding_window_layers == tuple(i for i in range(34) if (i + 1) % 6)
+    assert (c.eos_token_ids, c.bos_token_id, c.torch_dtype) == ((1, 106), 2, "bfloat16")
+    assert c.tie_word_embeddings and c.attention_scale == 256**-0.5 and c.hidden_act == "gelu_pytorch_tanh"
+    assert c.max_position_embeddings == 131072 and c.embedding_scale == 2560**0.5
+    with pytest.raises(UnsupportedModelError, match="needs a text_config"):
+        ModelConfig.from_hf_dict({k: v for k, v in GEMMA_3_4B.items() if k != "text_config"})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        GEMMA_3_4B["text_config"],
+        {},  # every key its default
+        # 27B's shape: heads of 128, its own query scale
+        {
+            "head_dim": 128,
+            "hidden_size": 5376,
+            "intermediate_size": 21504,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 62,
+            "num_key_value_heads": 16,
+            "query_pre_attn_scalar": 168,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+    ],  # fmt: skip
+    ids=["4b", "defaults", "27b-shape"],
+)
+def test_image_text_defaults_are_transformers_own(text: dict[str, Any]) -> None:
+    """What a text_config leaves out is read as transformers' Gemma3TextConfig fills it in."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Gemma3Config(text_config=dict(text)).text_config
+    c = ModelConfig.from_hf_dict({**GEMMA_3_4B, "text_config": text})
+    pattern = [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"]
+    rope = hf.rope_parameters
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+    )  # fmt: skip
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.max_position_embeddings, c.rms_norm_eps) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.max_position_embeddings, hf.rms_norm_eps,
+    )  # fmt: skip
+    assert (c.hidden_act, c.attention_scale, c.sliding_window, list(c.sliding_window_layers)) == (
+        hf.hidden_activation, hf.query_pre_attn_scalar**-0.5, hf.sliding_window, pattern,
+    )  # fmt: skip
+    assert (c.rope_theta, c.sliding_rope_theta) == (
+        rope["full_attention"]["rope_theta"], rope["sliding_attention"]["rope_theta"],
+    )  # fmt: skip
+
+
 def test_config_qwen3() -> None:
     """Qwen3: no biases unless attention_bias (then on the output projection too), a head width of
     its own (128 where config.json says none, as transformers' Qwen3Config), q/k norms."""
@@ -427,7 +520,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -473,6 +566,42 @@ def test_sharded_round_trip(tmp_path: Path) -> None:
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
     for name, tensor in reference.items():
         assert torch.equal(sd_a[name], tensor)
+
+
+def test_image_text_checkpoints_load_their_language_model_in_either_layout(tmp_path: Path) -> None:
+    """An image-text checkpoint's language model loads from ``language_model.model.*`` (Google's
+    uploads, transformers' saving) and from ``model.language_model.*`` (transformers 4.52-4.57),
+    its vision tower and projector skipped; a tensor that is neither is still refused."""
+    first = make_tiny_checkpoint(tmp_path / "a", "gemma3", seed=2)
+    stored = load_file(first / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in stored)
+    assert any(k.startswith("multi_modal_projector.") for k in stored)
+    model, config = load_model(first, CPU, torch.float32)
+    assert text_tensor_name(config, "language_model.model.norm.weight") == "model.norm.weight"
+    assert text_tensor_name(config, "language_model.lm_head.weight") == "lm_head.weight"
+    assert text_tensor_name(config, "vision_tower.vision_model.post_layernorm.weight") is None
+    assert text_tensor_name(ModelConfig.from_hf_dict(GEMMA_3_1B), "vision_tower.x") == "vision_tower.x"
+    second = tmp_path / "b"
+    second.mkdir()
+    for f in first.iterdir():
+        if f.name != "model.safetensors":
+            (second / f.name).write_bytes(f.read_bytes())
+    renamed = {
+        ("model." + k.replace("language_model.model.", "language_model.", 1)): v for k, v in stored.items()
+    }
+    save_file(renamed, str(second / "model.safetensors"), metadata={"format": "pt"})
+    again, _ = load_model(second, CPU, torch.float32)
+    theirs = dict(again.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+    assert torch.equal(model.model.embed_tokens.weight, stored["language_model.model.embed_tokens.weight"])
+    save_file(
+        {**stored, "audio_tower.x": torch.zeros(2)},
+        str(second / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    with pytest.raises(CheckpointError, match="unexpected tensor 'audio_tower.x'"):
+        load_model(second, CPU, torch.float32)
 
 
 def test_tied_embeddings_share_storage(tmp_path: Path) -> None:

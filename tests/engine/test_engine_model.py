@@ -85,6 +85,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),  # fmt: skip
+    # Gemma 3 4B-27B's image-text checkpoint, saved by transformers: the language model under
+    # language_model., a vision tower and projector beside it (not loaded), defaults under text_config
+    "gemma3-image-text": ("gemma3", {}),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     "qwen3-moe": ("qwen3_moe", {}),

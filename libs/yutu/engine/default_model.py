@@ -152,6 +152,12 @@ def write_checkpoint(
     (out_dir / "generation_config.json").write_text(
         json.dumps(gen_config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
+    write_tokenizer(out_dir, tokenizer_dir_or_obj)
+    return out_dir
+
+
+def write_tokenizer(out_dir: Path, tokenizer_dir_or_obj: Path | TokenizerFiles) -> None:
+    """The tokenizer files of a checkpoint: written from a TokenizerFiles, or copied from a directory."""
     if isinstance(tokenizer_dir_or_obj, TokenizerFiles):
         (out_dir / "tokenizer.json").write_text(tokenizer_dir_or_obj.tokenizer_json, encoding="utf-8")
         (out_dir / "tokenizer_config.json").write_text(
@@ -169,7 +175,6 @@ def write_checkpoint(
         ):
             if (src / name).is_file():
                 shutil.copyfile(src / name, out_dir / name)
-    return out_dir
 
 
 def _save_weights(out_dir: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from yutu.engine.model import LlamaForCausalLM
-from yutu.engine.model_config import ModelConfig
+from yutu.engine.model_config import IMAGE_TEXT_DEFAULTS, ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -159,6 +159,32 @@ def parameter_name(config: ModelConfig, name: str) -> str:
     return name
 
 
+# An image-text checkpoint's language model tensors, as its text model names them: the layout of
+# Google's uploads (and of transformers' saving) first, then transformers 4.52-4.57's
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_IMAGE_TOWERS = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def text_tensor_name(config: ModelConfig, name: str) -> str | None:
+    """Checkpoint tensor ``name`` as the text model names it, or None for the parts of an image-text
+    checkpoint that are not loaded (its vision tower and projector: the gateway refuses images)."""
+    if config.architecture not in IMAGE_TEXT_DEFAULTS:
+        return name
+    for theirs, ours in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return None if name.startswith(_IMAGE_TOWERS) else name
+
+
 def parameter_parts(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The model's parameters that checkpoint tensor ``name`` fills, each with its rows of it: one,
     whole, except where a checkpoint stores projections fused (Phi-3's ``qkv_proj`` holds q, k and v
@@ -220,20 +246,23 @@ def load_model(
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                for stored in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                    name = text_tensor_name(config, stored)
+                    if name is None:
+                        continue  # an image-text checkpoint's vision part
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # old checkpoints store RoPE tables; we compute them
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store a copy of the embedding
                     if name not in expected:
                         raise CheckpointError(
-                            f"unexpected tensor {name!r} in {file.name}: the checkpoint does not match "
+                            f"unexpected tensor {stored!r} in {file.name}: the checkpoint does not match "
                             f"{config.architecture} as described by config.json"
                         )
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(stored)
                     if tuple(tensor.shape) != expected[name]:
                         raise CheckpointError(
-                            f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"tensor {stored!r} in {file.name} has shape {tuple(tensor.shape)}, "
                             f"config.json implies {expected[name]}"
                         )
                     for target, rows in parameter_parts(config, name, tensor):

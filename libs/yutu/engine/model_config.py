@@ -11,7 +11,9 @@ each query and key head RMS-normalized before its rotation), ``MistralForCausalL
 each stored as one fused tensor, a sliding window on every layer where set; LongRoPE and partial
 rotation are refused), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
 scaling by 1 + weight, a norm on each block's output as well as its input, q/k norms, embeddings
-scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own), and two sparse
+scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own) and the language
+model of ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B: the same text model inside an
+image-text checkpoint; its vision tower is not loaded), and two sparse
 mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
@@ -34,9 +36,36 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
+# Image-text checkpoints whose language model is served alone (images are refused at the gateway):
+# the config's ``text_config``, over these defaults of the text model's config class (transformers'
+# Gemma3TextConfig: Google's 4B-27B configs set only what differs from them), and the top level's
+# token ids and dtype. Their tensors are renamed on load (yutu.engine.loader.text_tensor_name).
+IMAGE_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "rope_theta": 1_000_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window_pattern": 6,
+    },
+}
+_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # an MLP's gate: SwiGLU, or GeGLU (Gemma)
 
@@ -145,6 +174,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from the dict of a Hugging Face ``config.json``; raise UnsupportedModelError if unusable."""
         architecture = _architecture(d)
+        if architecture in IMAGE_TEXT_DEFAULTS:
+            d = _language_model(d, architecture)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         gemma = model_type == "gemma3_text"
         hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
@@ -221,6 +252,17 @@ def _architecture(d: dict[str, Any]) -> str:
         f"config.json names no supported architecture (model_type={model_type!r}); "
         f"supported architectures: {supported}"
     )
+
+
+def _language_model(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The config of an image-text checkpoint's language model (see IMAGE_TEXT_DEFAULTS)."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(
+            f"{architecture} needs a text_config object in config.json (its language model's settings)"
+        )
+    top = {k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None}
+    return {**IMAGE_TEXT_DEFAULTS[architecture], **text, **top}
 
 
 def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

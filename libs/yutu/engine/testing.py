@@ -1,7 +1,9 @@
 """Test helpers: tiny random checkpoints and a minimal paged-cache driver for the model.
 
-Nothing here imports transformers (a test-only dependency): checkpoints are written by
-default_model.write_checkpoint in the Hugging Face layout, so transformers can load them as well.
+Checkpoints are written by default_model.write_checkpoint in the Hugging Face layout, so
+transformers can load them as well. Only the image-text checkpoint (arch ``gemma3``: a vision tower
+beside the language model) is built by transformers itself, imported when asked for (a test-only
+dependency), so that its layout is the one transformers writes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from yutu.engine.attention import AttentionMetadata
-from yutu.engine.default_model import write_checkpoint
+from yutu.engine.default_model import write_checkpoint, write_tokenizer
 from yutu.engine.demo_tokenizer import BOS, EOS, EOT, SPECIAL_TOKENS, TokenizerFiles, train_demo_tokenizer
 from yutu.engine.model import LlamaForCausalLM
 
@@ -130,15 +132,47 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral);
-    ``config_overrides`` are config.json keys
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral), or
+    ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
+    if arch == "gemma3":
+        return make_tiny_image_text_checkpoint(Path(out_dir), seed, init_std=init_std, **config_overrides)
     hf_config = tiny_hf_config(arch, **config_overrides)
     return write_checkpoint(
         Path(out_dir), hf_config, seed, tiny_tokenizer(), init_std=init_std, num_shards=num_shards
     )
+
+
+def make_tiny_image_text_checkpoint(
+    out_dir: Path, seed: int = 0, *, init_std: float = 0.1, **text_overrides: Any
+) -> Path:
+    """A tiny random ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B's shape: the language model
+    of ``tiny_hf_config("gemma3_text")`` under ``language_model.``, a one-layer vision tower and
+    its projector beside it), built and saved by transformers; the token ids at the top level, as
+    Google's configs have them. ``text_overrides``: keys of the text model's config."""
+    import transformers  # a test dependency: see the module docstring
+
+    text = tiny_hf_config("gemma3_text", **text_overrides)
+    top = {key: text[key] for key in ("bos_token_id", "eos_token_id")}
+    for key in ("architectures", "model_type", "torch_dtype"):
+        text.pop(key)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * init_std)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    path = out_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **top}, indent=2, sort_keys=True) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(top, indent=2, sort_keys=True) + "\n")
+    write_tokenizer(out_dir, tiny_tokenizer())
+    return out_dir
 
 
 @dataclass
