@@ -463,6 +463,20 @@ def test_config_validation(ckpt: Path) -> None:
     assert EngineConfig(model_dir=ckpt).model_id == "tiny-llama"
 
 
+def test_a_longrope_model_is_served_up_to_its_pretraining_length(tmp_path: Path) -> None:
+    """Past its pretraining length LongRoPE changes the rotation: max_model_len stops there by
+    default, a longer one is refused naming it, and a prompt past it is too long."""
+    rope = {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0] * 8}
+    ckpt = make_tiny_checkpoint(tmp_path, "phi3", max_position_embeddings=512, original_max_position_embeddings=96,
+                                rope_scaling=rope)  # fmt: skip
+    engine = make_engine(ckpt, max_model_len=None)
+    assert engine.max_model_len == 96
+    with pytest.raises(ValueError, match="exceeds 96, the pretraining length"):
+        make_engine(ckpt, max_model_len=128)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("long", prompt(100, seed=1), greedy(1))
+
+
 def test_stats_count_the_prompts_still_to_prefill(ckpt: Path) -> None:
     engine = make_engine(ckpt, max_num_seqs=2, max_num_batched_tokens=16)
     engine.add_request("long", prompt(40, seed=410), greedy(5))  # 3 chunks of <= 16 tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -322,11 +323,70 @@ def test_config_phi3() -> None:
     assert parameter_parts(small, "model.norm.weight", qkv) == [("model.norm.weight", qkv)]
     mini = ModelConfig.from_hf_dict({**PHI_4, "sliding_window": 2047, "num_hidden_layers": 32})
     assert mini.sliding_window == 2047 and mini.sliding_window_layers == tuple(range(32))
-    longrope = {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}
-    with pytest.raises(UnsupportedModelError, match="rope_type='longrope' is not supported"):
-        ModelConfig.from_hf_dict({**PHI_4, "rope_scaling": longrope})
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.75"):
         ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.75})
+
+
+# Shaped like microsoft/Phi-3.5-mini-instruct's config.json (its factors are 48 measured values)
+PHI_35_MINI: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rope_scaling": {"long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0 + i / 100 for i in range(48)],
+                     "type": "longrope"},
+    "rope_theta": 10000.0,
+    "sliding_window": 262144,
+    "vocab_size": 32064,
+    "bos_token_id": 1,
+    "eos_token_id": 32000,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-05,
+}  # fmt: skip
+
+
+def test_config_longrope() -> None:
+    """LongRoPE (Phi-3.5, Phi-3 128k): both factor lists kept, the attention factor transformers
+    derives from 131072 / 4096 positions (or the config's own), served up to 4096 positions; lists
+    of the wrong length or no pretraining length refused."""
+    c = ModelConfig.from_hf_dict(PHI_35_MINI)
+    scaling = c.rope_scaling
+    assert scaling is not None and scaling["rope_type"] == "longrope"
+    assert scaling["short_factor"] == PHI_35_MINI["rope_scaling"]["short_factor"]
+    assert scaling["original_max_position_embeddings"] == 4096
+    assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert (c.positions_served, c.max_position_embeddings, c.head_dim) == (4096, 131072, 96)
+    own = {**PHI_35_MINI, "rope_scaling": {**PHI_35_MINI["rope_scaling"], "attention_factor": 1.5}}
+    assert ModelConfig.from_hf_dict(own).rope_scaling["attention_factor"] == 1.5  # type: ignore[index]
+    v5 = {
+        k: v
+        for k, v in PHI_35_MINI.items()
+        if k not in ("rope_scaling", "rope_theta", "original_max_position_embeddings")
+    }
+    v5["rope_parameters"] = {
+        **PHI_35_MINI["rope_scaling"],
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 4096,
+    }
+    assert ModelConfig.from_hf_dict(v5).rope_scaling == scaling
+    assert ModelConfig.from_hf_dict(PHI_4).positions_served == PHI_4["max_position_embeddings"]
+    short = {**PHI_35_MINI, "rope_scaling": {**PHI_35_MINI["rope_scaling"], "short_factor": [1.0] * 47}}
+    with pytest.raises(UnsupportedModelError, match="short_factor has 47 entries; head_dim=96 needs 48"):
+        ModelConfig.from_hf_dict(short)
+    with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings"):
+        ModelConfig.from_hf_dict(
+            {k: v for k, v in PHI_35_MINI.items() if k != "original_max_position_embeddings"}
+        )
+    with pytest.raises(UnsupportedModelError, match="long_factor"):
+        ModelConfig.from_hf_dict(
+            {**PHI_35_MINI, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}}
+        )
 
 
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json

@@ -41,6 +41,11 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 32,  # small, so the scaling bends frequencies we use
 }
 
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.5, 6.0],  # head_dim 16: one per frequency
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0],  # past 256 positions: not served
+}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa-untied": ("llama", {}),
     "llama-mha-tied-bias": (
@@ -90,6 +95,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3-image-text": ("gemma3", {}),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
+    # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and
+    # sin scaled by sqrt(1 + ln 2 / ln 256)
+    "phi3-longrope": (
+        "phi3",
+        {"max_position_embeddings": 512, "original_max_position_embeddings": 256, "rope_scaling": LONGROPE},
+    ),  # fmt: skip
     "qwen3-moe": ("qwen3_moe", {}),
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
     "qwen3-moe-mixed-top1": (

@@ -347,19 +347,33 @@ class LLMEngine:
                 f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} holds no KV block of this model; "
                 "raise it or set num_kv_blocks"
             )
+        served = mc.positions_served
+        if served < mc.max_position_embeddings:
+            log.info(
+                "%s's LongRoPE is served up to its pretraining length, %d of its %d positions",
+                mc.architecture,
+                served,
+                mc.max_position_embeddings,
+            )
         if requested is None:
-            if capacity < mc.max_position_embeddings:
+            if capacity < served:
                 log.warning(
                     "KV pool holds %d tokens < the model's %d positions: max_model_len set to %d",
                     capacity,
-                    mc.max_position_embeddings,
+                    served,
                     capacity,
                 )
-            return min(mc.max_position_embeddings, capacity)
+            return min(served, capacity)
         if requested > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={requested} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}; lower max_model_len"
+            )
+        if requested > served:
+            raise ValueError(
+                f"max_model_len={requested} exceeds {served}, the pretraining length up to which this "
+                "engine serves a LongRoPE model (past it the long factors would rotate a request's new "
+                "tokens differently from the keys it cached); lower max_model_len"
             )
         if requested > capacity:
             raise ValueError(

@@ -156,6 +156,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "longrope":  # its short factors: the engine stops at their length
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
     assert scaling["rope_type"] == "llama3", scaling  # ModelConfig admits nothing else
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -177,6 +179,8 @@ class RotaryEmbedding(nn.Module):
         # Kept out of the state dict and out of `.to(dtype)`: frequencies stay float32.
         self._inv_freq_cpu = rope_inv_freq(config)  # (hd/2,)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        scaling = config.rope_scaling or {}
+        self._scale = float(scaling.get("attention_factor", 1.0))  # LongRoPE scales cos and sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._inv_freq.get(positions.device)
@@ -184,6 +188,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        if self._scale != 1.0:
+            return (emb.cos() * self._scale).to(dtype), (emb.sin() * self._scale).to(dtype)  # (T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)  # (T, hd), (T, hd)
 
 

@@ -7,9 +7,9 @@ downstream -- model, loader, engine -- reads plain fields.
 Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
 (q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
 each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
-(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-4: Llama's shape with q/k/v and gate/up
-each stored as one fused tensor, a sliding window on every layer where set; LongRoPE and partial
-rotation are refused), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
+(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4: Llama's shape with q/k/v
+and gate/up each stored as one fused tensor, a sliding window on every layer where set; LongRoPE
+served up to its pretraining length, partial rotation refused), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
 scaling by 1 + weight, a norm on each block's output as well as its input, q/k norms, embeddings
 scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own) and the language
 model of ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B: the same text model inside an
@@ -66,7 +66,7 @@ IMAGE_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # an MLP's gate: SwiGLU, or GeGLU (Gemma)
 
 
@@ -126,6 +126,13 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE; check config.json")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.head_dim // 2:
+                    raise UnsupportedModelError(
+                        f"longrope {key} has {len(self.rope_scaling[key])} entries; head_dim={self.head_dim}"
+                        f" needs {self.head_dim // 2}: check config.json"
+                    )
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(
                 f"hidden_act={self.hidden_act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
@@ -139,6 +146,14 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def positions_served(self) -> int:
+        """The longest context the engine runs this model at: ``max_position_embeddings``, or for
+        LongRoPE its pretraining length (see ``_longrope``)."""
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            return min(self.max_position_embeddings, self.rope_scaling["original_max_position_embeddings"])
+        return self.max_position_embeddings
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of ``layer`` in tokens, or None when it attends to the whole context."""
@@ -290,6 +305,8 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     if rope_type == "linear":
         return float(theta), {"rope_type": "linear", "factor": _positive(params, "factor")}
+    if rope_type == "longrope":
+        return float(theta), _longrope(d, params)
     # llama3: HF defaults original_max_position_embeddings to max_position_embeddings.
     original = params.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
     low, high = _positive(params, "low_freq_factor"), _positive(params, "high_freq_factor")
@@ -303,6 +320,37 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         "low_freq_factor": low,
         "high_freq_factor": high,
         "original_max_position_embeddings": int(original),
+    }
+
+
+def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE (Phi-3 128k, Phi-3.5): frequencies divided by ``short_factor`` up to the pretraining
+    length and by ``long_factor`` past it, cos and sin scaled by ``attention_factor`` (by default
+    sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original, as
+    transformers computes it). The engine serves such a model up to the pretraining length only
+    (``ModelConfig.positions_served``): past it the long factors would rotate a sequence's new
+    tokens differently from the keys it already cached."""
+    original = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if not original or int(original) <= 0:
+        raise UnsupportedModelError("longrope scaling needs a positive original_max_position_embeddings")
+    original = int(original)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not isinstance(value, list) or not value or not all(float(f) > 0 for f in value):
+            raise UnsupportedModelError(
+                f"longrope scaling needs {key}: a list of positive numbers, got {value!r}"
+            )
+        factors[key] = [float(f) for f in value]
+    factor = params.get("factor") or int(d.get("max_position_embeddings", original)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        **factors,
+        "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
     }
 
 
