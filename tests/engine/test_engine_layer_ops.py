@@ -146,6 +146,8 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {"arch": "qwen3_moe"}, True, 1e-5),  # each expert's silu * up on the kernel
         (torch.float32, {"arch": "mixtral"}, False, 1e-5),
         (torch.float32, {"arch": "phi3"}, True, 1e-5),
+        (torch.float32, {"arch": "phi3", "partial_rotary_factor": 0.5}, True, 1e-5),  # rotary_ on half a head
+        (torch.bfloat16, {"arch": "phi3", "partial_rotary_factor": 0.5}, True, 4e-2),
         (torch.float32, {"arch": "gemma3_text"}, True, 1e-5),  # the kernels in attention and the MLP only
         (torch.bfloat16, {"arch": "gemma3_text"}, True, 4e-2),
     ],

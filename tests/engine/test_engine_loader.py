@@ -323,8 +323,11 @@ def test_config_phi3() -> None:
     assert parameter_parts(small, "model.norm.weight", qkv) == [("model.norm.weight", qkv)]
     mini = ModelConfig.from_hf_dict({**PHI_4, "sliding_window": 2047, "num_hidden_layers": 32})
     assert mini.sliding_window == 2047 and mini.sliding_window_layers == tuple(range(32))
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.75"):
-        ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.75})
+    assert ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.75}).rope_dim == 96  # of 128
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=1.5"):
+        ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 1.5})
+    with pytest.raises(UnsupportedModelError, match="rotate 1 of each head's 128 dims"):
+        ModelConfig.from_hf_dict({**PHI_4, "partial_rotary_factor": 0.01})
 
 
 # Shaped like microsoft/Phi-3.5-mini-instruct's config.json (its factors are 48 measured values)
@@ -348,6 +351,34 @@ PHI_35_MINI: dict[str, Any] = {
     "tie_word_embeddings": False,
     "rms_norm_eps": 1e-05,
 }  # fmt: skip
+
+
+# Shaped like microsoft/Phi-4-mini-instruct's config.json (its factors are 48 measured values)
+PHI_4_MINI: dict[str, Any] = {
+    **PHI_35_MINI,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.75,
+    "vocab_size": 200064,
+    "tie_word_embeddings": True,
+    "eos_token_id": 199999,
+    "bos_token_id": 199999,
+}
+
+
+def test_config_partial_rotation() -> None:
+    """Phi-4-mini: RoPE on the first 96 of each head's 128 dims, its LongRoPE lists one factor per
+    rotated pair (48); partial rotation only where transformers does it (Phi-3's layout)."""
+    c = ModelConfig.from_hf_dict(PHI_4_MINI)
+    assert (c.head_dim, c.rope_dim, c.positions_served, c.num_kv_heads) == (128, 96, 4096, 8)
+    v5 = {k: v for k, v in PHI_4_MINI.items() if k != "partial_rotary_factor"}
+    v5["rope_parameters"] = {"partial_rotary_factor": 0.75, "rope_theta": 10000.0}
+    assert ModelConfig.from_hf_dict(v5).rope_dim == 96
+    long64 = {**PHI_4_MINI["rope_scaling"], "long_factor": [1.0] * 64}
+    with pytest.raises(UnsupportedModelError, match="long_factor has 64 entries; 96 rotated dims"):
+        ModelConfig.from_hf_dict({**PHI_4_MINI, "rope_scaling": long64})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 is not supported here"):
+        ModelConfig.from_hf_dict({**tiny_hf_config("llama"), "partial_rotary_factor": 0.5})
 
 
 def test_config_longrope() -> None:
@@ -377,7 +408,9 @@ def test_config_longrope() -> None:
     assert ModelConfig.from_hf_dict(v5).rope_scaling == scaling
     assert ModelConfig.from_hf_dict(PHI_4).positions_served == PHI_4["max_position_embeddings"]
     short = {**PHI_35_MINI, "rope_scaling": {**PHI_35_MINI["rope_scaling"], "short_factor": [1.0] * 47}}
-    with pytest.raises(UnsupportedModelError, match="short_factor has 47 entries; head_dim=96 needs 48"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"short_factor has 47 entries; 96 rotated dims \(head_dim=96\) need 48"
+    ):
         ModelConfig.from_hf_dict(short)
     with pytest.raises(UnsupportedModelError, match="original_max_position_embeddings"):
         ModelConfig.from_hf_dict(

@@ -46,6 +46,11 @@ LONGROPE = {
     "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.5, 6.0],  # head_dim 16: one per frequency
     "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 96.0],  # past 256 positions: not served
 }
+PARTIAL_LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.4, 2.5, 5.0],
+    "long_factor": [1.0, 4.0, 16.0, 64.0],
+}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa-untied": ("llama", {}),
     "llama-mha-tied-bias": (
@@ -100,6 +105,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope": (
         "phi3",
         {"max_position_embeddings": 512, "original_max_position_embeddings": 256, "rope_scaling": LONGROPE},
+    ),
+    # Phi-4-mini's shape: RoPE on the first half of each head (the rest passes), LongRoPE over it
+    "phi3-partial-longrope": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 256,
+            "rope_scaling": PARTIAL_LONGROPE,
+        },
     ),  # fmt: skip
     "qwen3-moe": ("qwen3_moe", {}),
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
@@ -279,6 +294,7 @@ def test_packed_bfloat16_linears_compute_what_the_plain_ones_do(
         (torch.bfloat16, {"arch": "qwen3", "attention_bias": True}, 1e-3),
         (torch.float32, {"arch": "mixtral"}, 1e-5),  # every expert's gate and up fused
         (torch.float32, {"arch": "phi3"}, 1e-5),  # fused again from the checkpoint's fused tensors
+        (torch.float32, {"arch": "phi3", "partial_rotary_factor": 0.5}, 1e-5),  # half of each head rotated
         (torch.float32, {"arch": "gemma3_text"}, 1e-5),  # gate and up fused under a gelu
     ],
 )

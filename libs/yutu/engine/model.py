@@ -147,8 +147,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (hd/2,) float32 on CPU, with the config's RoPE scaling applied."""
-    dim = config.head_dim
+    """Inverse frequencies (rd/2,) float32 on CPU, with the config's RoPE scaling applied (rd: the
+    rotated dims of a head, ``config.rope_dim``)."""
+    dim = config.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # (hd/2,)
     inv_freq = 1.0 / (config.rope_theta**exponents)  # (hd/2,)
     scaling = config.rope_scaling
@@ -186,15 +187,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, rd)
         if self._scale != 1.0:
-            return (emb.cos() * self._scale).to(dtype), (emb.sin() * self._scale).to(dtype)  # (T, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)  # (T, hd), (T, hd)
+            return (emb.cos() * self._scale).to(dtype), (emb.sin() * self._scale).to(dtype)  # (T, rd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # (T, rd), (T, rd)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (T, heads, hd) by the (T, hd) tables, half-split layout (Hugging Face convention)."""
+    """Rotate (T, heads, hd) by the (T, rd) tables, half-split layout (Hugging Face convention);
+    tables narrower than a head (rd < hd: partial rotation) rotate its first rd dims, the rest pass."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)  # (T, heads, hd)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
     return x * cos[:, None, :] + rotated * sin[:, None, :]  # (T, heads, hd)
@@ -252,7 +257,7 @@ class Attention(nn.Module):
                 qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
             else:
                 qk = qkv[:, : nh + kvh]
-                ops.rotary_(qk, cos, sin)  # in place: qkv is this call's own
+                ops.rotary_(qk[..., : cos.shape[-1]], cos, sin)  # in place (qkv is this call's own); rd of hd
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]  # views
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan, ops)
         if meta.dense is not None:
@@ -471,7 +476,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # (T, H)
         if self.config.embedding_scale is not None:  # Gemma: the scale rounded to the model's dtype first
             h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)  # (T, H)
-        cos, sin = self.rotary(positions, h.dtype)  # (T, hd), (T, hd)
+        cos, sin = self.rotary(positions, h.dtype)  # (T, rd), (T, rd): rd = config.rope_dim
         sliding = (cos, sin) if self.sliding_rotary is None else self.sliding_rotary(positions, h.dtype)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
         group_tokens = self._decode_group_tokens(kv_cache)

@@ -9,7 +9,7 @@ Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), 
 each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
 (sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4: Llama's shape with q/k/v
 and gate/up each stored as one fused tensor, a sliding window on every layer where set; LongRoPE
-served up to its pretraining length, partial rotation refused), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
+served up to its pretraining length, partial rotation as Phi-4-mini's), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
 scaling by 1 + weight, a norm on each block's output as well as its input, q/k norms, embeddings
 scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own) and the language
 model of ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B: the same text model inside an
@@ -116,6 +116,7 @@ class ModelConfig:
     embedding_scale: float | None = None
     attention_scale: float | None = None
     sliding_rope_theta: float | None = None
+    rotary_dim: int | None = None  # RoPE rotates each head's first rotary_dim dims (Phi-4-mini); None: all
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -126,12 +127,17 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE; check config.json")
+        if not (2 <= self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise UnsupportedModelError(
+                f"RoPE would rotate {self.rope_dim} of each head's {self.head_dim} dims: it needs an even"
+                " number, at least 2 (check partial_rotary_factor in config.json)"
+            )
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
             for key in ("short_factor", "long_factor"):
-                if len(self.rope_scaling[key]) != self.head_dim // 2:
+                if len(self.rope_scaling[key]) != self.rope_dim // 2:
                     raise UnsupportedModelError(
-                        f"longrope {key} has {len(self.rope_scaling[key])} entries; head_dim={self.head_dim}"
-                        f" needs {self.head_dim // 2}: check config.json"
+                        f"longrope {key} has {len(self.rope_scaling[key])} entries; {self.rope_dim} rotated"
+                        f" dims (head_dim={self.head_dim}) need {self.rope_dim // 2}: check config.json"
                     )
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(
@@ -146,6 +152,11 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def rope_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (the first ones)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def positions_served(self) -> int:
@@ -203,6 +214,7 @@ class ModelConfig:
         head_dim = d.get("head_dim") or default_head_dim
         qwen3_family = model_type in ("qwen3", "qwen3_moe")
         rope_theta, rope_scaling = _gemma3_rope(d) if gemma else _rope(d)
+        rotary_dim = int(int(head_dim) * _partial_rotary(d, model_type))
 
         # Which projections carry a bias differs per architecture.
         if model_type == "qwen2":
@@ -241,6 +253,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
             qk_norm=qwen3_family or gemma,
+            rotary_dim=rotary_dim,
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
             **(_gemma3(d, hidden_size) if gemma else {}),
@@ -298,9 +311,6 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise UnsupportedModelError(
             f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     if rope_type == "default":
         return float(theta), None
     if rope_type == "linear":
@@ -321,6 +331,20 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         "high_freq_factor": high,
         "original_max_position_embeddings": int(original),
     }
+
+
+def _partial_rotary(d: dict[str, Any], model_type: str) -> float:
+    """The fraction of each head that RoPE rotates (``partial_rotary_factor``, top level or in
+    ``rope_parameters``): Phi-3's layout rotates the first part and passes the rest (Phi-4-mini:
+    0.75); 1.0 for every other architecture here."""
+    factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if factor is None or float(factor) == 1.0:
+        return 1.0
+    if model_type != "phi3" or not 0.0 < float(factor) < 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={factor} is not supported here (only Phi-3's, in (0, 1])"
+        )
+    return float(factor)
 
 
 def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
