@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from yutu.logs import REQUEST_ID as LOG_REQUEST_ID
 from yutu.service import admin_app
 
-from services.gateway import routes_chat, routes_completions, routes_models, routes_tokenize
+from services.gateway import routes_chat, routes_completions, routes_models, routes_responses, routes_tokenize
 from services.gateway.body_limit import BodyLimit
 from services.gateway.errors import install_error_handlers
 from services.gateway.memory import ReleaseAfterLargeBodies
@@ -105,7 +105,7 @@ def build_app(gateway: GatewayService) -> FastAPI:
     app = admin_app(gateway)
     app.title = "yutu gateway (OpenAI-compatible API)"
     app.state.gateway = gateway
-    for module in (routes_models, routes_completions, routes_chat, routes_tokenize):
+    for module in (routes_models, routes_completions, routes_chat, routes_responses, routes_tokenize):
         app.include_router(module.router)
     install_error_handlers(app)
     install_openapi(app, extra_models=(CompletionChunk, ChatCompletionChunk))

@@ -53,6 +53,12 @@ class EventStream(StreamingResponse):
         finally:
             self._on_close()
 
+    def relay(self, transform: Callable[[AsyncIterable[str | bytes]], AsyncIterable[str]]) -> EventStream:
+        """These events rewritten by ``transform`` (another API's shape of them), with the same
+        routing headers, ending the generation the same way."""
+        routed = {k: v for k, v in self.headers.items() if k.startswith("x-yutu-")}
+        return EventStream(transform(self.body_iterator), self._on_close, routed)
+
 
 def finished_stream(events: list[str]) -> StreamingResponse:
     """Server-sent events computed whole before the response starts (a beam search's), then [DONE]:

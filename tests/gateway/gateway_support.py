@@ -250,3 +250,21 @@ def wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float 
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not ready in {timeout_s}s")
+
+
+def worker_info(admin: str) -> dict[str, Any]:
+    """A worker's ``/info`` (its engine's counters) from its admin URL."""
+    info: dict[str, Any] = httpx.get(f"{admin}/info", timeout=10).json()
+    return info
+
+
+def wait_idle(admin: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """The worker's ``/info`` once it runs and holds nothing; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = worker_info(admin)
+        engine = info["engine"]
+        if info["in_flight"] == 0 and engine["num_running"] == 0 and engine["num_waiting"] == 0:
+            return info
+        assert time.monotonic() < deadline, f"worker still busy: {info}"
+        time.sleep(0.05)

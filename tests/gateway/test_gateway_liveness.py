@@ -21,7 +21,16 @@ from typing import Any
 
 import httpx
 import redis
-from gateway_support import MODEL_NAME, gateway_url, start_gateway, start_worker, stop_process, wait_ready
+from gateway_support import (
+    MODEL_NAME,
+    gateway_url,
+    start_gateway,
+    start_worker,
+    stop_process,
+    wait_idle,
+    wait_ready,
+    worker_info,
+)
 
 WINDOW_S = 3.0  # the gateway's --worker-liveness-timeout in these tests
 BOUND_S = 15.0  # the window plus generous slack: an error, never a hang
@@ -79,25 +88,6 @@ def error_of(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 def finished_normally(events: list[dict[str, Any]]) -> bool:
     reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
     return error_of(events) is None and reasons == ["length"]
-
-
-def worker_info(admin: str) -> dict[str, Any]:
-    info: dict[str, Any] = httpx.get(f"{admin}/info", timeout=10).json()
-    return info
-
-
-def wait_idle(admin: str, timeout_s: float = BOUND_S) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = worker_info(admin)
-        if (
-            info["in_flight"] == 0
-            and info["engine"]["num_running"] == 0
-            and info["engine"]["num_waiting"] == 0
-        ):
-            return info
-        assert time.monotonic() < deadline, f"worker still busy: {info}"
-        time.sleep(0.05)
 
 
 def wait_live(url: str, instance_ids: set[str], timeout_s: float = BOUND_S) -> None:
@@ -158,7 +148,7 @@ def test_a_frozen_worker_fails_its_requests_gets_none_new_and_returns_when_it_an
         resp = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=30)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
         # The failed request was aborted on the worker too: nothing left, no block leaked.
-        info = wait_idle(admin)
+        info = wait_idle(admin, BOUND_S)
         assert info["engine"]["num_free_blocks"] == info["engine"]["num_kv_blocks"]
         assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True
 
@@ -205,7 +195,7 @@ def test_with_two_workers_requests_after_a_freeze_go_to_the_live_one(
         assert all(finished_normally(f.result(timeout=60)) for f in two)
         assert worker_info(frozen_admin)["engine"]["generation_tokens_total"] == served + 200
         for admin in (frozen_admin, other_admin):
-            wait_idle(admin)
+            wait_idle(admin, BOUND_S)
             assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True
 
 
@@ -232,7 +222,7 @@ def test_a_frozen_gateway_has_its_requests_aborted_by_the_worker(
             time.sleep(0.01)
         gateway.send_signal(signal.SIGSTOP)
         try:
-            info = wait_idle(admin)  # the worker gave up on the silent front end
+            info = wait_idle(admin, BOUND_S)  # the worker gave up on the silent front end
             assert info["engine"]["generation_tokens_total"] - before < n * 200  # aborted, not finished
             assert info["engine"]["num_free_blocks"] == info["engine"]["num_kv_blocks"]
             assert httpx.post(f"{admin}/debug/check_integrity", timeout=10).json()["ok"] is True

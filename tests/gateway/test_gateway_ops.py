@@ -18,30 +18,15 @@ from gateway_support import (
     start_gateway,
     start_worker,
     stop_process,
+    wait_idle,
     wait_ready,
+    worker_info,
 )
 from yutu.transfer.region import sweep_stale_region_files
 
 
-def worker_info(stack: Stack) -> dict[str, Any]:
-    info: dict[str, Any] = httpx.get(f"{stack.worker_admin}/info", timeout=5).json()
-    return info
-
-
-def wait_idle(stack: Stack, timeout_s: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = worker_info(stack)
-        engine = info["engine"]
-        if info["in_flight"] == 0 and engine["num_running"] == 0 and engine["num_waiting"] == 0:
-            return info
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker still busy: {info}")
-        time.sleep(0.05)
-
-
 def test_client_disconnect_mid_stream_frees_the_worker(stack: Stack) -> None:
-    wait_idle(stack)
+    wait_idle(stack.worker_admin)
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=30) as resp:
@@ -50,11 +35,11 @@ def test_client_disconnect_mid_stream_frees_the_worker(stack: Stack) -> None:
         while got < 3:  # a few tokens in: the request is running on the worker
             if next(lines).startswith("data: {"):
                 got += 1
-        busy = worker_info(stack)
+        busy = worker_info(stack.worker_admin)
         assert busy["in_flight"] == 1 and busy["engine"]["num_running"] == 1
         assert busy["engine"]["kv_usage"] > 0
     # The client hung up: the gateway aborts the request and the worker frees its blocks.
-    info = wait_idle(stack)
+    info = wait_idle(stack.worker_admin)
     assert info["engine"]["kv_usage"] == 0.0
     assert info["engine"]["num_free_blocks"] == info["engine"]["num_kv_blocks"]
     assert info["engine"]["generation_tokens_total"] < busy["engine"]["generation_tokens_total"] + 150
@@ -65,7 +50,7 @@ def test_client_disconnect_mid_stream_frees_the_worker(stack: Stack) -> None:
         )
     except httpx.ReadTimeout:
         pass
-    info = wait_idle(stack)
+    info = wait_idle(stack.worker_admin)
     assert info["engine"]["kv_usage"] == 0.0
 
 

@@ -26,6 +26,7 @@ from yutu.engine.tokenizer import Tokenizer
 
 from services.gateway.prompts import template_messages
 from services.gateway.reasoning import PARSERS, ReasoningSplit, Thinking
+from services.gateway.responses_api import ResponseEvents, ResponsesRequest, Shell, response_object
 from services.gateway.schemas import ChatMessage
 
 QWEN3 = PARSERS["qwen3"]
@@ -221,6 +222,50 @@ def test_thinking_comes_back_apart_from_the_answer(text_stack: Stack) -> None:
         lp for c in chunks for ch in c.choices if ch.logprobs for lp in ch.logprobs.content or []
     ]
     assert len(streamed_logprobs) == tokens_each  # the thinking's too, with the answer's first delta
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(text_stack: Stack) -> None:
+    """/v1/responses' view of a thinking answer (services/gateway/responses_api.py), made from the
+    thinking gateway's real chat answers: a reasoning item, then the message, whole and streamed
+    (the reasoning_text events, then the output_text ones), the reasoning's tokens counted."""
+    grammar = 'start: "<think>" "Cold, " "probably." "</think>" "It is cold."'
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 40,
+            "temperature": 0, "structured_outputs": {"grammar": grammar}}  # fmt: skip
+    whole = httpx.post(f"{text_stack.url}/v1/chat/completions", json=body, timeout=60).json()
+    streamed = httpx.post(f"{text_stack.url}/v1/chat/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}).text  # fmt: skip
+    shell = Shell(
+        ResponsesRequest.model_validate({"model": MODEL_NAME, "input": "Weather in Oslo?"}), MODEL_NAME
+    )
+
+    def count(text: str) -> int:
+        return len(text.split())
+
+    made = response_object(shell, whole, count)
+    assert [(item["type"], item["content"][0]["text"]) for item in made["output"]] == [
+        ("reasoning", "Cold, probably."), ("message", "It is cold."),
+    ]  # fmt: skip
+    assert made["status"] == "completed" and made["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    events = ResponseEvents(shell, count)
+    text = events.start() + "".join(events.feed(streamed[i : i + 7]) for i in range(0, len(streamed), 7))
+    payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in text.split("\n\n") if e]
+    kinds = [p["type"] for p in payloads]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    reasoning = [p["delta"] for p in payloads if p["type"] == "response.reasoning_text.delta"]
+    answer = [p["delta"] for p in payloads if p["type"] == "response.output_text.delta"]
+    assert ("".join(reasoning), "".join(answer)) == ("Cold, probably.", "It is cold.")
+    done = [p["item"] for p in payloads if p["type"] == "response.output_item.done"]
+    assert [item["type"] for item in done] == ["reasoning", "message"]
+    final = payloads[-1]
+    assert final["type"] == "response.completed" and [p["sequence_number"] for p in payloads] == list(
+        range(len(payloads))
+    )
+    assert [(i["type"], i["content"][0]["text"]) for i in final["response"]["output"]] == [
+        (i["type"], i["content"][0]["text"]) for i in made["output"]
+    ]
+    usage = {k: v for k, v in final["response"]["usage"].items() if k != "input_tokens_details"}
+    assert usage == {k: v for k, v in made["usage"].items() if k != "input_tokens_details"}  # the cache aside
 
 
 @pytest.mark.parametrize(

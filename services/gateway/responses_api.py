@@ -1,0 +1,395 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a view of chat completions.
+
+A Responses request is the conversation (``input``: a string, or messages whose content is text
+parts), ``instructions`` (a system message put first) and the sampling options; the answer is a
+``response`` object whose ``output`` holds the assistant's message (an ``output_text`` part) and,
+from a gateway with a reasoning parser, a ``reasoning`` item before it. :func:`chat_request` turns
+the request into the chat completion it means, which runs as any other (same template, same
+limits, same placement); :func:`response_object` and :class:`ResponseEvents` turn that chat
+completion's answer -- whole, or its chunks -- into the Responses shapes: streamed as typed events
+(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``), each with
+its ``sequence_number``, and no ``[DONE]``.
+
+What is not served is refused by name (400): tools, images and files in the input, items other
+than messages, ``previous_response_id`` and ``conversation`` (this gateway stores no responses:
+send the whole conversation; every response says ``"store": false``), ``background``,
+``reasoning`` options, ``truncation: "auto"``, ``include`` and ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import Field
+
+from services.gateway.errors import ApiError, invalid
+from services.gateway.schemas import ChatCompletionRequest, ChatMessage, Int, StreamOptions, _Request
+
+# chat completion fields as the Responses request names them, for the errors of the chat path
+CHAT_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+class InputPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class InputMessage(_Request):
+    type: str = "message"
+    role: str
+    content: str | list[InputPart]
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(_Request):
+    format: TextFormat | None = None  # None: plain text
+
+
+class ResponsesRequest(_Request):
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    text: TextOptions | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
+    parallel_tool_calls: bool | None = None
+    tool_choice: Any = None
+    tools: list[Any] | None = None
+    truncation: str | None = None
+    # refused when set (see the module docstring)
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    reasoning: Any = None
+    include: list[Any] | None = None
+    top_logprobs: Int | None = None
+
+
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None or body.conversation is not None:
+        param = "previous_response_id" if body.previous_response_id is not None else "conversation"
+        raise invalid(
+            f"{param} is not supported: this gateway stores no responses; send the whole conversation in input",
+            param,
+        )
+    if body.tools:
+        raise invalid("tools are not supported on /v1/responses: use /v1/chat/completions", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise invalid("tool_choice needs tools, which /v1/responses does not take", "tool_choice")
+    for name, value in (("background", body.background), ("reasoning", body.reasoning)):
+        if value:
+            raise invalid(f"{name} is not supported on /v1/responses", name)
+    if body.truncation not in (None, "disabled"):
+        raise invalid(
+            'truncation "auto" is not supported: only "disabled" (a too long input is refused)', "truncation"
+        )
+    if body.include:
+        raise invalid("include is not supported on /v1/responses", "include")
+    if body.top_logprobs:
+        raise invalid(
+            "top_logprobs is not supported on /v1/responses: use /v1/chat/completions", "top_logprobs"
+        )
+
+
+def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The chat messages of ``instructions`` and ``input``; 400 naming the first item not served."""
+    out = [] if body.instructions is None else [_message("system", body.instructions)]
+    if isinstance(body.input, str):
+        return [*out, _message("user", body.input)]
+    if not body.input:
+        raise invalid("input holds no message", "input")
+    for i, item in enumerate(body.input):
+        if item.type != "message":
+            raise invalid(
+                f"input items of type {item.type!r} are not supported: send messages", f"input.{i}.type"
+            )
+        if item.role not in _ROLES:
+            raise invalid(f"role {item.role!r} is not one of {', '.join(_ROLES)}", f"input.{i}.role")
+        if isinstance(item.content, str):
+            text = item.content
+        else:
+            wanted = "output_text" if item.role == "assistant" else "input_text"
+            for j, part in enumerate(item.content):
+                if part.type not in (wanted, "input_text", "output_text") or part.text is None:
+                    raise invalid(
+                        f"content parts of type {part.type!r} are not supported: send {wanted} parts",
+                        f"input.{i}.content.{j}",
+                    )
+            text = "".join(part.text or "" for part in item.content)
+        out.append(_message(item.role, text))
+    return out
+
+
+def _message(role: str, text: str) -> ChatMessage:
+    return ChatMessage.model_validate({"role": role, "content": text})
+
+
+def _format(body: ResponsesRequest) -> TextFormat | None:
+    return None if body.text is None else body.text.format
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = _format(body)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.name is None or fmt.schema_ is None:
+        raise invalid('a text.format of type "json_schema" needs a name and a schema', "text.format")
+    spec: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
+    if fmt.strict is not None:
+        spec["strict"] = fmt.strict
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion ``body`` asks for (its usage always reported, for the response's)."""
+    _refuse_unsupported(body)
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": body.model,
+            "messages": _messages(body),
+            "max_completion_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "stream": body.stream,
+            "stream_options": StreamOptions(include_usage=True) if body.stream else None,
+            "response_format": _response_format(body),
+            "user": body.user,
+        }
+    )
+
+
+def renamed(err: ApiError, body: ResponsesRequest) -> ApiError:
+    """An error of the chat path, in ``body``'s names (``messages.3``: ``input.2`` after
+    ``instructions``, which is the first message)."""
+    message = err.message
+    for chat, ours in CHAT_NAMES.items():
+        message = message.replace(chat, ours)
+    param = CHAT_NAMES.get(err.param or "", err.param)
+    if param is not None and param.startswith("messages."):
+        index, _, rest = param.removeprefix("messages.").partition(".")
+        if index.isdigit():
+            i = int(index) - (body.instructions is not None)
+            param = "instructions" if i < 0 else ".".join(["input", str(i), *([rest] if rest else [])])
+    return ApiError(message, err.status, err.type, param, err.code, err.headers)
+
+
+def _usage(usage: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        },
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+class Shell:
+    """The fields of a response object that do not depend on its output."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        fmt = _format(body)
+        self.fields: dict[str, Any] = {
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": model,
+            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": body.temperature,
+            "text": {
+                "format": {"type": "text"}
+                if fmt is None
+                else fmt.model_dump(by_alias=True, exclude_none=True)
+            },
+            "tool_choice": body.tool_choice or "auto",
+            "tools": [],
+            "top_p": body.top_p,
+            "truncation": "disabled",
+            "user": body.user,
+        }
+
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                **self.fields, "incomplete_details": incomplete, "output": output, "usage": usage}  # fmt: skip
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _item(kind: str, text: str, status: str) -> dict[str, Any]:
+    """An output item: the assistant's ``message`` (an output_text part) or its ``reasoning``."""
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}  # fmt: skip
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [_part("message", text)]}  # fmt: skip
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(
+    shell: Shell, completion: dict[str, Any], count_tokens: Callable[[str], int]
+) -> dict[str, Any]:
+    """The response of a whole chat completion (one choice). ``count_tokens``: of the reasoning."""
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    status = _status(choice["finish_reason"])
+    output = []
+    reasoning = message.get("reasoning_content")
+    if reasoning:
+        output.append(_item("reasoning", reasoning, "completed"))
+    if message.get("content") is not None or not output:
+        output.append(_item("message", message.get("content") or "", status))
+    return shell.response(status, output, _usage(completion.get("usage"), count_tokens(reasoning or "")))
+
+
+class ResponseEvents:
+    """A streamed chat completion's events, as the Responses API streams them (module docstring).
+
+    ``feed`` takes the chat stream's text as it comes and returns the Responses events it makes."""
+
+    def __init__(self, shell: Shell, count_tokens: Callable[[str], int]) -> None:
+        self.shell = shell
+        self.count_tokens = count_tokens
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # items finished
+        self.kind: str | None = None  # the open item's kind
+        self.item: dict[str, Any] = {}
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.ended = False
+        self._pending = ""
+
+    def _event(self, type_: str, **fields: Any) -> str:
+        payload = {"type": type_, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+
+    def start(self) -> str:
+        shell = self.shell.response("in_progress", [], None)
+        return self._event("response.created", response=shell) + self._event(
+            "response.in_progress", response=shell
+        )
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item["id"], "output_index": len(self.output), "content_index": 0}
+
+    def _open(self, kind: str) -> str:
+        self.kind, self.text = kind, []
+        self.item = _item(kind, "", "in_progress")
+        self.item["content"] = []
+        return self._event(
+            "response.output_item.added", output_index=len(self.output), item=self.item
+        ) + self._event("response.content_part.added", **self._where(), part=_part(kind, ""))
+
+    def _close(self, status: str) -> str:
+        if self.kind is None:
+            return ""
+        text = "".join(self.text)
+        done = "response.reasoning_text.done" if self.kind == "reasoning" else "response.output_text.done"
+        item = {**self.item, "status": status, "content": [_part(self.kind, text)]}
+        out = (
+            self._event(done, **self._where(), text=text)
+            + self._event("response.content_part.done", **self._where(), part=_part(self.kind, text))
+            + self._event("response.output_item.done", output_index=len(self.output), item=item)
+        )
+        self.output.append(item)
+        self.kind = None
+        return out
+
+    def _delta(self, kind: str, text: str) -> str:
+        out = ""
+        if self.kind != kind:
+            out += self._close("completed") + self._open(kind)
+        self.text.append(text)
+        if kind == "reasoning":
+            self.reasoning.append(text)
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        return out + self._event(name, **self._where(), delta=text)
+
+    def feed(self, data: str) -> str:
+        """The Responses events of the chat stream's text ``data`` (whole events are taken; a
+        partial one waits for the rest)."""
+        self._pending += data
+        *whole, self._pending = self._pending.split("\n\n")
+        return "".join(self._chat_event(raw) for raw in whole if raw.startswith("data: "))
+
+    def _chat_event(self, raw: str) -> str:
+        payload = raw.removeprefix("data: ")
+        if payload == "[DONE]":
+            return self._end()
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            self.ended = True
+            err = chunk["error"]
+            return self._event("error", code=err.get("code") or err.get("type"), message=err["message"],
+                               param=err.get("param"))  # fmt: skip
+        out = ""
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._delta("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                out += self._delta("message", delta["content"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        return out
+
+    def _end(self) -> str:
+        if self.ended:
+            return ""
+        self.ended = True
+        status = _status(self.finish_reason)
+        out = ""
+        if self.kind is None and not any(item["type"] == "message" for item in self.output):
+            out += self._open("message")  # an answer with no text still has its message
+        out += self._close(status)
+        usage = _usage(self.usage, self.count_tokens("".join(self.reasoning)))
+        response = self.shell.response(status, self.output, usage)
+        return out + self._event(f"response.{status}", response=response)
