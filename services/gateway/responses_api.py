@@ -102,7 +102,8 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             raise invalid(f"{name} is not supported on /v1/responses", name)
     if body.truncation not in (None, "disabled"):
         raise invalid(
-            'truncation "auto" is not supported: only "disabled" (a too long input is refused)', "truncation"
+            f'truncation {body.truncation!r} is not supported: only "disabled" (a too long input is refused)',
+            "truncation",
         )
     if body.include:
         raise invalid("include is not supported on /v1/responses", "include")

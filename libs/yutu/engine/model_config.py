@@ -7,14 +7,14 @@ downstream -- model, loader, engine -- reads plain fields.
 Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
 (q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
 each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
-(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4: Llama's shape with q/k/v
-and gate/up each stored as one fused tensor, a sliding window on every layer where set; LongRoPE
-served up to its pretraining length, partial rotation as Phi-4-mini's), ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms
-scaling by 1 + weight, a norm on each block's output as well as its input, q/k norms, embeddings
-scaled by sqrt(hidden), five sliding layers in six with a RoPE base of their own) and the language
-model of ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B: the same text model inside an
-image-text checkpoint; its vision tower is not loaded), and two sparse
-mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: Llama's shape
+with q/k/v and gate/up each stored as one fused tensor, a sliding window on every layer where set;
+LongRoPE served up to its pretraining length, Phi-4-mini's partial rotation), ``Gemma3ForCausalLM``
+(Gemma 3's text models: GELU-gated MLPs, RMSNorms scaling by 1 + weight, a norm on each block's
+output as well as its input, q/k norms, embeddings scaled by sqrt(hidden), five sliding layers in
+six with a RoPE base of their own) and the language model of ``Gemma3ForConditionalGeneration``
+(Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
+loaded), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
