@@ -22,6 +22,7 @@ from services.gateway.responses_api import (
     response_object,
 )
 from services.gateway.routes_chat import create_chat_completion
+from services.gateway.routing import routed_headers
 from services.gateway.streaming import EventStream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -45,8 +46,8 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
         return answer.relay(lambda chat_events: _responses_events(events, chat_events))
     if answer.status_code != 200:  # 499: the client left
         return answer
-    routed = {k: v for k, v in answer.headers.items() if k.startswith("x-yutu-")}
-    return JSONResponse(response_object(shell, json.loads(bytes(answer.body)), count_tokens), headers=routed)
+    made = response_object(shell, json.loads(bytes(answer.body)), count_tokens)
+    return JSONResponse(made, headers=routed_headers(answer.headers))
 
 
 async def _responses_events(

@@ -76,6 +76,11 @@ def instance_headers(routes: list[Route]) -> dict[str, str]:
     return {"x-yutu-prefill": ",".join(prefills), "x-yutu-decode": ",".join(decodes)}
 
 
+def routed_headers(headers: Any) -> dict[str, str]:
+    """The ``instance_headers`` among a response's ``headers`` (to carry onto another response)."""
+    return {k: v for k, v in headers.items() if k.startswith("x-yutu-")}
+
+
 class Handle(Protocol):
     async def next(self) -> TokenDelta: ...
 

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from yutu.errors import YutuError
 
 from services.gateway.errors import ApiError
+from services.gateway.routing import routed_headers
 
 T = TypeVar("T")
 
@@ -56,8 +57,7 @@ class EventStream(StreamingResponse):
     def relay(self, transform: Callable[[AsyncIterable[str | bytes]], AsyncIterable[str]]) -> EventStream:
         """These events rewritten by ``transform`` (another API's shape of them), with the same
         routing headers, ending the generation the same way."""
-        routed = {k: v for k, v in self.headers.items() if k.startswith("x-yutu-")}
-        return EventStream(transform(self.body_iterator), self._on_close, routed)
+        return EventStream(transform(self.body_iterator), self._on_close, routed_headers(self.headers))
 
 
 def finished_stream(events: list[str]) -> StreamingResponse:
