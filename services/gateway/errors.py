@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -90,10 +91,16 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return invalid(f"the request body is not valid JSON ({detail}): send a JSON object")
+    return validation_failed(errors)
+
+
+def validation_failed(errors: Sequence[Any], prefix: Sequence[str] = ()) -> ApiError:
+    """The 400 of pydantic's ``errors`` for a part of the request at ``prefix`` (its field path):
+    every field named, the first one the ``param``."""
     parts: list[str] = []
     param: str | None = None
     for err in errors:
-        loc = _field_path(err.get("loc", ()))
+        loc = [*prefix, *_field_path(err.get("loc", ()))]
         where = ".".join(loc) if loc else "body"
         if param is None and loc:
             param = where

@@ -1,18 +1,27 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a view of chat completions.
 
-A Responses request is the conversation (``input``: a string, or messages whose content is text
-parts), ``instructions`` (a system message put first) and the sampling options; the answer is a
-``response`` object whose ``output`` holds the assistant's message (an ``output_text`` part) and,
-from a gateway with a reasoning parser, a ``reasoning`` item before it. :func:`chat_request` turns
-the request into the chat completion it means, which runs as any other (same template, same
-limits, same placement); :func:`response_object` and :class:`ResponseEvents` turn that chat
-completion's answer -- whole, or its chunks -- into the Responses shapes: streamed as typed events
-(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``), each with
-its ``sequence_number``, and no ``[DONE]``.
+A Responses request is the conversation (``input``: a string, or items: messages whose content
+is text parts, the function calls a response made and their outputs, reasoning items),
+``instructions`` (a system message put first), function ``tools`` with ``tool_choice``, and the
+sampling options; the answer is a ``response`` object whose ``output`` holds, in order, a
+``reasoning`` item (from a gateway with a reasoning parser), the assistant's message (an
+``output_text`` part) and its ``function_call`` items. :func:`chat_request` turns the request into
+the chat completion it means, which runs as any other (same template, same limits, same
+placement, the same function calling: services/gateway/tools.py); :func:`response_object` and
+:class:`ResponseEvents` turn that chat completion's answer -- whole, or its chunks -- into the
+Responses shapes: streamed as typed events (``response.created`` ...
+``response.output_text.delta`` ... ``response.function_call_arguments.delta`` ...
+``response.completed``), each with its ``sequence_number``, and no ``[DONE]``.
 
-What is not served is refused by name (400): tools, images and files in the input, items other
-than messages, ``previous_response_id`` and ``conversation`` (this gateway stores no responses:
-send the whole conversation; every response says ``"store": false``), ``background``,
+The input's items become chat messages as an agent loop sends them back: a ``function_call``
+joins the assistant message before it (or the calls before it) as one of its ``tool_calls``, a
+``function_call_output`` is a ``tool`` message answering its ``call_id``, and a ``reasoning``
+item's text is the ``reasoning_content`` of the assistant turn that follows it (chat templates
+that show a turn's thinking, Qwen3's, read it there).
+
+What is not served is refused by name (400): tools other than functions, images and files in the
+input, other item types, ``previous_response_id`` and ``conversation`` (this gateway stores no
+responses: send the whole conversation; every response says ``"store": false``), ``background``,
 ``reasoning`` options, ``truncation: "auto"``, ``include`` and ``top_logprobs``.
 """
 
@@ -22,12 +31,20 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from services.gateway.errors import ApiError, invalid
-from services.gateway.schemas import ChatCompletionRequest, ChatMessage, Int, StreamOptions, _Request
+from services.gateway.errors import ApiError, invalid, validation_failed
+from services.gateway.schemas import (
+    FUNCTION_NAME,
+    ChatCompletionRequest,
+    ChatMessage,
+    Int,
+    StreamOptions,
+    _Request,
+)
 
 # chat completion fields as the Responses request names them, for the errors of the chat path
 CHAT_NAMES = {
@@ -49,6 +66,60 @@ class InputMessage(_Request):
     content: str | list[InputPart]
 
 
+class FunctionCallItem(_Request):
+    """A function call a response made, sent back as input."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Request):
+    """What the caller's function returned for ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputPart]
+
+
+class ReasoningItem(_Request):
+    """A response's reasoning item, sent back as input: its text, or its summary's."""
+
+    type: Literal["reasoning"]
+    content: list[InputPart] | None = None
+    summary: list[InputPart] = []
+
+
+_ITEMS: dict[str, type[_Request]] = {
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+class Tool(_Request):
+    """A tool as the Responses API names it (``{"type": "function", "name": ...}``, no nesting);
+    only functions are served."""
+
+    type: str
+    name: str | None = Field(None, pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def shown(self) -> dict[str, Any]:
+        """As the response echoes it."""
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters, "strict": self.strict}  # fmt: skip
+
+
+class NamedFunction(_Request):
+    type: str
+    name: str | None = None
+
+
 class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -63,7 +134,7 @@ class TextOptions(_Request):
 
 class ResponsesRequest(_Request):
     model: str
-    input: str | list[InputMessage]
+    input: str | list[dict[str, Any]]  # items, each checked by its type (see _messages)
     instructions: str | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -74,8 +145,8 @@ class ResponsesRequest(_Request):
     metadata: dict[str, str] | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
     parallel_tool_calls: bool | None = None
-    tool_choice: Any = None
-    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: list[Tool] | None = None
     truncation: str | None = None
     # refused when set (see the module docstring)
     previous_response_id: str | None = None
@@ -93,10 +164,23 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             f"{param} is not supported: this gateway stores no responses; send the whole conversation in input",
             param,
         )
-    if body.tools:
-        raise invalid("tools are not supported on /v1/responses: use /v1/chat/completions", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice needs tools, which /v1/responses does not take", "tool_choice")
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            raise invalid(
+                f"tools of type {tool.type!r} are not supported: only function tools", f"tools.{i}.type"
+            )
+        if tool.name is None:
+            raise invalid("a function tool needs a name", f"tools.{i}.name")
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction):
+        if choice.type != "function":
+            raise invalid(
+                f"tool_choice of type {choice.type!r} is not supported: none, auto, required or a"
+                ' function ({"type": "function", "name": ...})',
+                "tool_choice",
+            )
+        if choice.name is None:
+            raise invalid("tool_choice names no function", "tool_choice.name")
     for name, value in (("background", body.background), ("reasoning", body.reasoning)):
         if value:
             raise invalid(f"{name} is not supported on /v1/responses", name)
@@ -113,37 +197,91 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
         )
 
 
-def _messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The chat messages of ``instructions`` and ``input``; 400 naming the first item not served."""
-    out = [] if body.instructions is None else [_message("system", body.instructions)]
+def _messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages of ``instructions`` and ``input`` (module docstring), and where each came
+    from (``instructions`` or ``input.<i>``, its first item); 400 naming the first item not served."""
+    out: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if body.instructions is not None:
+        out.append({"role": "system", "content": body.instructions})
+        origins.append("instructions")
     if isinstance(body.input, str):
-        return [*out, _message("user", body.input)]
+        out.append({"role": "user", "content": body.input})
+        origins.append("input")
+        return [ChatMessage.model_validate(m) for m in out], origins
     if not body.input:
         raise invalid("input holds no message", "input")
-    for i, item in enumerate(body.input):
-        if item.type != "message":
-            raise invalid(
-                f"input items of type {item.type!r} are not supported: send messages", f"input.{i}.type"
-            )
-        if item.role not in _ROLES:
-            raise invalid(f"role {item.role!r} is not one of {', '.join(_ROLES)}", f"input.{i}.role")
-        if isinstance(item.content, str):
-            text = item.content
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
+    calls: dict[str, Any] | None = None  # the assistant message the next function_call joins
+    for i, raw in enumerate(body.input):
+        item = _item_of(raw, i)
+        if isinstance(item, ReasoningItem):
+            thought = (thought or "") + "".join(p.text or "" for p in (item.content or item.summary))
+            calls = None
+            continue
+        if isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            if calls is None:
+                calls = {"role": "assistant", "content": None}
+                out.append(calls)
+                origins.append(f"input.{i}")
+            calls.setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            output = _text(item.output, "input_text", f"input.{i}.output")
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            origins.append(f"input.{i}")
+            calls = None
         else:
+            assert isinstance(item, InputMessage)
+            if item.role not in _ROLES:
+                raise invalid(f"role {item.role!r} is not one of {', '.join(_ROLES)}", f"input.{i}.role")
             wanted = "output_text" if item.role == "assistant" else "input_text"
-            for j, part in enumerate(item.content):
-                if part.type not in (wanted, "input_text", "output_text") or part.text is None:
-                    raise invalid(
-                        f"content parts of type {part.type!r} are not supported: send {wanted} parts",
-                        f"input.{i}.content.{j}",
-                    )
-            text = "".join(part.text or "" for part in item.content)
-        out.append(_message(item.role, text))
-    return out
+            out.append({"role": item.role, "content": _text(item.content, wanted, f"input.{i}.content")})
+            origins.append(f"input.{i}")
+            calls = out[-1] if item.role == "assistant" else None
+        if thought is not None:
+            if out[-1]["role"] != "assistant":
+                raise invalid(
+                    "a reasoning item must come right before the assistant message or function call it"
+                    " belongs to",
+                    f"input.{i}",
+                )
+            out[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:
+        raise invalid("a reasoning item ends input: it belongs before an assistant turn", "input")
+    return [ChatMessage.model_validate(m) for m in out], origins
 
 
-def _message(role: str, text: str) -> ChatMessage:
-    return ChatMessage.model_validate({"role": role, "content": text})
+def _item_of(raw: dict[str, Any], i: int) -> _Request:
+    """Input item ``i``, checked as its type says (a message when it says none)."""
+    kind = raw.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise invalid(
+            f"input items of type {kind!r} are not supported: send {', '.join(_ITEMS)} items",
+            f"input.{i}.type",
+        )
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_failed(exc.errors(), ["input", str(i)]) from None
+
+
+def _text(content: str | list[InputPart], wanted: str, where: str) -> str:
+    """A message's content (or a function's output) as text: the string, or its text parts joined;
+    ``where``: its param."""
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if part.type not in (wanted, "input_text", "output_text") or part.text is None:
+            raise invalid(
+                f"content parts of type {part.type!r} are not supported: send {wanted} parts", f"{where}.{j}"
+            )
+    return "".join(part.text or "" for part in content)
 
 
 def _format(body: ResponsesRequest) -> TextFormat | None:
@@ -164,36 +302,66 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+@dataclass(frozen=True)
+class ChatView:
+    """The chat completion a Responses request means, and where each of its messages came from
+    (for the errors of the chat path, see :func:`renamed`)."""
+
+    request: ChatCompletionRequest
+    origins: list[str]  # per chat message: "instructions" or "input.<i>" (its first input item)
+
+
+def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+def chat_request(body: ResponsesRequest) -> ChatView:
     """The chat completion ``body`` asks for (its usage always reported, for the response's)."""
     _refuse_unsupported(body)
-    return ChatCompletionRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": _messages(body),
-            "max_completion_tokens": body.max_output_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "stream": body.stream,
-            "stream_options": StreamOptions(include_usage=True) if body.stream else None,
-            "response_format": _response_format(body),
-            "user": body.user,
-        }
-    )
+    messages, origins = _messages(body)
+    tools = [
+        {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+        for tool in body.tools or []
+    ]
+    fields = {
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "stream_options": StreamOptions(include_usage=True) if body.stream else None,
+        "response_format": _response_format(body),
+        "user": body.user,
+        "tools": tools or None,
+        "tool_choice": _tool_choice(body),
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+    }
+    try:
+        return ChatView(ChatCompletionRequest.model_validate(fields), origins)
+    except ValidationError as exc:  # what the Responses request's own checks let through
+        raise renamed(validation_failed(exc.errors()), origins) from None
 
 
-def renamed(err: ApiError, body: ResponsesRequest) -> ApiError:
-    """An error of the chat path, in ``body``'s names (``messages.3``: ``input.2`` after
-    ``instructions``, which is the first message)."""
+def renamed(err: ApiError, origins: list[str]) -> ApiError:
+    """An error of the chat path, in the Responses request's names: ``messages.3.content`` is
+    ``input.2.content`` after ``instructions`` (``origins``: :attr:`ChatView.origins`)."""
     message = err.message
     for chat, ours in CHAT_NAMES.items():
         message = message.replace(chat, ours)
     param = CHAT_NAMES.get(err.param or "", err.param)
     if param is not None and param.startswith("messages."):
         index, _, rest = param.removeprefix("messages.").partition(".")
-        if index.isdigit():
-            i = int(index) - (body.instructions is not None)
-            param = "instructions" if i < 0 else ".".join(["input", str(i), *([rest] if rest else [])])
+        if index.isdigit() and int(index) < len(origins):
+            origin = origins[int(index)]
+            param = (
+                origin
+                if origin in ("instructions", "input")
+                else ".".join([origin, *([rest] if rest else [])])
+            )
     return ApiError(message, err.status, err.type, param, err.code, err.headers)
 
 
@@ -209,6 +377,12 @@ def _usage(usage: dict[str, Any] | None, reasoning_tokens: int) -> dict[str, Any
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage["total_tokens"],
     }
+
+
+def _shown_choice(choice: str | NamedFunction | None) -> str | dict[str, Any]:
+    if isinstance(choice, NamedFunction):
+        return {"type": "function", "name": choice.name}
+    return choice or "auto"
 
 
 class Shell:
@@ -236,8 +410,8 @@ class Shell:
                 if fmt is None
                 else fmt.model_dump(by_alias=True, exclude_none=True)
             },
-            "tool_choice": body.tool_choice or "auto",
-            "tools": [],
+            "tool_choice": _shown_choice(body.tool_choice),
+            "tools": [tool.shown() for tool in body.tools or []],
             "top_p": body.top_p,
             "truncation": "disabled",
             "user": body.user,
@@ -264,6 +438,12 @@ def _item(kind: str, text: str, status: str) -> dict[str, Any]:
             "content": [_part("message", text)]}  # fmt: skip
 
 
+def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    """A ``function_call`` output item (``call_id``: the chat tool call's id)."""
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
 def _part(kind: str, text: str) -> dict[str, Any]:
     if kind == "reasoning":
         return {"type": "reasoning_text", "text": text}
@@ -279,10 +459,15 @@ def response_object(
     status = _status(choice["finish_reason"])
     output = []
     reasoning = message.get("reasoning_content")
+    calls = message.get("tool_calls") or []
     if reasoning:
         output.append(_item("reasoning", reasoning, "completed"))
-    if message.get("content") is not None or not output:
+    if message.get("content") is not None or not (output or calls):
         output.append(_item("message", message.get("content") or "", status))
+    for call in calls:
+        output.append(
+            _function_call(call["id"], call["function"]["name"], call["function"]["arguments"], status)
+        )
     return shell.response(status, output, _usage(completion.get("usage"), count_tokens(reasoning or "")))
 
 
@@ -327,10 +512,29 @@ class ResponseEvents:
             "response.output_item.added", output_index=len(self.output), item=self.item
         ) + self._event("response.content_part.added", **self._where(), part=_part(kind, ""))
 
+    def _open_call(self, call_id: str, name: str) -> str:
+        out = self._close("completed")
+        self.kind, self.text = "function_call", []
+        self.item = _function_call(call_id, name, "", "in_progress")
+        return out + self._event("response.output_item.added", output_index=len(self.output), item=self.item)
+
+    def _arguments(self, text: str) -> str:
+        self.text.append(text)
+        return self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                           output_index=len(self.output), delta=text)  # fmt: skip
+
     def _close(self, status: str) -> str:
         if self.kind is None:
             return ""
         text = "".join(self.text)
+        if self.kind == "function_call":
+            item = {**self.item, "arguments": text, "status": status}
+            out = self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=len(self.output), arguments=text)  # fmt: skip
+            out += self._event("response.output_item.done", output_index=len(self.output), item=item)
+            self.output.append(item)
+            self.kind = None
+            return out
         done = "response.reasoning_text.done" if self.kind == "reasoning" else "response.output_text.done"
         item = {**self.item, "status": status, "content": [_part(self.kind, text)]}
         out = (
@@ -376,6 +580,12 @@ class ResponseEvents:
                 out += self._delta("reasoning", delta["reasoning_content"])
             if delta.get("content"):
                 out += self._delta("message", delta["content"])
+            for call in delta.get("tool_calls") or []:  # a call's id and name come with its first delta
+                function = call.get("function") or {}
+                if call.get("id"):
+                    out += self._open_call(call["id"], function["name"])
+                if function.get("arguments"):
+                    out += self._arguments(function["arguments"])
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
         if chunk.get("usage") is not None:
@@ -388,8 +598,10 @@ class ResponseEvents:
         self.ended = True
         status = _status(self.finish_reason)
         out = ""
-        if self.kind is None and not any(item["type"] == "message" for item in self.output):
-            out += self._open("message")  # an answer with no text still has its message
+        if self.kind is None and not any(
+            item["type"] in ("message", "function_call") for item in self.output
+        ):
+            out += self._open("message")  # an answer with no text and no calls still has its message
         out += self._close(status)
         usage = _usage(self.usage, self.count_tokens("".join(self.reasoning)))
         response = self.shell.response(status, self.output, usage)

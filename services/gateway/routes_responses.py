@@ -30,13 +30,14 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.post("/v1/responses", response_model=None, responses=api_responses(413, 429))
 async def create_response(body: ResponsesRequest, request: Request, gw: GatewayDep) -> Response:
-    """A model response to ``input`` (text in, text out); ``"stream": true``: typed server-sent events."""
+    """A model response to ``input`` (text and function calls in, text and function calls out);
+    ``"stream": true``: typed server-sent events."""
     chat = chat_request(body)
     shell = Shell(body, gw.model_name)
     try:
-        answer = await create_chat_completion(chat, request, gw)
+        answer = await create_chat_completion(chat.request, request, gw)
     except ApiError as err:
-        raise renamed(err, body) from None
+        raise renamed(err, chat.origins) from None
 
     def count_tokens(text: str) -> int:  # the reasoning's, encoded again (the chat answer has text)
         return len(gw.tokenizer.encode(text, add_special_tokens=False)) if text else 0

@@ -39,6 +39,7 @@ def _integral_items(value: Any) -> Any:
 
 
 TokenIds = Annotated[list[int], BeforeValidator(_integral_items)]  # list[Int], validated in bulk
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class _Request(BaseModel):
@@ -130,7 +131,7 @@ class ChatMessage(_Request):
 
 
 class FunctionSpec(_Request):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: no arguments)
     strict: bool | None = None

@@ -317,6 +317,45 @@ def test_tool_calls_are_looked_for_in_the_answer_only(text_stack: Stack) -> None
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_responses_of_thinking_text_and_a_call(text_stack: Stack) -> None:
+    """/v1/responses' view of an answer that thinks, says something and calls a function (the
+    thinking gateway's real chat answers, ``auto`` calls in the hermes format): a reasoning item, the
+    message, a function_call item, whole and streamed in that order, the call's arguments as deltas."""
+    call = '"<tool_call>{\\"name\\": \\"weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}</tool_call>"'
+    grammar = f'start: "<think>" "Look it up." "</think>" "Let me see. " {call}'
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 80,
+            "temperature": 0, "tools": [WEATHER], "structured_outputs": {"grammar": grammar}}  # fmt: skip
+    whole = httpx.post(f"{text_stack.url}/v1/chat/completions", json=body, timeout=60).json()
+    streamed = httpx.post(f"{text_stack.url}/v1/chat/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}).text  # fmt: skip
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    request = {"model": MODEL_NAME, "input": "Weather in Oslo?",
+               "tools": [{"type": "function", **WEATHER["function"]}]}  # fmt: skip
+    shell = Shell(ResponsesRequest.model_validate(request), MODEL_NAME)
+    made = response_object(shell, whole, lambda text: len(text.split()))
+    (want,) = whole["choices"][0]["message"]["tool_calls"]
+    assert [item["type"] for item in made["output"]] == ["reasoning", "message", "function_call"]
+    assert made["output"][1]["content"][0]["text"] == "Let me see. " and made["status"] == "completed"
+    fc = made["output"][2]
+    assert (fc["call_id"], fc["name"], fc["arguments"], fc["status"]) == (
+        want["id"], "weather", want["function"]["arguments"], "completed",
+    )  # fmt: skip
+    assert json.loads(fc["arguments"]) == {"city": "Oslo"} and made["tools"][0]["name"] == "weather"
+    events = ResponseEvents(shell, lambda text: len(text.split()))
+    text = events.start() + "".join(events.feed(streamed[i : i + 7]) for i in range(0, len(streamed), 7))
+    payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in text.split("\n\n") if e]
+    added = [p["item"]["type"] for p in payloads if p["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call"]
+    arguments = [p["delta"] for p in payloads if p["type"] == "response.function_call_arguments.delta"]
+    (done,) = [p for p in payloads if p["type"] == "response.function_call_arguments.done"]
+    assert "".join(arguments) == done["arguments"] == fc["arguments"] and done["output_index"] == 2
+    final = payloads[-1]["response"]
+    assert payloads[-1]["type"] == "response.completed"
+    assert [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in final["output"]] == [
+        {k: v for k, v in item.items() if k not in ("id", "call_id")} for item in made["output"]
+    ]  # ids aside (two chat completions: new call ids)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "bias", "expected"),
     [

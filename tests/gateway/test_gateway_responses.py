@@ -17,7 +17,7 @@ from gateway_support import MODEL_NAME, FakeWorker, Stack, gateway_settings, run
 from yutu.protocol.generate import TokenDelta
 
 from services.gateway.errors import ApiError
-from services.gateway.responses_api import ResponsesRequest, renamed
+from services.gateway.responses_api import ResponsesRequest, chat_request, renamed
 
 
 @pytest.fixture(scope="module")
@@ -146,19 +146,131 @@ def test_a_json_schema_format_is_the_chat_completions(stack: Stack, client: open
     assert response.text.format.type == "json_schema"
 
 
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "name": "weather", "description": "The weather in a city", "parameters": PARAMETERS},
+    {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+]  # fmt: skip
+AS_CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+ASKED = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.mark.parametrize(
+    ("choice", "chat_choice", "parallel"),
+    [
+        (
+            {"type": "function", "name": "weather"},
+            {"type": "function", "function": {"name": "weather"}},
+            True,
+        ),
+        ("required", "required", False),
+    ],
+    ids=["named", "required"],
+)
+def test_function_calls_are_the_chat_completions(
+    stack: Stack, client: openai.OpenAI, choice: Any, chat_choice: Any, parallel: bool
+) -> None:
+    """A named function or "required": the response's function_call items are the chat completion's
+    tool calls (same request, greedy), whole and streamed as the Responses API streams them."""
+    ref = chat(stack, ASKED, 80, tools=AS_CHAT_TOOLS, tool_choice=chat_choice, parallel_tool_calls=parallel)
+    (want,) = ref["choices"][0]["message"]["tool_calls"]
+    args: dict[str, Any] = dict(model=MODEL_NAME, input=ASKED, tools=TOOLS, tool_choice=choice, max_output_tokens=80,
+                                temperature=0, parallel_tool_calls=parallel)  # fmt: skip
+    response = client.responses.create(**args)
+    (call,) = response.output
+    assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
+    assert (call.name, call.arguments) == (want["function"]["name"], want["function"]["arguments"])
+    assert call.call_id.startswith("call_") and call.id is not None and call.id.startswith("fc_")
+    assert response.output_text == ""
+    assert [t.name for t in response.tools] == ["weather", "now"] and response.parallel_tool_calls is parallel
+    assert response.usage is not None and response.usage.output_tokens == ref["usage"]["completion_tokens"]
+    events = list(client.responses.create(**args, stream=True))
+    types = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     *[d.type for d in deltas], "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added, done, item_done, completed = events[2], events[-3], events[-2], events[-1]
+    assert (
+        added.item.type == "function_call"
+        and added.item.status == "in_progress"
+        and added.item.arguments == ""
+    )
+    assert "".join(d.delta for d in deltas) == done.arguments == call.arguments
+    assert all(d.item_id == added.item.id == done.item_id == item_done.item.id for d in deltas)
+    assert (item_done.item.name, item_done.item.arguments, item_done.item.status) == (call.name, call.arguments,
+                                                                                     "completed")  # fmt: skip
+    assert [(o.type, o.name, o.arguments) for o in completed.response.output] == [("function_call", call.name,
+                                                                                  call.arguments)]  # fmt: skip
+
+
+def test_the_turn_after_a_call_is_the_chat_completions(stack: Stack, client: openai.OpenAI) -> None:
+    """An agent loop: the first response's function call goes back as input with its output; the
+    next response is the chat completion of the same conversation (tool_calls and a tool message)."""
+    first = client.responses.create(model=MODEL_NAME, input=ASKED, tools=TOOLS, max_output_tokens=80, temperature=0,
+                                    tool_choice={"type": "function", "name": "weather"})  # fmt: skip
+    (call,) = first.output
+    assert call.type == "function_call"
+    turn = [*ASKED, call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                         "output": "3 C, sunny"}]  # fmt: skip
+    for max_tokens in (6, 30):
+        then = client.responses.create(model=MODEL_NAME, input=turn, tools=TOOLS, tool_choice="none",
+                                       max_output_tokens=max_tokens, temperature=0)  # fmt: skip
+        messages = [*ASKED, {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": "3 C, sunny"}]  # fmt: skip
+        ref = chat(stack, messages, max_tokens, tools=AS_CHAT_TOOLS, tool_choice="none")
+        assert then.output_text == ref["choices"][0]["message"]["content"]
+        assert then.usage is not None and then.usage.input_tokens == ref["usage"]["prompt_tokens"]
+        assert then.status == (
+            "incomplete" if ref["choices"][0]["finish_reason"] == "length" else "completed"
+        )
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search'"),
+        ({"tools": [{"type": "function"}]}, "tools.0.name", "needs a name"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name", "pattern"),
         (
-            {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
-            "tools",
-            "tools are not supported",
-        ),
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
+            "tool_choice",
+            "'allowed_tools'",
+        ),  # fmt: skip
+        (
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+            "tool_choice",
+            "not among tools",
+        ),  # fmt: skip
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type", "file_search_call"),
         (
-            {"input": [{"type": "function_call_output", "role": "user", "content": "x"}]},
-            "input.0.type",
-            "function_call_output",
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input.0.call_id",
+            "call_id",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}
+                ]
+            },
+            "input.0.output.0",
+            "input_image",
+        ),  # fmt: skip
+        (
+            {"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]},
+            "input",
+            "reasoning",
+        ),
+        (
+            {"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "x"}]},
+            "input.1",
+            "reasoning",
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "text": "x"}]}]},
@@ -192,8 +304,11 @@ def test_no_response_is_stored(stack: Stack) -> None:
 
 
 def test_errors_of_the_chat_path_take_the_responses_names() -> None:
-    plain = ResponsesRequest.model_validate({"model": "m", "input": "x"})
-    told = ResponsesRequest.model_validate({"model": "m", "input": "x", "instructions": "be brief"})
+    def origins(**fields: Any) -> list[str]:
+        return chat_request(ResponsesRequest.model_validate({"model": "m", **fields})).origins
+
+    plain = origins(input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    told = origins(input="x", instructions="be brief")
     err = renamed(ApiError("max_completion_tokens=9 is too many", param="max_completion_tokens"), plain)
     assert (err.message, err.param, err.status) == (
         "max_output_tokens=9 is too many",
@@ -201,10 +316,62 @@ def test_errors_of_the_chat_path_take_the_responses_names() -> None:
         400,
     )
     assert renamed(ApiError("bad", param="messages.1.content"), plain).param == "input.1.content"
-    assert renamed(ApiError("bad", param="messages.1.content"), told).param == "input.0.content"
+    assert renamed(ApiError("bad", param="messages.1.content"), told).param == "input"
     assert renamed(ApiError("bad", param="messages.0"), told).param == "instructions"
     assert renamed(ApiError("bad", param="messages"), told).param == "input"
     assert renamed(ApiError("bad", param="model", code="model_not_found"), told).code == "model_not_found"
+    # two calls and their outputs: four items, three chat messages
+    calls = origins(input=[CONVERSATION[1], *CALLS, *OUTPUTS])
+    assert calls == ["input.0", "input.1", "input.3", "input.4"]
+    assert renamed(ApiError("bad", param="messages.2.content"), calls).param == "input.3.content"
+
+
+CALLS = [
+    {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Oslo", "unit": "c"}',
+     "id": "fc_1", "status": "completed"},
+    {"type": "function_call", "call_id": "call_2", "name": "now", "arguments": "{}"},
+]  # fmt: skip
+OUTPUTS = [
+    {"type": "function_call_output", "call_id": "call_1", "output": "3 C"},
+    {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "noon"}]},
+]
+CHAT_CALLS = [
+    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo", "unit": "c"}'}},
+    {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+]  # fmt: skip
+
+
+def test_input_items_are_the_chat_messages_an_agent_loop_means() -> None:
+    """Function calls join the assistant message before them, outputs are tool messages, a
+    reasoning item's text is the next assistant turn's reasoning_content."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Look it up."}]}  # fmt: skip
+    said = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+            "content": [{"type": "output_text", "text": "Let me see.", "annotations": [], "logprobs": []}]}  # fmt: skip
+    request = ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "input": [CONVERSATION[1], thought, said, *CALLS, *OUTPUTS, {"role": "user", "content": "and?"}],
+        }
+    )
+    messages = [m.model_dump(exclude_none=True) for m in chat_request(request).request.messages]
+    assert messages == [
+        {"role": "user", "content": "Once upon a time"},
+        {
+            "role": "assistant",
+            "content": "Let me see.",
+            "reasoning_content": "Look it up.",
+            "tool_calls": CHAT_CALLS,
+        },
+        {"role": "tool", "content": "3 C", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "noon", "tool_call_id": "call_2"},
+        {"role": "user", "content": "and?"},
+    ]
+    # calls with no message before them, after a reasoning item (its summary's text): a message of their own
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Short."}]}
+    request = ResponsesRequest.model_validate({"model": "m", "input": [CONVERSATION[1], summary, *CALLS]})
+    messages = [m.model_dump(exclude_none=True) for m in chat_request(request).request.messages]
+    assert messages[1] == {"role": "assistant", "reasoning_content": "Short.", "tool_calls": CHAT_CALLS}
 
 
 async def test_a_client_gone_mid_stream_aborts_the_request(
