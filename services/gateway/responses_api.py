@@ -22,7 +22,9 @@ that show a turn's thinking, Qwen3's, read it there).
 What is not served is refused by name (400): tools other than functions, images and files in the
 input, other item types, ``previous_response_id`` and ``conversation`` (this gateway stores no
 responses: send the whole conversation; every response says ``"store": false``), ``background``,
-``reasoning`` options, ``truncation: "auto"``, ``include`` and ``top_logprobs``.
+``reasoning`` options, ``truncation: "auto"``, ``include`` other than
+``reasoning.encrypted_content`` (taken: the reasoning's text is in its item's ``content``, which
+goes back as it is; nothing is encrypted) and ``top_logprobs``.
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ class ResponsesRequest(_Request):
     conversation: Any = None
     background: bool | None = None
     reasoning: Any = None
-    include: list[Any] | None = None
+    # "reasoning.encrypted_content" is taken: a reasoning item here carries its text in content
+    # (encrypted_content stays null), and that text goes back as input as it is; the rest refused
+    include: list[str] | None = None
     top_logprobs: Int | None = None
 
 
@@ -189,8 +193,12 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             f'truncation {body.truncation!r} is not supported: only "disabled" (a too long input is refused)',
             "truncation",
         )
-    if body.include:
-        raise invalid("include is not supported on /v1/responses", "include")
+    for i, what in enumerate(body.include or []):
+        if what != "reasoning.encrypted_content":
+            raise invalid(
+                f"include {what!r} is not supported on /v1/responses (only reasoning.encrypted_content)",
+                f"include.{i}",
+            )
     if body.top_logprobs:
         raise invalid(
             "top_logprobs is not supported on /v1/responses: use /v1/chat/completions", "top_logprobs"
@@ -535,13 +543,13 @@ class ResponseEvents:
             self.output.append(item)
             self.kind = None
             return out
-        done = "response.reasoning_text.done" if self.kind == "reasoning" else "response.output_text.done"
         item = {**self.item, "status": status, "content": [_part(self.kind, text)]}
-        out = (
-            self._event(done, **self._where(), text=text)
-            + self._event("response.content_part.done", **self._where(), part=_part(self.kind, text))
-            + self._event("response.output_item.done", output_index=len(self.output), item=item)
-        )
+        if self.kind == "reasoning":
+            out = self._event("response.reasoning_text.done", **self._where(), text=text)
+        else:
+            out = self._event("response.output_text.done", **self._where(), text=text, logprobs=[])
+        out += self._event("response.content_part.done", **self._where(), part=_part(self.kind, text))
+        out += self._event("response.output_item.done", output_index=len(self.output), item=item)
         self.output.append(item)
         self.kind = None
         return out
@@ -553,8 +561,9 @@ class ResponseEvents:
         self.text.append(text)
         if kind == "reasoning":
             self.reasoning.append(text)
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        return out + self._event(name, **self._where(), delta=text)
+            return out + self._event("response.reasoning_text.delta", **self._where(), delta=text)
+        # output_text's events carry the text's logprobs: none, as none can be asked for here
+        return out + self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
 
     def feed(self, data: str) -> str:
         """The Responses events of the chat stream's text ``data`` (whole events are taken; a

@@ -125,6 +125,7 @@ def test_streamed_events_make_the_whole_response(stack: Stack, client: openai.Op
         assert last.usage is not None and whole.usage is not None
         assert last.usage.output_tokens == whole.usage.output_tokens
         assert events[-2].item.status == whole.output[0].status
+        assert all(e.logprobs == [] for e in events if e.type.startswith("response.output_text."))  # required
     raw = httpx.post(f"{stack.base_url}/v1/responses", timeout=60,
                      json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3, "stream": True})  # fmt: skip
     assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
@@ -215,9 +216,13 @@ def test_the_turn_after_a_call_is_the_chat_completions(stack: Stack, client: ope
     assert call.type == "function_call"
     turn = [*ASKED, call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
                                                          "output": "3 C, sunny"}]  # fmt: skip
-    for max_tokens in (6, 30):
-        then = client.responses.create(model=MODEL_NAME, input=turn, tools=TOOLS, tool_choice="none",
-                                       max_output_tokens=max_tokens, temperature=0)  # fmt: skip
+    for max_tokens in (
+        6,
+        30,
+    ):  # as an agent loop that stores nothing asks (the reasoning's text comes anyway)
+        then = client.responses.create(model=MODEL_NAME, input=turn, tools=TOOLS, tool_choice="none", store=False,
+                                       max_output_tokens=max_tokens, temperature=0,
+                                       include=["reasoning.encrypted_content"])  # fmt: skip
         messages = [*ASKED, {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments}}]},
                     {"role": "tool", "tool_call_id": call.call_id, "content": "3 C, sunny"}]  # fmt: skip
@@ -282,6 +287,11 @@ def test_the_turn_after_a_call_is_the_chat_completions(stack: Stack, client: ope
         ({"max_output_tokens": 100_000}, "max_output_tokens", "max_output_tokens"),
         ({"truncation": "auto"}, "truncation", "auto"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+        (
+            {"include": ["reasoning.encrypted_content", "file_search_call.results"]},
+            "include.1",
+            "file_search",
+        ),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "name and a schema"),
         ({"temperature": 3}, "temperature", ""),
     ],
