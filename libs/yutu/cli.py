@@ -191,7 +191,12 @@ def up_parser() -> argparse.ArgumentParser:
     )
     option(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     option(
-        parser, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)"
+        parser,
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's; a LongRoPE model's pretraining length, past which "
+        "every sequence is rotated by its long factors)",
     )
     option(parser, "--kv-cache-memory-mib", type=int, default=512, help="KV cache memory per worker, in MiB")
     option(

@@ -163,7 +163,14 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         " decode waits for it, so a prompt of up to this many tokens is one step (never below"
         " --max-num-batched-tokens)",
     )
-    own(engine, "--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
+    own(
+        engine,
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's; a LongRoPE model's pretraining length, past which "
+        "every sequence is rotated by its long factors)",
+    )
     own(engine, "--enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     own(engine, "--torch-threads", type=int, default=0, help="threads for the model step (0: torch default)")
     own(

@@ -463,18 +463,42 @@ def test_config_validation(ckpt: Path) -> None:
     assert EngineConfig(model_dir=ckpt).model_id == "tiny-llama"
 
 
-def test_a_longrope_model_is_served_up_to_its_pretraining_length(tmp_path: Path) -> None:
-    """Past its pretraining length LongRoPE changes the rotation: max_model_len stops there by
-    default, a longer one is refused naming it, and a prompt past it is too long."""
-    rope = {"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0] * 8}
+def test_a_longrope_model_past_its_pretraining_length_takes_the_long_factors(tmp_path: Path) -> None:
+    """By default a LongRoPE engine stops at the pretraining length (its short factors; a longer
+    prompt is too long); asked for more, every sequence is rotated by the long factors -- a prompt
+    past the pretraining length generates what transformers does (it rotates such a sequence by its
+    long factors), and block keys are salted apart from the short factors' (other KV)."""
+    from transformers import AutoModelForCausalLM
+
+    rope = {
+        "type": "longrope",
+        "short_factor": [1.0 + i / 10 for i in range(8)],
+        "long_factor": [2.0 + i for i in range(8)],
+    }
     ckpt = make_tiny_checkpoint(tmp_path, "phi3", max_position_embeddings=512, original_max_position_embeddings=96,
                                 rope_scaling=rope)  # fmt: skip
-    engine = make_engine(ckpt, max_model_len=None)
-    assert engine.max_model_len == 96
-    with pytest.raises(ValueError, match="exceeds 96, the pretraining length"):
-        make_engine(ckpt, max_model_len=128)
+    short = make_engine(ckpt, max_model_len=None)
+    assert short.max_model_len == 96 and short.model_config.longrope_regime == "short"
     with pytest.raises(PromptTooLongError):
-        engine.add_request("long", prompt(100, seed=1), greedy(1))
+        short.add_request("long", prompt(100, seed=1), greedy(1))
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=512"):
+        make_engine(ckpt, max_model_len=600)
+    long = make_engine(ckpt, max_model_len=160)
+    assert long.max_model_len == 160 and long.model_config.longrope_regime == "long"
+    assert long.kv_salt == short.kv_salt + "+longrope-long"
+    assert long.root_key != short.root_key  # the prefix cache and the store key its blocks apart
+    ids = prompt(100, seed=1)
+    got = tokens(run(long, {"r": (ids, greedy(24))})["r"])
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert got == gen[0, len(ids) :].tolist()
+    # the same prompt by the short factors' engine (cut to fit): other numbers, not just other keys
+    within = ids[:90]
+    by_short = tokens(run(make_engine(ckpt, max_model_len=None), {"r": (within, greedy(4))})["r"])
+    by_long = tokens(run(make_engine(ckpt, max_model_len=160), {"r": (within, greedy(4))})["r"])
+    assert by_short != by_long
 
 
 def test_stats_count_the_prompts_still_to_prefill(ckpt: Path) -> None:

@@ -116,6 +116,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": PARTIAL_LONGROPE,
         },
     ),  # fmt: skip
+    # LongRoPE's long factors: an engine asked for more than the pretraining length (8 here: every
+    # sequence of these tests is longer, so transformers rotates each by its long factors too)
+    "phi3-longrope-long": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 8,
+            "rope_scaling": PARTIAL_LONGROPE,
+        },
+    ),  # fmt: skip
     "qwen3-moe": ("qwen3_moe", {}),
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
     "qwen3-moe-mixed-top1": (
@@ -148,7 +159,9 @@ def pair(
             key in overrides and overrides[key] is None
         ):  # drop the key altogether, as transformers 5 writes it
             _drop_key(model_dir, key)
-    ours, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    long = request.param.endswith("-long")  # an engine of max_model_len 512: the long factors
+    ours, config = load_model(model_dir, torch.device("cpu"), torch.float32, 512 if long else None)
+    assert config.longrope_regime == ("long" if long else config.longrope_regime)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return ours, hf
 

@@ -224,10 +224,12 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def kv_salt(model_id: str, dtype: torch.dtype) -> str:
+def kv_salt(model_id: str, dtype: torch.dtype, longrope_regime: str | None = None) -> str:
     """What block keys are salted with: the model id, plus the dtype unless float32 (KV blocks of
-    one model in two dtypes differ in bytes, so they must never share keys)."""
-    return model_id if dtype == torch.float32 else f"{model_id}@{str(dtype).removeprefix('torch.')}"
+    one model in two dtypes differ in bytes, so they must never share keys), plus ``+longrope-long``
+    for a LongRoPE model rotated by its long factors (``ModelConfig.for_context``: other keys)."""
+    salt = model_id if dtype == torch.float32 else f"{model_id}@{str(dtype).removeprefix('torch.')}"
+    return f"{salt}+longrope-long" if longrope_regime == "long" else salt
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
@@ -254,8 +256,8 @@ class LLMEngine:
             default_dtype = auto_dtype(self.device)
         self.dtype = _resolve_dtype(config.dtype, default_dtype)
         self.model_id = config.model_id
-        self.kv_salt = kv_salt(config.model_id, self.dtype)
-        model, self.model_config = load_model(config.model_dir, self.device, self.dtype)
+        model, self.model_config = load_model(config.model_dir, self.device, self.dtype, config.max_model_len)
+        self.kv_salt = kv_salt(config.model_id, self.dtype, self.model_config.longrope_regime)
         fuse_projections(model)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and native_bf16():
             pack_cpu_linears(model)  # elsewhere oneDNN would emulate bfloat16: the plain path stays
@@ -350,10 +352,18 @@ class LLMEngine:
         served = mc.positions_served
         if served < mc.max_position_embeddings:
             log.info(
-                "%s's LongRoPE is served up to its pretraining length, %d of its %d positions",
+                "%s's LongRoPE is served by its short factors up to its pretraining length, %d of its %d "
+                "positions; a longer max_model_len rotates every sequence by its long factors",
                 mc.architecture,
                 served,
                 mc.max_position_embeddings,
+            )
+        elif mc.longrope_regime == "long":
+            log.info(
+                "%s's LongRoPE: every sequence rotated by its long factors (max_model_len past the "
+                "pretraining length, %d)",
+                mc.architecture,
+                (mc.rope_scaling or {})["original_max_position_embeddings"],
             )
         if requested is None:
             if capacity < served:
@@ -368,12 +378,6 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={requested} exceeds the model's max_position_embeddings="
                 f"{mc.max_position_embeddings}; lower max_model_len"
-            )
-        if requested > served:
-            raise ValueError(
-                f"max_model_len={requested} exceeds {served}, the pretraining length up to which this "
-                "engine serves a LongRoPE model (past it the long factors would rotate a request's new "
-                "tokens differently from the keys it cached); lower max_model_len"
             )
         if requested > capacity:
             raise ValueError(

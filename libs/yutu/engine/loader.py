@@ -225,15 +225,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
+    model_dir: Path, device: torch.device, dtype: torch.dtype, max_model_len: int | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``model_dir`` on ``device`` in ``dtype``, in eval mode, without gradients.
+    """Build the model for ``model_dir`` on ``device`` in ``dtype``, in eval mode, without gradients,
+    for contexts up to ``max_model_len`` (None: the default; see ``ModelConfig.for_context``).
 
     Raises FileNotFoundError if config.json is missing, UnsupportedModelError (a ValueError) for an
     architecture we cannot run, CheckpointError (a ValueError) for missing, extra or misshapen tensors.
     """
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_dir(model_dir).for_context(max_model_len)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -157,8 +157,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "longrope":  # its short factors: the engine stops at their length
-        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+    if scaling["rope_type"] == "longrope":  # the engine's regime (ModelConfig.for_context)
+        factors = scaling["long_factor"] if scaling.get("long") else scaling["short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
     assert scaling["rope_type"] == "llama3", scaling  # ModelConfig admits nothing else
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -159,10 +159,32 @@ class ModelConfig:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
+    def longrope_regime(self) -> str | None:
+        """Which of LongRoPE's factors rotate every sequence: ``"short"`` (the default, up to the
+        pretraining length) or ``"long"`` (see :meth:`for_context`); None without LongRoPE."""
+        if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
+            return None
+        return "long" if self.rope_scaling.get("long") else "short"
+
+    def for_context(self, max_model_len: int | None) -> ModelConfig:
+        """This config for an engine whose contexts reach ``max_model_len`` (None: the default).
+        A LongRoPE model asked for more than its pretraining length rotates *every* sequence by its
+        long factors (see ``_longrope``): one rotation for every key a sequence caches, and for every
+        block key the prefix cache shares."""
+        scaling = self.rope_scaling
+        if self.longrope_regime != "short" or max_model_len is None:
+            return self
+        assert scaling is not None
+        if max_model_len <= scaling["original_max_position_embeddings"]:
+            return self
+        return replace(self, rope_scaling={**scaling, "long": True})
+
+    @property
     def positions_served(self) -> int:
         """The longest context the engine runs this model at: ``max_position_embeddings``, or for
-        LongRoPE its pretraining length (see ``_longrope``)."""
-        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+        LongRoPE by its short factors its pretraining length (see ``_longrope``)."""
+        if self.longrope_regime == "short":
+            assert self.rope_scaling is not None
             return min(self.max_position_embeddings, self.rope_scaling["original_max_position_embeddings"])
         return self.max_position_embeddings
 
@@ -351,9 +373,13 @@ def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE (Phi-3 128k, Phi-3.5): frequencies divided by ``short_factor`` up to the pretraining
     length and by ``long_factor`` past it, cos and sin scaled by ``attention_factor`` (by default
     sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original, as
-    transformers computes it). The engine serves such a model up to the pretraining length only
-    (``ModelConfig.positions_served``): past it the long factors would rotate a sequence's new
-    tokens differently from the keys it already cached."""
+    transformers computes it). transformers and vLLM switch factors by the length of the forward,
+    which would rotate a sequence's new tokens unlike the keys it already cached (and make a
+    prefix's KV depend on the request it came with); here the regime is the engine's
+    (``ModelConfig.for_context``): by default the short factors up to the pretraining length
+    (``ModelConfig.positions_served``), and for an engine asked for a longer ``max_model_len`` the
+    long factors for every sequence, short ones included -- as transformers rotates a sequence
+    longer than the pretraining length."""
     original = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
     if not original or int(original) <= 0:
         raise UnsupportedModelError("longrope scaling needs a positive original_max_position_embeddings")
