@@ -495,6 +495,72 @@ def test_config_gemma3() -> None:
             ModelConfig.from_hf_dict({**GEMMA_3_1B, **change})
 
 
+GEMMA_2_2B: dict[str, Any] = {  # google/gemma-2-2b-it's config.json
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107],
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "initializer_range": 0.02,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 8192,
+    "model_type": "gemma2",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 4,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+
+
+def test_config_gemma2() -> None:
+    """Gemma 2 2B: Gemma 3's block without q/k norms (GeGLU, norms scaling by 1 + weight on each
+    block's input and output, embeddings times sqrt(2304), scores times 256 ** -0.5), one RoPE (1e4)
+    for every layer, every other layer sliding (window 4096) from the first, scores capped at 50
+    and logits at 30; the 27B's query scale (144) read; caps left out take transformers' defaults,
+    a null cap is none."""
+    c = ModelConfig.from_hf_dict(GEMMA_2_2B)
+    assert (c.model_type, c.hidden_act, c.norm_offset, c.sandwich_norms, c.qk_norm) == (
+        "gemma2", "gelu_pytorch_tanh", 1.0, True, False,
+    )  # fmt: skip
+    assert (c.embedding_scale, c.attention_scale) == (2304**0.5, 256**-0.5)
+    assert (c.rope_theta, c.rope_scaling, c.sliding_rope_theta, c.sliding_window) == (1e4, None, None, 4096)
+    assert c.sliding_window_layers == tuple(range(0, 26, 2))
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (50.0, 30.0)
+    assert c.tie_word_embeddings and c.eos_token_ids == (1, 107) and c.max_position_embeddings == 8192
+    shapes = expected_weight_shapes(c)
+    assert shapes["model.layers.0.post_feedforward_layernorm.weight"] == (2304,)
+    assert "model.layers.0.self_attn.q_norm.weight" not in shapes and "lm_head.weight" not in shapes
+    big = ModelConfig.from_hf_dict({**GEMMA_2_2B, "query_pre_attn_scalar": 144, "head_dim": 128})
+    assert big.attention_scale == 144**-0.5
+    bare = {k: v for k, v in GEMMA_2_2B.items() if not k.endswith("softcapping")}
+    assert (
+        ModelConfig.from_hf_dict(bare).attn_logit_softcap,
+        ModelConfig.from_hf_dict(bare).final_logit_softcap,
+    ) == (50.0, 30.0)
+    assert ModelConfig.from_hf_dict({**GEMMA_2_2B, "attn_logit_softcapping": None}).attn_logit_softcap is None
+    for change, message in (
+        ({"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a positive number"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"sliding_window": None}, "sliding_window=None"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=message):
+            ModelConfig.from_hf_dict({**GEMMA_2_2B, **change})
+
+
 GEMMA_3_4B: dict[str, Any] = {  # google/gemma-3-4b-it's config.json: the text model sets what differs
     "architectures": ["Gemma3ForConditionalGeneration"],
     "boi_token_index": 255999,
@@ -613,7 +679,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -822,6 +888,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, qwen3_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

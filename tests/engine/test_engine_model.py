@@ -98,6 +98,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 3 4B-27B's image-text checkpoint, saved by transformers: the language model under
     # language_model., a vision tower and projector beside it (not loaded), defaults under text_config
     "gemma3-image-text": ("gemma3", {}),
+    # Gemma 2: soft-capped scores (0.5 here) and logits (2.0), layer 0 sliding (window 8), one RoPE
+    "gemma2": ("gemma2", {}),
+    # Google's 27B shape: the query scale of hidden / heads, MQA, no cap on the scores
+    "gemma2-no-attention-cap-mqa": (
+        "gemma2",
+        {"attn_logit_softcapping": None, "num_key_value_heads": 1, "query_pre_attn_scalar": 16},
+    ),  # fmt: skip
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and

@@ -205,6 +205,39 @@ def write_kv_cache(
     v_cache_layer[blocks, offsets] = v
 
 
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """torch's scaled dot-product attention, q (..., H, n, hd) over k, v (..., Hk, S, hd); with
+    ``softcap`` (Gemma 2) the same attention written out, as transformers' eager Gemma 2 computes
+    it: scores ``softcap * tanh(q.k * scale / softcap)``, masked (``attn_mask`` bool, True where a
+    query sees a key; ``is_causal``: the last n of S keys, one more per query), softmax in float32,
+    weights in q's dtype times v."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    if enable_gqa and k.shape[-3] != q.shape[-3]:  # query head h reads KV head h // G (repeat_kv)
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (..., H, n, S)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        n, s = scores.shape[-2:]
+        attn_mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)  # (..., H, n, hd)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache_layer: torch.Tensor,
@@ -215,6 +248,7 @@ def paged_attention(
     plan: AttentionPlan | None = None,
     sliding_window: int | None = None,
     ops: ModuleType | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's chunk over its whole cached context.
 
@@ -222,7 +256,8 @@ def paged_attention(
     (write_kv_cache). Caches: (num_blocks, block_size, num_kv_heads, head_dim). Returns
     (T, num_heads, head_dim). ``plan`` (from build_attention_plan) saves rebuilding the index tensors
     in every layer; when given, its sliding window is used. ``ops``: the native kernels, which
-    attend the prefill chunks when there is no sliding window (torch's SDPA is the reference).
+    attend the prefill chunks when there is no sliding window and no ``softcap`` (torch's SDPA is
+    the reference). ``softcap``: Gemma 2's cap on the scores (see :func:`sdpa`).
     """
     block_size = k_cache_layer.shape[1]
     if plan is None:
@@ -235,11 +270,11 @@ def paged_attention(
         n_keys = span.context_len - span.key_start
         k = k_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
         v = v_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
-        if ops is not None and plan.sliding_window is None:  # rows at the last positions of the keys
+        if ops is not None and plan.sliding_window is None and softcap is None:  # rows at the keys' end
             out[span.q_start : span.q_end] = ops.prefill_attention(q[span.q_start : span.q_end], k, v, scale)
             continue
         qs = q[span.q_start : span.q_end].transpose(0, 1)[None]  # (1, nh, n, hd)
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             qs,
             k.transpose(0, 1)[None],  # (1, kvh, n_keys, hd)
             v.transpose(0, 1)[None],  # (1, kvh, n_keys, hd)
@@ -247,6 +282,7 @@ def paged_attention(
             is_causal=span.mask is None,
             scale=scale,
             enable_gqa=True,
+            softcap=softcap,
         )  # (1, nh, n, hd)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1)  # (n, nh, hd)
 
@@ -260,8 +296,8 @@ def paged_attention(
         # A KV head's G query heads as its G query rows: (D, kvh, G, hd) against (D, kvh, S, hd),
         # no K/V repeated (as the dense path does; one query row each with enable_gqa was 2x slower).
         qg = q[group.rows].view(num_dec, num_kv_heads, -1, head_dim)  # (D, kvh, G, hd)
-        o = F.scaled_dot_product_attention(
-            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
+        o = sdpa(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale, softcap=softcap
         )  # (D, kvh, G, hd)
         out[group.rows] = o.reshape(num_dec, -1, head_dim)  # (D, nh, hd)
     return out

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
+
+from yutu.engine.attention import sdpa
 
 MIN_CAPACITY = 256  # tokens per slot at first; doubled as contexts grow
 MIN_SLOTS = 4
@@ -120,14 +121,16 @@ class DenseStep:
         return first
 
     def attend(
-        self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None
-    ) -> None:
+        self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None,
+        softcap: float | None = None,
+    ) -> None:  # fmt: skip
         """Attention of the dense decodes' queries (rows of ``q``, (T, nh, hd)) into ``out``'s rows.
 
         One call over every slot: the G query heads sharing a KV head are that head's G query rows,
         so a slot is one (kvh, G, hd) x (kvh, span, hd) attention and no K/V is repeated. The call
         is the native kernel where the cache has it (``yutu.engine.native``), else torch's SDPA
-        with a mask (the reference; a test holds the two together).
+        with a mask (the reference; a test holds the two together); with ``softcap`` (Gemma 2's cap
+        on the scores) always the latter, written out (``yutu.engine.attention.sdpa``).
         """
         c = self.cache
         n, kvh, hd = self.width, c.num_kv_heads, q.shape[2]
@@ -139,13 +142,13 @@ class DenseStep:
             qs[self.slots] = q[self.rows]
         k = c.k[layer][:n, :, : self.span]  # (width, kvh, span, hd), a view
         v = c.v[layer][:n, :, : self.span]
-        if c.kernels is not None:
+        if c.kernels is not None and softcap is None:
             o = c.kernels.dense_decode_attention(
                 qs.view(n, kvh, groups, hd), k, v, self._first(window), self.lens, scale
             )  # (width, kvh, G, hd)
         else:
-            o = F.scaled_dot_product_attention(
-                qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale
+            o = sdpa(
+                qs.view(n, kvh, groups, hd), k, v, attn_mask=self._mask(window), scale=scale, softcap=softcap
             )  # (width, kvh, G, hd)
         o = o.reshape(n, -1, hd)  # a view where SDPA's output is contiguous (not always on CUDA)
         if self.aligned:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3; Qwen3-MoE, Mixtral) over a
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3; Qwen3-MoE, Mixtral)
+over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -213,6 +213,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale or config.head_dim**-0.5
+        self.softcap = config.attn_logit_softcap  # Gemma 2: cap * tanh(score / cap); None: none
         h, qd, kvd = (
             config.hidden_size,
             config.num_heads * config.head_dim,
@@ -263,10 +264,10 @@ class Attention(nn.Module):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan, ops)
         if meta.dense is not None:
             meta.dense.fill(layer, k_cache, v_cache)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan, ops=ops)  # (T, nh, hd)
-        # (the dense decode cache's rows are left unset there: attended below)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, plan=plan, ops=ops, softcap=self.softcap)
+        # (T, nh, hd); the dense decode cache's rows are left unset there: attended below
         if meta.dense is not None:
-            meta.dense.attend(layer, q, o, self.scale, plan.sliding_window)
+            meta.dense.attend(layer, q, o, self.scale, plan.sliding_window, self.softcap)
         return self.o_proj(o.reshape(n_tok, nh * hd))  # (T, H)
 
 
@@ -518,8 +519,10 @@ class LlamaForCausalLM(nn.Module):
         return x  # (T, H): the final norm of the residual stream
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, H) hidden states -> (N, V) float32 logits."""
-        return self.lm_head(hidden).float()  # (N, V)
+        """(N, H) hidden states -> (N, V) float32 logits (Gemma 2's soft-capped: cap * tanh(x / cap))."""
+        logits = self.lm_head(hidden).float()  # (N, V)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _decode_group_tokens(self, kv_cache: torch.Tensor) -> int | None:
         """Keys per padded decode attention call: all at once on GPUs; on CPUs few enough that the

@@ -14,7 +14,9 @@ LongRoPE served up to its pretraining length, Phi-4-mini's partial rotation), ``
 output as well as its input, q/k norms, embeddings scaled by sqrt(hidden), five sliding layers in
 six with a RoPE base of their own) and the language model of ``Gemma3ForConditionalGeneration``
 (Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
-loaded), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+loaded), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms,
+one RoPE for every layer, every other layer sliding, attention scores and the output logits
+soft-capped: ``cap * tanh(x / cap)``), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
@@ -37,6 +39,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
+    "Gemma2ForCausalLM": "gemma2",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -117,6 +120,9 @@ class ModelConfig:
     attention_scale: float | None = None
     sliding_rope_theta: float | None = None
     rotary_dim: int | None = None  # RoPE rotates each head's first rotary_dim dims (Phi-4-mini); None: all
+    # Gemma 2: attention scores (after their scale) and the output logits soft-capped, cap * tanh(x / cap)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -225,17 +231,20 @@ class ModelConfig:
         if architecture in IMAGE_TEXT_DEFAULTS:
             d = _language_model(d, architecture)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
-        gemma = model_type == "gemma3_text"
+        gemma3, gemma2 = model_type == "gemma3_text", model_type == "gemma2"
+        gemma = gemma3 or gemma2
         hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
         # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), Gemma 3's to 256, not
         # hidden / heads.
-        default_head_dim = {"qwen3": 128, "gemma3_text": 256}.get(model_type, hidden_size // num_heads)
+        default_head_dim = {"qwen3": 128, "gemma3_text": 256, "gemma2": 256}.get(
+            model_type, hidden_size // num_heads
+        )
         head_dim = d.get("head_dim") or default_head_dim
         qwen3_family = model_type in ("qwen3", "qwen3_moe")
-        rope_theta, rope_scaling = _gemma3_rope(d) if gemma else _rope(d)
+        rope_theta, rope_scaling = _gemma3_rope(d) if gemma3 else _rope(d)
         rotary_dim = int(int(head_dim) * _partial_rotary(d, model_type))
 
         # Which projections carry a bias differs per architecture.
@@ -274,11 +283,11 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=qwen3_family or gemma,
+            qk_norm=qwen3_family or gemma3,
             rotary_dim=rotary_dim,
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
-            **(_gemma3(d, hidden_size) if gemma else {}),
+            **(_gemma3(d, hidden_size) if gemma3 else _gemma2(d, hidden_size) if gemma2 else {}),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -419,7 +428,7 @@ def _gemma3(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(key) is not None:
             raise UnsupportedModelError(
-                f"{key}={d[key]} is not supported (Gemma 3 sets none; Gemma 2 is not supported)"
+                f"{key}={d[key]} is not supported for Gemma 3 (it sets none; Gemma 2 does, as Gemma2ForCausalLM)"
             )
     if d.get("use_bidirectional_attention"):
         raise UnsupportedModelError(
@@ -431,11 +440,38 @@ def _gemma3(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
             f"sliding layers' rope_type={local['rope_type']!r} is not supported (only default)"
         )
     return {
+        **_gemma_block(d, hidden_size),
+        "sliding_rope_theta": float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+    }
+
+
+def _gemma2(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """The ModelConfig fields particular to Gemma 2: Gemma's block, and its soft caps (transformers'
+    Gemma2Config defaults: 50 on attention scores, 30 on the logits; None: no cap)."""
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention is not supported: a decoder attends causally"
+        )
+    caps = {}
+    for key, field_name, default in (
+        ("attn_logit_softcapping", "attn_logit_softcap", 50.0),
+        ("final_logit_softcapping", "final_logit_softcap", 30.0),
+    ):
+        value = d.get(key, default)
+        if value is not None and (not math.isfinite(float(value)) or float(value) <= 0):
+            raise UnsupportedModelError(f"{key} must be a positive number or null, got {value!r}")
+        caps[field_name] = None if value is None else float(value)
+    return {**_gemma_block(d, hidden_size), **caps}
+
+
+def _gemma_block(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """Gemma's (2 and 3): RMSNorms scaling by 1 + weight, a norm on each block's output too, the
+    embedding's output times sqrt(hidden), queries scaled by query_pre_attn_scalar ** -0.5."""
+    return {
         "norm_offset": 1.0,
         "sandwich_norms": True,
         "embedding_scale": hidden_size**0.5,
         "attention_scale": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "sliding_rope_theta": float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
     }
 
 
@@ -450,18 +486,18 @@ def _sliding_window(
     d: dict[str, Any], model_type: str, num_layers: int
 ) -> tuple[int | None, tuple[int, ...]]:
     window = d.get("sliding_window")
-    if model_type == "gemma3_text":  # its sliding layers also rotate by a base of their own: never unset
-        window = d.get("sliding_window", 4096)  # transformers' Gemma3TextConfig default
+    if model_type in ("gemma3_text", "gemma2"):  # every model of both sets it
+        window = d.get("sliding_window", 4096)  # transformers' Gemma3TextConfig and Gemma2Config default
         if window is None:
-            raise UnsupportedModelError("sliding_window=None is not supported for Gemma 3")
+            raise UnsupportedModelError(f"sliding_window=None is not supported for {model_type}")
     if model_type == "llama" or window is None:
         return None, ()
     if model_type == "qwen3_moe":  # every layer, where use_sliding_window (transformers' Qwen3Moe)
         layers = tuple(range(num_layers)) if d.get("use_sliding_window", False) else ()
-    elif model_type == "gemma3_text":  # layer_types, else every layer but each sliding_window_pattern-th
+    elif model_type in ("gemma3_text", "gemma2"):  # layer_types, else all but each pattern-th layer
         layer_types = d.get("layer_types")
-        if layer_types is None:
-            pattern = int(d.get("sliding_window_pattern", 6))
+        if layer_types is None:  # Gemma 3: five in six; Gemma 2: every other, from the first
+            pattern = int(d.get("sliding_window_pattern", 6 if model_type == "gemma3_text" else 2))
             layer_types = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
             ]

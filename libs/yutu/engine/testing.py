@@ -60,6 +60,20 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": None,
         },
     ),
+    # layer 0 sliding, layer 1 full; caps low enough that random weights' scores and logits bend
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 2.0,
+            "pad_token_id": None,
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -132,7 +146,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, qwen3_moe, mixtral), or
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, qwen3_moe, mixtral), or
     ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
