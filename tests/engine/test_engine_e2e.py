@@ -66,6 +66,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("gemma3_text", 37, {"sliding_window": 24}),
         ("gemma3", 37, {"sliding_window": 24}),  # the image-text checkpoint's language model
         ("gemma2", 37, {"sliding_window": 24}),  # soft-capped scores and logits
+        ("granite", 37, {}),  # four multipliers
     ],
 )
 def test_greedy_matches_transformers(

@@ -561,6 +561,54 @@ def test_config_gemma2() -> None:
             ModelConfig.from_hf_dict({**GEMMA_2_2B, **change})
 
 
+GRANITE_3: dict[str, Any] = {  # the keys of ibm-granite/granite-3.x-instruct's config.json (2B's sizes)
+    "architectures": ["GraniteForCausalLM"],
+    "model_type": "granite",
+    "attention_bias": False,
+    "attention_multiplier": 0.015625,
+    "bos_token_id": 0,
+    "embedding_multiplier": 12.0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "logits_scaling": 8.0,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 49159,
+}
+
+
+def test_config_granite() -> None:
+    """Granite 3: Llama's shape, its four multipliers read (the attention's replaces head_dim ** -0.5);
+    left out, each is 1 (transformers' GraniteConfig); a non-positive one refused."""
+    c = ModelConfig.from_hf_dict(GRANITE_3)
+    assert (c.model_type, c.head_dim, c.num_kv_heads, c.tie_word_embeddings) == ("granite", 64, 8, True)
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
+        12.0, 0.22, 0.015625, 8.0,
+    )  # fmt: skip
+    assert (c.embedding_scale, c.norm_offset, c.sandwich_norms, c.qk_norm) == (None, 0.0, False, False)
+    bare = ModelConfig.from_hf_dict(
+        {k: v for k, v in GRANITE_3.items() if "multiplier" not in k and k != "logits_scaling"}
+    )
+    assert (bare.embedding_multiplier, bare.residual_multiplier, bare.attention_scale, bare.logits_scaling) == (
+        1.0, 1.0, 1.0, 1.0,
+    )  # fmt: skip
+    for key in ("residual_multiplier", "logits_scaling"):
+        with pytest.raises(UnsupportedModelError, match=f"{key} must be a positive number"):
+            ModelConfig.from_hf_dict({**GRANITE_3, key: 0})
+
+
 GEMMA_3_4B: dict[str, Any] = {  # google/gemma-3-4b-it's config.json: the text model sets what differs
     "architectures": ["Gemma3ForConditionalGeneration"],
     "boi_token_index": 255999,
@@ -679,7 +727,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -888,6 +936,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, qwen3_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, qwen3_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -105,6 +105,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "gemma2",
         {"attn_logit_softcapping": None, "num_key_value_heads": 1, "query_pre_attn_scalar": 16},
     ),  # fmt: skip
+    # Granite 3: four multipliers (embedding, residual, attention scores, logits)
+    "granite": ("granite", {}),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and

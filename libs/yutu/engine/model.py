@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3; Qwen3-MoE, Mixtral)
-over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, Granite; Qwen3-MoE,
+Mixtral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -399,6 +399,7 @@ class DecoderLayer(nn.Module):
             if layer in config.moe_layers
             else MLP(h, config.intermediate_size, config.mlp_bias, config.hidden_act)
         )
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(
         self,
@@ -416,6 +417,10 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(h)  # (T, H)
         attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, plan, layer, ops)  # (T, H)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            m = self.residual_multiplier
+            if m != 1.0:  # Granite: each block's output scaled before it is added
+                h = h + attn * m  # (T, H)
+                return h + self.mlp(self.post_attention_layernorm(h), ops) * m  # (T, H)
             h = h + attn  # (T, H)
             return h + self.mlp(self.post_attention_layernorm(h), ops)  # (T, H)
         h = h + self.post_attention_layernorm(attn)  # (T, H)
@@ -478,6 +483,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # (T, H)
         if self.config.embedding_scale is not None:  # Gemma: the scale rounded to the model's dtype first
             h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)  # (T, H)
+        if self.config.embedding_multiplier is not None:  # Granite: a plain product
+            h = h * self.config.embedding_multiplier  # (T, H)
         cos, sin = self.rotary(positions, h.dtype)  # (T, rd), (T, rd): rd = config.rope_dim
         sliding = (cos, sin) if self.sliding_rotary is None else self.sliding_rotary(positions, h.dtype)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
@@ -506,21 +513,28 @@ class LlamaForCausalLM(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [cast(RMSNorm, self.model.norm)]
         residual = h  # (T, H), added to in place (the embedding's output, this call's own)
         x = ops.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # (T, H)
+        m = self.config.residual_multiplier  # Granite's; 1.0 elsewhere
         for i, (layer, next_norm) in enumerate(zip(layers, norms, strict=True)):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
             plan = plans[self.config.layer_sliding_window(i)]
             x = layer.self_attn(
                 x, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plan, i, ops
             )  # (T, H)
+            if m != 1.0:
+                x.mul_(m)  # the attention's output, this call's own
             norm = layer.post_attention_layernorm
             ops.add_rms_norm_(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
             x = layer.mlp(x, ops)  # (T, H)
+            if m != 1.0:
+                x.mul_(m)
             ops.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
         return x  # (T, H): the final norm of the residual stream
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, V) float32 logits (Gemma 2's soft-capped: cap * tanh(x / cap))."""
         logits = self.lm_head(hidden).float()  # (N, V)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

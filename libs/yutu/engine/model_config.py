@@ -16,7 +16,10 @@ six with a RoPE base of their own) and the language model of ``Gemma3ForConditio
 (Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
 loaded), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms,
 one RoPE for every layer, every other layer sliding, attention scores and the output logits
-soft-capped: ``cap * tanh(x / cap)``), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
+four multipliers -- the embedding's output, each block's output before the residual add, the
+attention scores in place of head_dim ** -0.5, and the logits divided), and two sparse mixtures of
+experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
@@ -40,6 +43,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
     "Gemma2ForCausalLM": "gemma2",
+    "GraniteForCausalLM": "granite",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -123,6 +127,12 @@ class ModelConfig:
     # Gemma 2: attention scores (after their scale) and the output logits soft-capped, cap * tanh(x / cap)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Granite: the embedding's output times embedding_multiplier (unrounded, unlike Gemma's scale),
+    # each block's output times residual_multiplier before the residual add, logits divided by
+    # logits_scaling (its attention_multiplier is attention_scale)
+    embedding_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -288,6 +298,7 @@ class ModelConfig:
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
             **(_gemma3(d, hidden_size) if gemma3 else _gemma2(d, hidden_size) if gemma2 else {}),
+            **(_granite(d) if model_type == "granite" else {}),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -462,6 +473,27 @@ def _gemma2(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
             raise UnsupportedModelError(f"{key} must be a positive number or null, got {value!r}")
         caps[field_name] = None if value is None else float(value)
     return {**_gemma_block(d, hidden_size), **caps}
+
+
+def _granite(d: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers (transformers' GraniteConfig defaults: 1.0 each)."""
+    values = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = d.get(key, 1.0)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise UnsupportedModelError(f"{key} must be a positive number, got {value!r}")
+        values[key] = float(value)
+    return {
+        "embedding_multiplier": values["embedding_multiplier"],
+        "residual_multiplier": values["residual_multiplier"],
+        "attention_scale": values["attention_multiplier"],
+        "logits_scaling": values["logits_scaling"],
+    }
 
 
 def _gemma_block(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:

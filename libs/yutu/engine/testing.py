@@ -74,6 +74,18 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": None,
         },
     ),
+    # Granite 3's multipliers, none of them 1 (IBM's embedding and residual ones; a query scale and a
+    # logit divisor that change the numbers here)
+    "granite": (
+        "GraniteForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.125,
+            "logits_scaling": 4.0,
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -146,8 +158,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, qwen3_moe, mixtral), or
-    ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, qwen3_moe,
+    mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
