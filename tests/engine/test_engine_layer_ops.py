@@ -153,6 +153,7 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {"arch": "gemma2"}, True, 1e-5),  # soft-capped attention on torch's code either way
         (torch.float32, {"arch": "granite"}, True, 1e-5),  # each block's output scaled before the fused add
         (torch.bfloat16, {"arch": "granite"}, True, 4e-2),
+        (torch.float32, {"arch": "smollm3"}, True, 1e-5),  # the native rotation by identity tables (NoPE)
     ],
 )
 def test_the_model_on_the_native_ops_computes_what_it_does_without(

@@ -609,6 +609,25 @@ def test_config_granite() -> None:
             ModelConfig.from_hf_dict({**GRANITE_3, key: 0})
 
 
+def test_config_smollm3() -> None:
+    """SmolLM3: Llama's shape; the layers whose no_rope_layers flag is 0 are not rotated (every
+    fourth by default, SmolLM3-3B's), and slide only where use_sliding_window says so."""
+    base = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048,
+            "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "vocab_size": 128256, "rope_theta": 5000000.0, "max_position_embeddings": 65536,
+            "use_sliding_window": False, "sliding_window": None}  # fmt: skip
+    c = ModelConfig.from_hf_dict(base)
+    assert c.nope_layers == tuple(range(3, 36, 4)) and c.tie_word_embeddings and c.sliding_window is None
+    flags = [1, 1, 0, 1] * 9
+    assert ModelConfig.from_hf_dict({**base, "no_rope_layers": flags}).nope_layers == tuple(range(2, 36, 4))
+    windowed = ModelConfig.from_hf_dict({**base, "use_sliding_window": True, "sliding_window": 4096})
+    assert (windowed.sliding_window, windowed.sliding_window_layers) == (4096, c.nope_layers)
+    with pytest.raises(
+        UnsupportedModelError, match="no_rope_layers must hold a 0 or 1 for each of 36 layers"
+    ):
+        ModelConfig.from_hf_dict({**base, "no_rope_layers": [1, 0]})
+
+
 GEMMA_3_4B: dict[str, Any] = {  # google/gemma-3-4b-it's config.json: the text model sets what differs
     "architectures": ["Gemma3ForConditionalGeneration"],
     "boi_token_index": 255999,
@@ -727,7 +746,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -936,6 +955,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, qwen3_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, qwen3_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -107,6 +107,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
     # Granite 3: four multipliers (embedding, residual, attention scores, logits)
     "granite": ("granite", {}),
+    # SmolLM3: layer 1 without RoPE (NoPE), layer 0 rotated
+    "smollm3-nope": ("smollm3", {}),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, Granite; Qwen3-MoE,
-Mixtral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, Granite, SmolLM3;
+Qwen3-MoE, Mixtral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no
@@ -485,26 +485,39 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)  # (T, H)
         if self.config.embedding_multiplier is not None:  # Granite: a plain product
             h = h * self.config.embedding_multiplier  # (T, H)
-        cos, sin = self.rotary(positions, h.dtype)  # (T, rd), (T, rd): rd = config.rope_dim
-        sliding = (cos, sin) if self.sliding_rotary is None else self.sliding_rotary(positions, h.dtype)
+        tables = self._rotations(positions, h.dtype)  # per layer: (cos, sin), each (T, rd)
         plans: dict[int | None, AttentionPlan] = {}  # one per distinct sliding window
         group_tokens = self._decode_group_tokens(kv_cache)
         for i in range(len(self.model.layers)):
             window = self.config.layer_sliding_window(i)
             if window not in plans:
                 plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
-        # The native layer loop is Llama's: one norm per block input, one rotation for every layer.
-        # Elsewhere (Gemma 3) the kernels run attention and the MLP, torch the norms.
-        if self.ops is not None and not self.config.sandwich_norms and self.sliding_rotary is None:
-            return self._forward_ops(self.ops, h, cos, sin, kv_cache, meta, plans)
+        # The native layer loop is Llama's: one norm per block input. Elsewhere (Gemma's sandwich
+        # norms) the kernels run attention and the MLP, torch the norms.
+        if self.ops is not None and not self.config.sandwich_norms:
+            return self._forward_ops(self.ops, h, tables, kv_cache, meta, plans)
         for i, layer in enumerate(self.model.layers):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
-            window = self.config.layer_sliding_window(i)
-            cos_i, sin_i = (cos, sin) if window is None else sliding
-            h = layer(h, cos_i, sin_i, layer_cache[:, 0], layer_cache[:, 1], meta, plans[window], i, self.ops)
+            plan = plans[self.config.layer_sliding_window(i)]
+            h = layer(h, *tables[i], layer_cache[:, 0], layer_cache[:, 1], meta, plan, i, self.ops)
         return self.model.norm(h)  # (T, H)
 
-    def _forward_ops(self, ops: ModuleType, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _rotations(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) tables, (T, rd) each (rd = config.rope_dim): the model's RoPE, a
+        sliding layer's own where it has one (Gemma 3), and the identity (cos 1, sin 0: exactly x
+        again) for a layer without RoPE (SmolLM3's NoPE layers)."""
+        c = self.config
+        full = self.rotary(positions, dtype)
+        sliding = full if self.sliding_rotary is None else self.sliding_rotary(positions, dtype)
+        none = (torch.ones_like(full[0]), torch.zeros_like(full[1])) if c.nope_layers else full
+        return [
+            none if i in c.nope_layers else full if c.layer_sliding_window(i) is None else sliding
+            for i in range(c.num_layers)
+        ]
+
+    def _forward_ops(self, ops: ModuleType, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
                      kv_cache: torch.Tensor, meta: AttentionMetadata,
                      plans: dict[int | None, AttentionPlan]) -> torch.Tensor:  # fmt: skip
         """The layers of :meth:`forward` on the native kernels: the residual stream kept apart from
@@ -518,7 +531,7 @@ class LlamaForCausalLM(nn.Module):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)
             plan = plans[self.config.layer_sliding_window(i)]
             x = layer.self_attn(
-                x, cos, sin, layer_cache[:, 0], layer_cache[:, 1], meta, plan, i, ops
+                x, *tables[i], layer_cache[:, 0], layer_cache[:, 1], meta, plan, i, ops
             )  # (T, H)
             if m != 1.0:
                 x.mul_(m)  # the attention's output, this call's own

@@ -18,7 +18,8 @@ loaded), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales withou
 one RoPE for every layer, every other layer sliding, attention scores and the output logits
 soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
 four multipliers -- the embedding's output, each block's output before the residual add, the
-attention scores in place of head_dim ** -0.5, and the logits divided), and two sparse mixtures of
+attention scores in place of head_dim ** -0.5, and the logits divided), ``SmolLM3ForCausalLM``
+(Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), and two sparse mixtures of
 experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
@@ -44,6 +45,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
     "Gemma2ForCausalLM": "gemma2",
     "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -133,6 +135,7 @@ class ModelConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # layers whose queries and keys are not rotated (SmolLM3's NoPE)
     yutu_demo: bool = False  # the built-in demo model: random weights, meaningless text
 
     def __post_init__(self) -> None:
@@ -284,7 +287,9 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # transformers' defaults
+            tie_word_embeddings=bool(
+                d.get("tie_word_embeddings", gemma or model_type == "smollm3")
+            ),  # HF's defaults
             attention_bias=attention_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
@@ -299,6 +304,7 @@ class ModelConfig:
             hidden_act=str(hidden_act),
             **(_gemma3(d, hidden_size) if gemma3 else _gemma2(d, hidden_size) if gemma2 else {}),
             **(_granite(d) if model_type == "granite" else {}),
+            nope_layers=_nope_layers(d, num_layers) if model_type == "smollm3" else (),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -475,6 +481,20 @@ def _gemma2(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
     return {**_gemma_block(d, hidden_size), **caps}
 
 
+def _nope_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1 rotates, 0 does not), else every
+    ``no_rope_layer_interval``-th (4; transformers' SmolLM3Config)."""
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers or any(f not in (0, 1) for f in flags):
+        raise UnsupportedModelError(
+            f"no_rope_layers must hold a 0 or 1 for each of {num_layers} layers, got {flags!r}"
+        )
+    return tuple(i for i, flag in enumerate(flags) if not flag)
+
+
 def _granite(d: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers (transformers' GraniteConfig defaults: 1.0 each)."""
     values = {}
@@ -533,6 +553,14 @@ def _sliding_window(
             layer_types = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
             ]
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif model_type == "smollm3":  # where use_sliding_window: layer_types, else the layers without RoPE
+        if not d.get("use_sliding_window", False):
+            return None, ()
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            nope = _nope_layers(d, num_layers)
+            layer_types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
         layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     elif model_type in ("qwen2", "qwen3"):
         if not d.get("use_sliding_window", False):

@@ -86,6 +86,16 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "logits_scaling": 4.0,
         },
     ),
+    # SmolLM3's NoPE: layer 1 of 2 not rotated (every second here; every fourth in SmolLM3-3B)
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "no_rope_layers": [1, 0],
+            "use_sliding_window": False,
+            "pad_token_id": None,
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -158,8 +168,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, qwen3_moe,
-    mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
+    qwen3_moe, mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
