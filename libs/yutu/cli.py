@@ -209,10 +209,11 @@ def up_parser() -> argparse.ArgumentParser:
         parser,
         "--tool-call-parser",
         default=None,
-        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json"),
         help="the model's tool-call format, for chat requests with tools and tool_choice auto (the"
         " gateway's --tool-call-parser: hermes for Hermes and Qwen, llama3_json for Llama 3.1-3.3,"
-        " mistral for Mistral and Mixtral, pythonic for Llama 3.2 and 4, qwen3_coder for Qwen3-Coder)",
+        " mistral for Mistral and Mixtral, pythonic for Llama 3.2 and 4, qwen3_coder for Qwen3-Coder,"
+        " granite for Granite 3, phi4_mini_json for Phi-4-mini)",
     )
     option(
         parser,

@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model's tool-call format, which chat requests with tools and tool_choice auto (the"
         " default with tools) need to find its calls in its text: hermes (Hermes, Qwen2.5, Qwen3),"
         " llama3_json (Llama 3.1-3.3), mistral (Mistral, Mixtral), pythonic (Llama 3.2 and 4), qwen3_coder"
-        " (Qwen3-Coder, Qwen3.5); unset: such"
+        " (Qwen3-Coder, Qwen3.5), granite (Granite 3), phi4_mini_json (Phi-4-mini); unset: such"
         " requests get a 400"
         " (required and named tool choices need none)",
     )

@@ -17,6 +17,12 @@ flag of the same name):
   Python list of calls with keyword arguments of literal values,
   ``[weather(city="Oslo", days=2), now()]``, in Llama 4 between ``<|python_start|>`` and
   ``<|python_end|>``; read with ``ast``, never evaluated;
+- ``granite`` (Granite 3.x): the whole answer is a JSON array of calls
+  ``[{"name": ..., "arguments": {...}}, ...]``, after the special token ``<|tool_call|>`` (3.0)
+  or the text ``<tool_call>`` (3.1 and up), or neither;
+- ``phi4_mini_json`` (Phi-4-mini): calls are a JSON array after ``functools``,
+  ``functools[{"name": ..., "arguments": {...}}]`` (``parameters`` for ``arguments`` read too),
+  after any text;
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): calls are XML-like blocks after any text,
   ``<tool_call><function=weather><parameter=city>Oslo</parameter></function></tool_call>`` (the
   ``<tool_call>`` wrapper optional, each value on lines of its own), whose values are text: each is
@@ -45,7 +51,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 if TYPE_CHECKING:
     from services.gateway.schemas import ToolSpec
@@ -209,6 +215,60 @@ class MistralParser(ToolCallParser):
         return first if first >= 0 else partial_marker(text, self.START)
 
 
+def _call_array(body: str) -> list[ParsedCall] | None:
+    """The calls of ``body``, a JSON array of ``{"name", "arguments" (or "parameters")}`` objects and
+    nothing after it; None if it is not that."""
+    try:
+        items, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not items or body[end:].strip():
+        return None
+    calls = [
+        _call(i, "parameters" if isinstance(i, dict) and "parameters" in i else "arguments") for i in items
+    ]
+    return None if any(c is None for c in calls) else cast("list[ParsedCall]", calls)
+
+
+class GraniteParser(ToolCallParser):
+    name = "granite"
+    skip_special_tokens = False  # Granite 3.0's <|tool_call|> is a special token
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
+        body = text.strip()
+        for marker in self.MARKERS:
+            body = body.removeprefix(marker).lstrip()
+        if not body.startswith("["):
+            return None
+        calls = _call_array(body)
+        return None if calls is None else ("", calls)
+
+    def content_end(self, text: str) -> int:
+        body = text.lstrip()
+        for marker in self.MARKERS:
+            if len(body) < len(marker) and marker.startswith(body):
+                return 0  # the beginning of a marker: could still be a call
+            body = body.removeprefix(marker).lstrip()
+        return 0 if not body or body.startswith("[") else len(text)
+
+
+class Phi4MiniJsonParser(ToolCallParser):
+    name = "phi4_mini_json"
+    START = "functools"
+
+    def parse(self, text: str, tools: Sequence[ToolSpec] = ()) -> tuple[str, list[ParsedCall]] | None:
+        first = text.find(self.START + "[")
+        if first < 0:
+            return None
+        calls = _call_array(text[first + len(self.START) :])
+        return None if calls is None else (text[:first], calls)
+
+    def content_end(self, text: str) -> int:
+        first = text.find(self.START + "[")
+        return first if first >= 0 else partial_marker(text, self.START + "[")
+
+
 class PythonicParser(ToolCallParser):
     name = "pythonic"
     skip_special_tokens = False  # Llama 4's <|python_start|> and <|python_end|> are special tokens
@@ -319,7 +379,16 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)
+    p.name: p
+    for p in (
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        PythonicParser,
+        Qwen3CoderParser,
+        GraniteParser,
+        Phi4MiniJsonParser,
+    )
 }
 
 

@@ -11,10 +11,12 @@ import pytest
 from services.gateway.errors import ApiError
 from services.gateway.schemas import ChatCompletionRequest
 from services.gateway.tool_parsers import (
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     ParsedCall,
+    Phi4MiniJsonParser,
     PythonicParser,
     Qwen3CoderParser,
 )
@@ -94,6 +96,46 @@ def test_llama3_json_calls() -> None:
                       '{"city": "Oslo"}', '{"name": "a", "parameters": 5}']:  # fmt: skip
         assert p.parse(not_calls) is None, not_calls
     assert p.content_end("  {") == 0 and p.content_end("") == 0 and p.content_end("<|py") == 0
+    assert p.content_end("Sure") == 4
+
+
+def test_granite_calls() -> None:
+    """Granite 3: the whole answer is a JSON array of calls, after <|tool_call|> (3.0), <tool_call>
+    (3.1 and up) or neither; anything else is content, whole."""
+    p = GraniteParser()
+    weather = ParsedCall("weather", '{"city": "Oslo"}')
+    array = '[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now"}]'
+    for text in (
+        array,
+        "<|tool_call|>" + array,
+        " <tool_call> " + array + "\n",
+        "<|tool_call|><tool_call>" + array,
+    ):
+        assert p.parse(text) == ("", [weather, ParsedCall("now", "{}")]), text
+    for not_calls in ["The weather is fine.", "Sure: " + array, array + " and text", "<|tool_call|>", "[]",
+                      "<|tool_call|>[{", '[{"city": "Oslo"}]', '[{"name": "a", "arguments": [1]}]']:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    for held in ("", " ", "<|tool", "<|tool_call|>", "<|tool_call|> <tool", "[", "<tool_call>[{"):
+        assert p.content_end(held) == 0, held
+    assert p.content_end("Sure") == 4 and p.content_end("<|tool_call|>Sure") == len("<|tool_call|>Sure")
+    assert not p.skip_special_tokens
+
+
+def test_phi4_mini_calls() -> None:
+    """Phi-4-mini: functools[...], a JSON array of calls (arguments or parameters), after any text."""
+    p = Phi4MiniJsonParser()
+    assert p.parse(
+        'functools[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]'
+    ) == (
+        "",
+        [ParsedCall("weather", '{"city": "Oslo"}'), ParsedCall("now", "{}")],
+    )
+    nested = 'functools[{"name": "sum", "arguments": {"xs": [1, [2]]}}]'
+    assert p.parse("Let me add. " + nested) == ("Let me add. ", [ParsedCall("sum", '{"xs": [1, [2]]}')])
+    for not_calls in ["The weather is fine.", "functools", 'functools[{"name": "now"}] and more',
+                      'functools[{"name": "now"', "functools[]", "import functools"]:  # fmt: skip
+        assert p.parse(not_calls) is None, not_calls
+    assert p.content_end("Sure functools[{") == 5 and p.content_end("Sure functo") == 5
     assert p.content_end("Sure") == 4
 
 
