@@ -21,6 +21,7 @@ _ROUTES = {
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -28,6 +29,9 @@ _ROUTES = {
     "/metrics",
     "/info",
 }
+
+
+_ROUTE_PATTERNS = {"/v1/models/": "/v1/models/{id}", "/v1/responses/": "/v1/responses/{id}"}  # by prefix
 
 
 class RequestCounter:
@@ -43,7 +47,9 @@ class RequestCounter:
             return
         path = scope.get("path", "")
         route = (
-            path if path in _ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            path
+            if path in _ROUTES
+            else next((name for prefix, name in _ROUTE_PATTERNS.items() if path.startswith(prefix)), "other")
         )
         status = "499"  # the client left before any answer
 

@@ -58,6 +58,9 @@ def test_metrics_have_latency_histograms_and_counters(stack: Stack) -> None:
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     assert httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=30).status_code == 200
     assert httpx.post(f"{stack.base_url}/v1/completions", json={**body, "model": "nope"}).status_code == 404
+    responses = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
+    assert httpx.post(f"{stack.base_url}/v1/responses", json=responses, timeout=30).status_code == 200
+    assert httpx.get(f"{stack.base_url}/v1/responses/resp_1").status_code == 404
     text = httpx.get(f"{stack.base_url}/metrics").text
     samples = {}
     for line in text.splitlines():
@@ -74,6 +77,8 @@ def test_metrics_have_latency_histograms_and_counters(stack: Stack) -> None:
     assert samples[f'yutu_gateway_request_finish_total{{finish_reason="length",{label}}}'] >= 1
     assert samples['yutu_gateway_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert samples['yutu_gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
+    assert samples['yutu_gateway_requests_total{route="/v1/responses",status="200"}'] >= 1
+    assert samples['yutu_gateway_requests_total{route="/v1/responses/{id}",status="404"}'] >= 1
     assert samples[f"yutu_gateway_requests_in_flight{{{label}}}"] == 0
 
 

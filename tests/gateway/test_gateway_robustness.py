@@ -250,6 +250,9 @@ async def _big_n_then_small(url: str, n: int, max_tokens: int) -> tuple[int, dic
         async with client.stream("POST", "/v1/completions", json=big) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
+                # lines already buffered come without a suspension: give the small request's answer
+                # its turn, so that it is counted when it came, not after the buffer ran dry
+                await asyncio.sleep(0)
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data: ") :])
