@@ -422,6 +422,31 @@ def test_config_longrope() -> None:
         )
 
 
+def test_config_yarn() -> None:
+    """YaRN as Qwen's model cards tell users to add it to Qwen3: read with transformers' defaults
+    (betas 32 and 1, truncated, attention factor 0.1 ln 4 + 1), the context its factor reaches
+    (4 x 32,768) served; its attention factor from mscale / mscale_all_dim, or as given; a factor
+    left out is the ratio of the lengths."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    c = ModelConfig.from_hf_dict({**QWEN3_06B, "rope_scaling": yarn})
+    assert c.rope_scaling == {**yarn, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                              "attention_factor": 0.1 * math.log(4.0) + 1}  # fmt: skip
+    assert c.max_position_embeddings == 131072 and QWEN3_06B["max_position_embeddings"] == 40960
+    m = ModelConfig.from_hf_dict(
+        {**QWEN3_06B, "rope_scaling": {**yarn, "mscale": 1.0, "mscale_all_dim": 0.5}}
+    )
+    assert m.rope_scaling is not None
+    assert m.rope_scaling["attention_factor"] == pytest.approx(
+        (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)
+    )
+    given = ModelConfig.from_hf_dict({**QWEN3_06B, "rope_scaling": {**yarn, "attention_factor": 1.5}})
+    assert given.rope_scaling is not None and given.rope_scaling["attention_factor"] == 1.5
+    implied = ModelConfig.from_hf_dict(
+        {**QWEN3_06B, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 10240}}
+    )
+    assert implied.rope_scaling is not None and implied.rope_scaling["factor"] == 4.0
+
+
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -750,7 +775,8 @@ def test_config_qwen3() -> None:
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
-        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5}}, "yarn scaling needs a factor >= 1"),
         ({"rope_scaling": {"rope_type": "linear"}}, "positive 'factor'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 5}, "not a multiple"),

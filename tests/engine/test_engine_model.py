@@ -70,6 +70,28 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {}),
     "qwen2-untied-gqa": ("qwen2", {"tie_word_embeddings": False, "num_attention_heads": 8, "head_dim": 8}),
     "qwen3-tied": ("qwen3", {}),
+    # YaRN as Qwen3's long-context configs set it (a pretraining length of 64 here, so the ramp
+    # between kept and divided frequencies falls among a 16-wide head's dims)
+    "qwen3-yarn": (
+        "qwen3",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
+    # YaRN's other knobs: betas, an attention factor from mscale / mscale_all_dim, no truncation
+    "llama-yarn-mscale": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "truncate": False,
+            }
+        },
+    ),  # fmt: skip
     # biases on q/k/v and o, a head wider than hidden / heads, one KV head
     "qwen3-untied-bias-mqa": (
         "qwen3",

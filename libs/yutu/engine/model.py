@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     if scaling["rope_type"] == "longrope":  # the engine's regime (ModelConfig.for_context)
         factors = scaling["long_factor"] if scaling.get("long") else scaling["short_factor"]
         return inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config.rope_theta, dim, scaling)
     assert scaling["rope_type"] == "llama3", scaling  # ModelConfig admits nothing else
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -171,6 +173,27 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # (hd/2,)
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)  # (hd/2,)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies (dim/2,) (see yutu.engine.model_config._yarn): each dim's original
+    frequency where it turns more than beta_fast times in the pretraining length, divided by the
+    factor where it turns fewer than beta_slow times, linearly blended in between."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:  # the dim whose wavelength fits `turns` times in `original`
+        return (dim * math.log(original / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_turning(scaling["beta_fast"]), dim_turning(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no division by zero
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)  # (rd/2,)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # (rd/2,): 1 where the original frequency stays (extrapolated), 0 where divided
+    return (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept  # (rd/2,)
 
 
 class RotaryEmbedding(nn.Module):

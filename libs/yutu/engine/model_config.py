@@ -75,7 +75,7 @@ IMAGE_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # an MLP's gate: SwiGLU, or GeGLU (Gemma)
 
 
@@ -283,7 +283,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_context(d, rope_scaling),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -307,6 +307,16 @@ class ModelConfig:
             nope_layers=_nope_layers(d, num_layers) if model_type == "smollm3" else (),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
+
+
+def _context(d: dict[str, Any], rope_scaling: dict[str, Any] | None) -> int:
+    """The longest context the model supports: ``max_position_embeddings``, or with YaRN the
+    pretraining length times its factor where that is longer (Qwen3's configs keep 40,960 beside a
+    4x YaRN over 32,768: 131,072, as vLLM derives it)."""
+    stated = int(d.get("max_position_embeddings", 2048))
+    if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+        return max(stated, int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]))
+    return stated
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -365,6 +375,8 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), {"rope_type": "linear", "factor": _positive(params, "factor")}
     if rope_type == "longrope":
         return float(theta), _longrope(d, params)
+    if rope_type == "yarn":
+        return float(theta), _yarn(d, params)
     # llama3: HF defaults original_max_position_embeddings to max_position_embeddings.
     original = params.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
     low, high = _positive(params, "low_freq_factor"), _positive(params, "high_freq_factor")
@@ -426,6 +438,41 @@ def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         "rope_type": "longrope",
         **factors,
         "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _yarn(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN (Qwen3 and QwQ's long contexts, OLMo 3): frequencies blended between the original ones
+    (high, kept) and the ones divided by ``factor`` (low, interpolated) along a ramp between the dims
+    that turn ``beta_fast`` and ``beta_slow`` times in ``original_max_position_embeddings``; cos and
+    sin times ``attention_factor`` (by default 0.1 ln(factor) + 1, or the ratio of that with
+    ``mscale`` and ``mscale_all_dim``), as transformers computes them -- for every position alike, so
+    the context the model is served at, ``original_max_position_embeddings * factor``, changes no
+    rotation (see ``ModelConfig.from_hf_dict``)."""
+    original = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    original = int(original or d.get("max_position_embeddings", 2048))
+    factor = params.get("factor")
+    factor = (
+        float(factor) if factor is not None else int(d.get("max_position_embeddings", original)) / original
+    )
+    if not math.isfinite(factor) or factor < 1.0:
+        raise UnsupportedModelError(f"yarn scaling needs a factor >= 1, got {factor!r}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "truncate": bool(params.get("truncate", True)),
         "attention_factor": float(attention_factor),
     }
 
