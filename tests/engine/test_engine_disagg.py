@@ -101,11 +101,11 @@ def test_prefill_then_decode_elsewhere_equals_one_engine(ckpt: Path, length: int
     assert prefiller.num_held == 0 and not prefiller.release("r")
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "gemma3", "gemma2", "phi3", "mixtral"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma3", "gemma2", "olmo3", "phi3", "mixtral"])
 def test_other_architectures_hand_over_as_llama_does(tmp_path: Path, arch: str) -> None:
     """The KV handed over is every layer's, whatever computes it: Gemma 3's sliding and full layers
     (each rotated by its own base; also from an image-text checkpoint), Gemma 2's (soft-capped
-    attention), Phi-3's, a mixture's -- prefill here, decode there, one engine's tokens."""
+    attention), OLMo 3's, Phi-3's, a mixture's -- prefill here, decode there, one engine's tokens."""
     model_dir = make_tiny_checkpoint(tmp_path, arch, seed=4, sliding_window=16)
     ids = prompt(40, seed=9)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)

@@ -68,6 +68,8 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("gemma2", 37, {"sliding_window": 24}),  # soft-capped scores and logits
         ("granite", 37, {}),  # four multipliers
         ("smollm3", 37, {"no_rope_layers": [0, 1]}),  # the first layer without RoPE
+        ("olmo2", 37, {}),  # the blocks' outputs normalized, q/k norms across all heads
+        ("olmo3", 37, {"sliding_window": 24}),
     ],
 )
 def test_greedy_matches_transformers(

@@ -154,6 +154,8 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {"arch": "granite"}, True, 1e-5),  # each block's output scaled before the fused add
         (torch.bfloat16, {"arch": "granite"}, True, 4e-2),
         (torch.float32, {"arch": "smollm3"}, True, 1e-5),  # the native rotation by identity tables (NoPE)
+        (torch.float32, {"arch": "olmo2"}, True, 1e-5),  # q/k norms across all heads on the fused projection
+        (torch.bfloat16, {"arch": "olmo2"}, True, 4e-2),
     ],
 )
 def test_the_model_on_the_native_ops_computes_what_it_does_without(

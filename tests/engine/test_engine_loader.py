@@ -447,6 +447,65 @@ def test_config_yarn() -> None:
     assert implied.rope_scaling is not None and implied.rope_scaling["factor"] == 4.0
 
 
+OLMO_2_1B: dict[str, Any] = {  # OLMo 2 1B's shape, as its config.json sets it
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "attention_bias": False,
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 16,
+    "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 500000,
+    "tie_word_embeddings": True,
+    "vocab_size": 100352,
+}
+
+
+def test_config_olmo2_and_olmo3() -> None:
+    """OLMo 2: the blocks' outputs normalized (post_attention_layernorm, post_feedforward_layernorm),
+    their inputs not; q/k norms of all heads' width; no window. OLMo 3: three sliding layers in four
+    (window 4096 by default), the sliding ones rotating by the base unscaled while a YaRN scales the
+    full ones (transformers 4.x's rope_scaling, or 5.x's rope_parameters per layer type)."""
+    c = ModelConfig.from_hf_dict(OLMO_2_1B)
+    assert (c.sandwich_norms, c.input_norms, c.qk_norm, c.qk_norm_whole, c.norm_weight_float32) == (
+        True, False, True, True, True,
+    )  # fmt: skip
+    assert c.sliding_window is None and c.rope_theta == 500000.0 and c.eos_token_ids == (100257,)
+    shapes = expected_weight_shapes(c)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (2048,)
+    assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2048,)
+    assert "model.layers.0.input_layernorm.weight" not in shapes
+    assert "model.layers.0.pre_feedforward_layernorm.weight" not in shapes
+    assert shapes["model.layers.0.post_feedforward_layernorm.weight"] == (2048,)
+    gqa = ModelConfig.from_hf_dict({**OLMO_2_1B, "num_key_value_heads": 4})
+    assert expected_weight_shapes(gqa)["model.layers.0.self_attn.k_norm.weight"] == (512,)
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}
+    olmo3 = {**OLMO_2_1B, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "rope_scaling": yarn,
+             "max_position_embeddings": 65536, "sliding_window": 4096}  # fmt: skip
+    c3 = ModelConfig.from_hf_dict(olmo3)
+    assert (c3.sliding_window, c3.sliding_window_layers) == (4096, tuple(i for i in range(16) if (i + 1) % 4))
+    assert c3.rope_scaling is not None and c3.rope_scaling["rope_type"] == "yarn"
+    assert (c3.rope_theta, c3.sliding_rope_theta) == (500000.0, 500000.0)
+    v5 = {k: v for k, v in olmo3.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {"full_attention": {**yarn, "rope_theta": 500000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+    c5 = ModelConfig.from_hf_dict(v5)
+    assert c5.rope_scaling == c3.rope_scaling and (c5.rope_theta, c5.sliding_rope_theta) == (
+        500000.0,
+        10000.0,
+    )
+    with pytest.raises(UnsupportedModelError, match="sliding layers' rope_type='linear'"):
+        ModelConfig.from_hf_dict({**v5, "rope_parameters": {**v5["rope_parameters"],
+                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0}}})  # fmt: skip
+
+
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -771,7 +830,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -981,6 +1040,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, qwen3_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, qwen3_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -131,6 +131,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", {}),
     # SmolLM3: layer 1 without RoPE (NoPE), layer 0 rotated
     "smollm3-nope": ("smollm3", {}),
+    # OLMo 2: the blocks' outputs normalized, their inputs not; q/k norms across all heads; MHA too
+    "olmo2": ("olmo2", {}),
+    "olmo2-mha": ("olmo2", {"num_key_value_heads": 4}),
+    # OLMo 3: a sliding layer and a full one; YaRN on the full one only (transformers 4.x's config)
+    "olmo3-yarn": (
+        "olmo3",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and

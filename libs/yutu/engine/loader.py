@@ -94,7 +94,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
-        shapes[p + "input_layernorm.weight"] = (h,)
+        if config.input_norms:
+            shapes[p + "input_layernorm.weight"] = (h,)
         if config.model_type == "phi3":  # q, k and v as one tensor (parameter_parts)
             shapes[p + "self_attn.qkv_proj.weight"] = (qd + 2 * kvd, h)
         else:
@@ -105,12 +106,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, qd)
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.qk_norm:  # per head, or across all heads (OLMo 2)
+            shapes[p + "self_attn.q_norm.weight"] = (qd,) if config.qk_norm_whole else (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kvd,) if config.qk_norm_whole else (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if config.sandwich_norms:
-            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            if config.input_norms:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if n in config.moe_layers:
             shapes.update(_expert_shapes(config, p))

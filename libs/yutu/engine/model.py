@@ -123,11 +123,13 @@ class RMSNorm(nn.Module):
     ``offset`` (Gemma's 1), x / rms(x) * (offset + weight), rounded to x's dtype after the product
     as Gemma's own norm does."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, weight_float32: bool = False) -> None:
+        """``weight_float32``: the weight multiplied in float32 before rounding (OLMo 2's), as with an offset."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.weight_float32 = weight_float32 or bool(offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.offset:  # one
@@ -141,7 +143,7 @@ class RMSNorm(nn.Module):
         x32 = x.float()  # (T, H)
         var = x32.pow(2).mean(-1, keepdim=True)  # (T, 1)
         x32 = x32 * torch.rsqrt(var + self.eps)  # (T, H)
-        if self.offset:
+        if self.weight_float32:
             return (x32 * (self.offset + self.weight.float())).to(dtype)  # (T, H)
         return self.weight * x32.to(dtype)  # (T, H)
 
@@ -248,9 +250,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(qd, h, bias=config.o_proj_bias)
         self.qkv_proj: Linear | None = None  # q, k and v in one product, once fuse_projections ran
         # Qwen3, Gemma 3: every query and key head RMS-normalized (weights of one head's width) before RoPE
-        eps, offset = config.rms_norm_eps, config.norm_offset
-        self.q_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, eps, offset) if config.qk_norm else None
+        # OLMo 2: across all heads at once (weights of nh*hd and kvh*hd)
+        eps, offset, f32 = config.rms_norm_eps, config.norm_offset, config.norm_weight_float32
+        self.qk_norm_whole = config.qk_norm_whole
+        q_width, k_width = (qd, kvd) if config.qk_norm_whole else (config.head_dim, config.head_dim)
+        self.q_norm = RMSNorm(q_width, eps, offset, f32) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, offset, f32) if config.qk_norm else None
 
     def forward(
         self,
@@ -271,13 +276,13 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
             v = self.v_proj(x).view(n_tok, kvh, hd)  # (T, kvh, hd)
             if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # (T, nh, hd), (T, kvh, hd)
         else:
             qkv = self.qkv_proj(x).view(n_tok, nh + 2 * kvh, hd)  # heads: [ q (nh) | k (kvh) | v (kvh) ]
             if self.q_norm is not None and self.k_norm is not None:  # in place: qkv is this call's own
-                qkv[:, :nh] = self.q_norm(qkv[:, :nh])
-                qkv[:, nh : nh + kvh] = self.k_norm(qkv[:, nh : nh + kvh])
+                qkv[:, :nh] = self._norm(self.q_norm, qkv[:, :nh])
+                qkv[:, nh : nh + kvh] = self._norm(self.k_norm, qkv[:, nh : nh + kvh])
             if ops is None:
                 qk = apply_rotary(qkv[:, : nh + kvh], cos, sin)  # (T, nh + kvh, hd): q and k rotated at once
             else:
@@ -292,6 +297,12 @@ class Attention(nn.Module):
         if meta.dense is not None:
             meta.dense.attend(layer, q, o, self.scale, plan.sliding_window, self.softcap)
         return self.o_proj(o.reshape(n_tok, nh * hd))  # (T, H)
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """A q or k norm of (T, heads, hd): per head, or across all heads (``qk_norm_whole``)."""
+        if self.qk_norm_whole:
+            return norm(x.reshape(x.shape[0], -1)).view(x.shape)  # (T, heads, hd)
+        return norm(x)  # (T, heads, hd)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -407,16 +418,24 @@ class DecoderLayer(nn.Module):
     """Attention then MLP, each added to the residual stream. Llama's: each block's input
     normalized (``post_attention_layernorm`` is the MLP's input norm); with ``sandwich_norms``
     (Gemma 3), each block's output normalized too (``post_attention_layernorm`` is the attention's
-    output norm, ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` the MLP's)."""
+    output norm, ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` the MLP's); with
+    ``sandwich_norms`` and no ``input_norms`` (OLMo 2), only the outputs (no ``input_layernorm``,
+    no ``pre_feedforward_layernorm``)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        h, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
-        self.input_layernorm = RMSNorm(h, eps, offset)
+        h, eps, offset, f32 = (
+            config.hidden_size,
+            config.rms_norm_eps,
+            config.norm_offset,
+            config.norm_weight_float32,
+        )
+        sandwich, inputs = config.sandwich_norms, config.input_norms
+        self.input_layernorm = RMSNorm(h, eps, offset, f32) if inputs else None
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(h, eps, offset)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset) if config.sandwich_norms else None
-        self.post_feedforward_layernorm = RMSNorm(h, eps, offset) if config.sandwich_norms else None
+        self.post_attention_layernorm = RMSNorm(h, eps, offset, f32)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset, f32) if sandwich and inputs else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, offset, f32) if sandwich else None
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config)
             if layer in config.moe_layers
@@ -437,9 +456,9 @@ class DecoderLayer(nn.Module):
         ops: ModuleType | None = None,
     ) -> torch.Tensor:
         """``ops``: the native kernels for attention and the MLP (LlamaForCausalLM.ops), or None."""
-        x = self.input_layernorm(h)  # (T, H)
+        x = h if self.input_layernorm is None else self.input_layernorm(h)  # (T, H)
         attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta, plan, layer, ops)  # (T, H)
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+        if self.post_feedforward_layernorm is None:
             m = self.residual_multiplier
             if m != 1.0:  # Granite: each block's output scaled before it is added
                 h = h + attn * m  # (T, H)
@@ -447,8 +466,8 @@ class DecoderLayer(nn.Module):
             h = h + attn  # (T, H)
             return h + self.mlp(self.post_attention_layernorm(h), ops)  # (T, H)
         h = h + self.post_attention_layernorm(attn)  # (T, H)
-        mlp = self.mlp(self.pre_feedforward_layernorm(h), ops)  # (T, H)
-        return h + self.post_feedforward_layernorm(mlp)  # (T, H)
+        mlp_in = h if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(h)  # (T, H)
+        return h + self.post_feedforward_layernorm(self.mlp(mlp_in, ops))  # (T, H)
 
 
 class LlamaModel(nn.Module):
@@ -458,7 +477,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_weight_float32
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -546,9 +567,10 @@ class LlamaForCausalLM(nn.Module):
         """The layers of :meth:`forward` on the native kernels: the residual stream kept apart from
         each block's normalized input, each residual add done with the next norm in one call."""
         layers = cast("list[DecoderLayer]", list(self.model.layers))
-        norms = [layer.input_layernorm for layer in layers[1:]] + [cast(RMSNorm, self.model.norm)]
+        inputs = [cast(RMSNorm, layer.input_layernorm) for layer in layers]  # every block's (Llama's loop)
+        norms = inputs[1:] + [cast(RMSNorm, self.model.norm)]
         residual = h  # (T, H), added to in place (the embedding's output, this call's own)
-        x = ops.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # (T, H)
+        x = ops.rms_norm(h, inputs[0].weight, inputs[0].eps)  # (T, H)
         m = self.config.residual_multiplier  # Granite's; 1.0 elsewhere
         for i, (layer, next_norm) in enumerate(zip(layers, norms, strict=True)):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)

@@ -19,8 +19,10 @@ one RoPE for every layer, every other layer sliding, attention scores and the ou
 soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
 four multipliers -- the embedding's output, each block's output before the residual add, the
 attention scores in place of head_dim ** -0.5, and the logits divided), ``SmolLM3ForCausalLM``
-(Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), and two sparse mixtures of
-experts: ``Qwen3MoeForCausalLM`` (Qwen3's
+(Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), ``Olmo2ForCausalLM`` (OLMo 2:
+each block's output normalized before the residual add and its input not, queries and keys
+normalized across all heads before their rotation), ``Olmo3ForCausalLM`` (OLMo 3: OLMo 2 with three
+sliding layers in four, whose rotation is never scaled), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
 attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
 ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
 attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
@@ -46,6 +48,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -107,6 +111,9 @@ class ModelConfig:
     sliding_window: int | None = None  # attention window in tokens for sliding layers, None: full
     sliding_window_layers: tuple[int, ...] = ()  # indices of layers that use sliding_window
     qk_norm: bool = False  # each query and key head is RMS-normalized before RoPE (Qwen3)
+    qk_norm_whole: bool = False  # ... across all heads at once instead, weights of nh*hd / kvh*hd (OLMo 2)
+    input_norms: bool = True  # each block's input normalized; False with sandwich_norms: OLMo 2's blocks
+    norm_weight_float32: bool = False  # RMSNorm's weight multiplied before rounding to the dtype (OLMo 2)
     # Sparse mixture of experts (Qwen3-MoE, Mixtral): in moe_layers, the MLP is num_experts SwiGLU
     # experts of moe_intermediate_size, experts_per_token of them per token, chosen by a router's
     # softmax and weighted by it (renormalized over the chosen where norm_topk_prob).
@@ -246,6 +253,7 @@ class ModelConfig:
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         gemma3, gemma2 = model_type == "gemma3_text", model_type == "gemma2"
         gemma = gemma3 or gemma2
+        olmo = model_type in ("olmo2", "olmo3")
         hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
@@ -257,7 +265,9 @@ class ModelConfig:
         )
         head_dim = d.get("head_dim") or default_head_dim
         qwen3_family = model_type in ("qwen3", "qwen3_moe")
-        rope_theta, rope_scaling = _gemma3_rope(d) if gemma3 else _rope(d)
+        rope_theta, rope_scaling = (
+            _gemma3_rope(d) if gemma3 else _olmo3_rope(d) if model_type == "olmo3" else _rope(d)
+        )
         rotary_dim = int(int(head_dim) * _partial_rotary(d, model_type))
 
         # Which projections carry a bias differs per architecture.
@@ -298,7 +308,8 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=qwen3_family or gemma3,
+            qk_norm=qwen3_family or gemma3 or olmo,
+            **(_olmo(d, model_type, rope_theta) if olmo else {}),
             rotary_dim=rotary_dim,
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
@@ -528,6 +539,31 @@ def _gemma2(d: dict[str, Any], hidden_size: int) -> dict[str, Any]:
     return {**_gemma_block(d, hidden_size), **caps}
 
 
+def _olmo(d: dict[str, Any], model_type: str, rope_theta: float) -> dict[str, Any]:
+    """OLMo 2 and 3's blocks: ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on each
+    block's output, none on its input; q/k norms across all heads; norms rounding after the weight.
+    OLMo 3's sliding layers rotate by the full layers' base, unscaled (its YaRN is the full layers')."""
+    fields: dict[str, Any] = {"sandwich_norms": True, "input_norms": False, "qk_norm_whole": True,
+                              "norm_weight_float32": True}  # fmt: skip
+    if model_type == "olmo3":
+        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(
+                f"sliding layers' rope_type={local['rope_type']!r} is not supported (only default)"
+            )
+        fields["sliding_rope_theta"] = float(local.get("rope_theta", rope_theta))
+    return fields
+
+
+def _olmo3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """OLMo 3's full layers' (rope_theta, rope_scaling): ``rope_parameters``' ``full_attention``
+    entry (transformers 5), else the top-level keys (4.x: its rope_scaling is the full layers')."""
+    full = (d.get("rope_parameters") or {}).get("full_attention")
+    if full is not None:
+        return _rope({**d, "rope_parameters": full, "rope_scaling": None})
+    return _rope(d)
+
+
 def _nope_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (1 rotates, 0 does not), else every
     ``no_rope_layer_interval``-th (4; transformers' SmolLM3Config)."""
@@ -585,11 +621,11 @@ def _sliding_window(
     d: dict[str, Any], model_type: str, num_layers: int
 ) -> tuple[int | None, tuple[int, ...]]:
     window = d.get("sliding_window")
-    if model_type in ("gemma3_text", "gemma2"):  # every model of both sets it
-        window = d.get("sliding_window", 4096)  # transformers' Gemma3TextConfig and Gemma2Config default
+    if model_type in ("gemma3_text", "gemma2", "olmo3"):  # every model of these sets it
+        window = d.get("sliding_window", 4096)  # transformers' default in each of their configs
         if window is None:
             raise UnsupportedModelError(f"sliding_window=None is not supported for {model_type}")
-    if model_type == "llama" or window is None:
+    if model_type in ("llama", "olmo2") or window is None:
         return None, ()
     if model_type == "qwen3_moe":  # every layer, where use_sliding_window (transformers' Qwen3Moe)
         layers = tuple(range(num_layers)) if d.get("use_sliding_window", False) else ()
@@ -600,6 +636,11 @@ def _sliding_window(
             layer_types = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
             ]
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif model_type == "olmo3":  # layer_types, else three sliding layers in four
+        layer_types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)
+        ]
         layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     elif model_type == "smollm3":  # where use_sliding_window: layer_types, else the layers without RoPE
         if not d.get("use_sliding_window", False):

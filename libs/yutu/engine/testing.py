@@ -96,6 +96,21 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": None,
         },
     ),
+    # OLMo 2: norms on each block's output only, q/k norms across all heads
+    "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False, "pad_token_id": None, "rms_norm_eps": 1e-6}),
+    # OLMo 3: OLMo 2 with layer 0 sliding (window 8) and layer 1 full; its checkpoints' RoPE base (in a
+    # 4.x-shaped config transformers 5 gives the sliding layers this default whatever rope_theta says)
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "pad_token_id": None,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 500000.0,
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -169,7 +184,7 @@ def make_tiny_checkpoint(
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
     ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
-    qwen3_moe, mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
+    olmo2, olmo3, qwen3_moe, mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
     (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
