@@ -101,7 +101,7 @@ def test_prefill_then_decode_elsewhere_equals_one_engine(ckpt: Path, length: int
     assert prefiller.num_held == 0 and not prefiller.release("r")
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "gemma3", "gemma2", "olmo3", "phi3", "mixtral"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma3", "gemma2", "olmo3", "mistral3", "phi3", "mixtral"])
 def test_other_architectures_hand_over_as_llama_does(tmp_path: Path, arch: str) -> None:
     """The KV handed over is every layer's, whatever computes it: Gemma 3's sliding and full layers
     (each rotated by its own base; also from an image-text checkpoint), Gemma 2's (soft-capped

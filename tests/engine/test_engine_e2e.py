@@ -65,6 +65,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("phi3", 37, {"sliding_window": 24}),
         ("gemma3_text", 37, {"sliding_window": 24}),
         ("gemma3", 37, {"sliding_window": 24}),  # the image-text checkpoint's language model
+        ("mistral3", 37, {"sliding_window": 24}),  # Mistral Small 3.1's image-text checkpoint's
         ("gemma2", 37, {"sliding_window": 24}),  # soft-capped scores and logits
         ("granite", 37, {}),  # four multipliers
         ("smollm3", 37, {"no_rope_layers": [0, 1]}),  # the first layer without RoPE
@@ -75,7 +76,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
 def test_greedy_matches_transformers(
     tmp_path: Path, ckpt: Path, arch: str, prompt_len: int, overrides: dict[str, Any]
 ) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if arch != "llama" or overrides:
         ckpt = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=1, **overrides)
@@ -83,7 +84,8 @@ def test_greedy_matches_transformers(
     outs = run(make_engine(ckpt), {"r": (ids, greedy(32, logprobs=1))})["r"]
     got = tokens(outs)
 
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if arch == "mistral3" else AutoModelForCausalLM
+    hf = auto.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         gen = hf.generate(
             torch.tensor([ids]),

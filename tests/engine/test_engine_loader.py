@@ -506,6 +506,56 @@ def test_config_olmo2_and_olmo3() -> None:
                                   "sliding_attention": {"rope_type": "linear", "factor": 2.0}}})  # fmt: skip
 
 
+MISTRAL_SMALL_31: dict[str, Any] = {  # Mistral Small 3.1's shape, as its config.json sets it
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "image_token_index": 10,
+    "model_type": "mistral3",
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2,
+    "text_config": {
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "vocab_size": 131072,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "num_hidden_layers": 24},
+    "vision_feature_layer": -1,
+}
+
+
+def test_config_mistral3_image_text() -> None:
+    """Mistral Small 3.1 / 3.2: the language model of its text_config (Mistral's, no window), token
+    ids and tying by MistralConfig's defaults where neither level says; its tensors renamed from
+    either layout, the vision tower and projector left out."""
+    c = ModelConfig.from_hf_dict(MISTRAL_SMALL_31)
+    assert (c.architecture, c.model_type, c.hidden_size, c.head_dim, c.num_layers) == (
+        "Mistral3ForConditionalGeneration", "mistral", 5120, 128, 40,
+    )  # fmt: skip
+    assert (c.sliding_window, c.rope_theta, c.bos_token_id, c.eos_token_ids, c.tie_word_embeddings) == (
+        None, 1e9, 1, (2,), False,
+    )  # fmt: skip
+    for theirs, ours in [
+        ("language_model.model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.weight"),
+        ("model.language_model.norm.weight", "model.norm.weight"),
+        ("language_model.lm_head.weight", "lm_head.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+        ("vision_tower.transformer.layers.0.attention.q_proj.weight", None),
+        ("multi_modal_projector.linear_1.weight", None),
+    ]:
+        assert text_tensor_name(c, theirs) == ours, theirs
+
+
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -830,7 +880,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),

@@ -120,6 +120,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 3 4B-27B's image-text checkpoint, saved by transformers: the language model under
     # language_model., a vision tower and projector beside it (not loaded), defaults under text_config
     "gemma3-image-text": ("gemma3", {}),
+    # Mistral Small 3.1 / 3.2's image-text checkpoint, saved by transformers: Mistral's language model
+    # under language_model., a Pixtral vision tower and projector beside it (not loaded); a window too
+    "mistral3-image-text-sliding": ("mistral3", {"sliding_window": 8}),
     # Gemma 2: soft-capped scores (0.5 here) and logits (2.0), layer 0 sliding (window 8), one RoPE
     "gemma2": ("gemma2", {}),
     # Google's 27B shape: the query scale of hidden / heads, MQA, no cap on the scores
@@ -203,7 +206,10 @@ def pair(
     long = request.param.endswith("-long")  # an engine of max_model_len 512: the long factors
     ours, config = load_model(model_dir, torch.device("cpu"), torch.float32, 512 if long else None)
     assert config.longrope_regime == ("long" if long else config.longrope_regime)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    auto = (
+        transformers.AutoModelForImageTextToText if arch == "mistral3" else transformers.AutoModelForCausalLM
+    )
+    hf = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     return ours, hf
 
 

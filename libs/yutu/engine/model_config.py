@@ -14,7 +14,8 @@ LongRoPE served up to its pretraining length, Phi-4-mini's partial rotation), ``
 output as well as its input, q/k norms, embeddings scaled by sqrt(hidden), five sliding layers in
 six with a RoPE base of their own) and the language model of ``Gemma3ForConditionalGeneration``
 (Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
-loaded), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms,
+loaded), likewise the language model of ``Mistral3ForConditionalGeneration`` (Mistral Small 3.1 and
+3.2: Mistral's), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms,
 one RoPE for every layer, every other layer sliding, attention scores and the output logits
 soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
 four multipliers -- the embedding's output, each block's output before the residual add, the
@@ -45,6 +46,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
+    "Mistral3ForConditionalGeneration": "mistral",  # image-text (Mistral Small 3.1, 3.2): the same
     "Gemma2ForCausalLM": "gemma2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
@@ -55,9 +57,25 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 # Image-text checkpoints whose language model is served alone (images are refused at the gateway):
 # the config's ``text_config``, over these defaults of the text model's config class (transformers'
-# Gemma3TextConfig: Google's 4B-27B configs set only what differs from them), and the top level's
-# token ids and dtype. Their tensors are renamed on load (yutu.engine.loader.text_tensor_name).
+# Gemma3TextConfig: Google's 4B-27B configs set only what differs from them; MistralConfig), and
+# the top level's token ids, dtype and tying. Their tensors are renamed on load
+# (yutu.engine.loader.text_tensor_name).
 IMAGE_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Mistral3ForConditionalGeneration": {
+        "vocab_size": 32_000,
+        "hidden_size": 4096,
+        "intermediate_size": 14_336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_theta": 10_000.0,
+        "sliding_window": 4096,
+    },
     "Gemma3ForConditionalGeneration": {
         "vocab_size": 262_208,
         "hidden_size": 2304,

@@ -184,35 +184,56 @@ def make_tiny_checkpoint(
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
     ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
-    olmo2, olmo3, qwen3_moe, mixtral), or ``gemma3`` (:func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys
-    (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
+    olmo2, olmo3, qwen3_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
+    :func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys (e.g.
+    ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
     """
-    if arch == "gemma3":
-        return make_tiny_image_text_checkpoint(Path(out_dir), seed, init_std=init_std, **config_overrides)
+    if arch in _IMAGE_TEXT:
+        return make_tiny_image_text_checkpoint(
+            Path(out_dir), seed, arch, init_std=init_std, **config_overrides
+        )
     hf_config = tiny_hf_config(arch, **config_overrides)
     return write_checkpoint(
         Path(out_dir), hf_config, seed, tiny_tokenizer(), init_std=init_std, num_shards=num_shards
     )
 
 
+# image-text architectures -> (their text model's arch in _ARCH, a one-layer vision tower's config)
+_IMAGE_TEXT: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3": ("gemma3_text", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}),
+    "mistral3": ("mistral", {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "head_dim": 16, "image_size": 56, "patch_size": 14}),
+}  # fmt: skip
+
+
 def make_tiny_image_text_checkpoint(
-    out_dir: Path, seed: int = 0, *, init_std: float = 0.1, **text_overrides: Any
+    out_dir: Path, seed: int = 0, arch: str = "gemma3", *, init_std: float = 0.1, **text_overrides: Any
 ) -> Path:
-    """A tiny random ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B's shape: the language model
-    of ``tiny_hf_config("gemma3_text")`` under ``language_model.``, a one-layer vision tower and
-    its projector beside it), built and saved by transformers; the token ids at the top level, as
-    Google's configs have them. ``text_overrides``: keys of the text model's config."""
+    """A tiny random image-text checkpoint, built and saved by transformers: ``gemma3``, a
+    ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B's shape), or ``mistral3``, a
+    ``Mistral3ForConditionalGeneration`` (Mistral Small 3.1 and 3.2's): the language model of
+    ``tiny_hf_config`` of its text arch, a one-layer vision tower and its projector beside it; the
+    token ids at the top level, as Google's configs have them. ``text_overrides``: keys of the text
+    model's config."""
     import transformers  # a test dependency: see the module docstring
 
-    text = tiny_hf_config("gemma3_text", **text_overrides)
+    text_arch, vision = _IMAGE_TEXT[arch]
+    text = tiny_hf_config(text_arch, **text_overrides)
     top = {key: text[key] for key in ("bos_token_id", "eos_token_id")}
     for key in ("architectures", "model_type", "torch_dtype"):
         text.pop(key)
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "image_size": 28, "patch_size": 14}  # fmt: skip
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    model = transformers.Gemma3ForConditionalGeneration(config)
+    model: torch.nn.Module
+    if arch == "gemma3":
+        gemma = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        model = transformers.Gemma3ForConditionalGeneration(gemma)
+    else:  # the top level's tie said too: Mistral3Config's default ties, Mistral's text models do not
+        tied = text.get("tie_word_embeddings", False)
+        mistral = transformers.Mistral3Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=tied
+        )
+        model = transformers.Mistral3ForConditionalGeneration(mistral)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
