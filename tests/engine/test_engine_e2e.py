@@ -60,6 +60,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("qwen2", 37, {}),
         ("qwen3", 37, {"head_dim": 32}),
         ("qwen3_moe", 37, {"mlp_only_layers": [1]}),
+        ("qwen2_moe", 37, {}),  # a shared expert beside the routed ones
         ("mixtral", 37, {"sliding_window": 24}),
         ("mistral", 37, {"sliding_window": 24}),
         ("phi3", 37, {"sliding_window": 24}),

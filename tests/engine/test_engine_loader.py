@@ -556,6 +556,56 @@ def test_config_mistral3_image_text() -> None:
         assert text_tensor_name(c, theirs) == ours, theirs
 
 
+QWEN15_MOE: dict[str, Any] = {  # Qwen1.5-MoE-A2.7B's shape, as its config.json sets it
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "max_position_embeddings": 8192,
+    "max_window_layers": 21,
+    "moe_intermediate_size": 1408,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 16,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "shared_expert_intermediate_size": 5632,
+    "sliding_window": 32768,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_config_qwen2_moe() -> None:
+    """Qwen1.5-MoE: 60 experts of 1,408, four a token, not renormalized, in every layer, beside a
+    shared expert of 5,632 and its one-row gate; Qwen2's q/k/v biases; a sliding window refused (no
+    checkpoint has one, and transformers' rule for one is not Qwen2's)."""
+    c = ModelConfig.from_hf_dict(QWEN15_MOE)
+    assert (c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.norm_topk_prob) == (
+        60,
+        4,
+        1408,
+        False,
+    )
+    assert c.moe_layers == tuple(range(24)) and c.shared_expert_size == 5632 and c.sliding_window is None
+    assert (c.attention_bias, c.o_proj_bias, c.qk_norm) == (True, False, False)
+    shapes = expected_weight_shapes(c)
+    assert shapes["model.layers.0.mlp.shared_expert.gate_proj.weight"] == (5632, 2048)
+    assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 2048)
+    assert shapes["model.layers.23.mlp.experts.59.down_proj.weight"] == (2048, 1408)
+    assert shapes["model.layers.0.self_attn.q_proj.bias"] == (2048,)
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelConfig.from_hf_dict({**QWEN15_MOE, "use_sliding_window": True})
+
+
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -880,7 +930,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -1090,6 +1140,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, qwen3_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, qwen3_moe, qwen2_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -172,6 +172,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),  # fmt: skip
     "qwen3-moe": ("qwen3_moe", {}),
+    # Qwen2-MoE: Qwen2's attention (q/k/v biases), the experts, a shared expert behind a sigmoid gate
+    "qwen2-moe-shared": ("qwen2_moe", {}),
+    # layer 0 dense, the top weights renormalized
+    "qwen2-moe-mixed-renorm": ("qwen2_moe", {"mlp_only_layers": [0], "norm_topk_prob": True}),
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized, one expert per token
     "qwen3-moe-mixed-top1": (
         "qwen3_moe",
@@ -478,7 +482,7 @@ def test_paged_attention_matches_dense_reference(
     )
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_experts_fast_paths_equal_the_general_path(tmp_path: Path, arch: str) -> None:
     """SparseMoE's fast paths -- one token (a decode step of one sequence) and many grouped by
     expert (batches, prompts) -- against its reference, bit for bit, on torch's operations and with

@@ -150,6 +150,11 @@ def _expert_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...
     for expert in range(e):
         for name, shape in names:
             shapes[f"{prefix}{moe}.experts.{expert}.{name}.weight"] = shape
+    s = config.shared_expert_size  # Qwen2-MoE's shared expert and its gate
+    if s:
+        for name, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+            shapes[f"{prefix}mlp.shared_expert.{name}.weight"] = shape
+        shapes[f"{prefix}mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -342,10 +342,11 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A sparse mixture of SwiGLU experts (Qwen3-MoE, Mixtral): the router's softmax over the
-    experts picks each token's top ``experts_per_token``, whose outputs are summed weighted by
+    """A sparse mixture of SwiGLU experts (Qwen3-MoE, Qwen2-MoE, Mixtral): the router's softmax over
+    the experts picks each token's top ``experts_per_token``, whose outputs are summed weighted by
     those probabilities (renormalized over the chosen where ``norm_topk_prob``) -- transformers'
-    computation, expert by expert in increasing order, each over the tokens that chose it."""
+    computation, expert by expert in increasing order, each over the tokens that chose it; then,
+    for Qwen2-MoE, the shared expert's output added, weighted by its gate's sigmoid."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -355,12 +356,22 @@ class SparseMoE(nn.Module):
         )
         self.top_k = config.experts_per_token
         self.renormalize = config.norm_topk_prob
+        # Qwen2-MoE: every token through a shared expert too, weighted by sigmoid(shared_expert_gate(x))
+        size = config.shared_expert_size
+        self.shared_expert = MLP(config.hidden_size, size) if size else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if size else None
 
     def forward(self, x: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
         weights, chosen = self._route(x)
         if x.shape[0] == 1:
-            return self._one_token(x, ops, weights, chosen)
-        return self._grouped(x, ops, weights, chosen)
+            return self._shared(x, ops, self._one_token(x, ops, weights, chosen))
+        return self._shared(x, ops, self._grouped(x, ops, weights, chosen))
+
+    def _shared(self, x: torch.Tensor, ops: ModuleType | None, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum ``out``, plus the shared expert's gated output where there is one."""
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)  # (T, H)
 
     def _one_token(
         self, x: torch.Tensor, ops: ModuleType | None, weights: torch.Tensor, chosen: torch.Tensor
@@ -411,7 +422,7 @@ class SparseMoE(nn.Module):
             tokens, slot = torch.where(chosen == expert)  # the tokens that chose it, and in which place
             y = self.experts[expert](x[tokens], ops) * weights[tokens, slot, None]  # (t, H)
             out.index_add_(0, tokens, y)
-        return out
+        return self._shared(x, ops, out)
 
 
 class DecoderLayer(nn.Module):

@@ -23,10 +23,13 @@ attention scores in place of head_dim ** -0.5, and the logits divided), ``SmolLM
 (Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), ``Olmo2ForCausalLM`` (OLMo 2:
 each block's output normalized before the residual add and its input not, queries and keys
 normalized across all heads before their rotation), ``Olmo3ForCausalLM`` (OLMo 3: OLMo 2 with three
-sliding layers in four, whose rotation is never scaled), and two sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's
-attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok`` per token, in the layers
-``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse) and ``MixtralForCausalLM`` (Mistral's
-attention; ``num_local_experts`` experts in every layer, the top ones' weights renormalized).
+sliding layers in four, whose rotation is never scaled), and three sparse mixtures of experts:
+``Qwen3MoeForCausalLM`` (Qwen3's attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok``
+per token, in the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse),
+``Qwen2MoeForCausalLM`` (Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention, the same experts, and a
+shared expert every token goes through, weighted by a sigmoid gate of its own) and
+``MixtralForCausalLM`` (Mistral's attention; ``num_local_experts`` experts in every layer, the top
+ones' weights renormalized).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
 }
 # Image-text checkpoints whose language model is served alone (images are refused at the gateway):
@@ -140,6 +144,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0  # Qwen2-MoE: a SwiGLU expert of this width beside them, sigmoid-gated
     # Gemma 3: the MLP gate's activation; RMSNorm scaling by (norm_offset + weight); a norm on each
     # block's output before the residual add, besides the one on its input (sandwich_norms); the
     # embedding's output times embedding_scale; attention scores times attention_scale (None:
@@ -289,8 +294,8 @@ class ModelConfig:
         rotary_dim = int(int(head_dim) * _partial_rotary(d, model_type))
 
         # Which projections carry a bias differs per architecture.
-        if model_type == "qwen2":
-            attention_bias, o_proj_bias, mlp_bias = True, False, False
+        if model_type in ("qwen2", "qwen2_moe"):  # q/k/v only (Qwen2-MoE's qkv_bias, true by default)
+            attention_bias, o_proj_bias, mlp_bias = bool(d.get("qkv_bias", True)), False, False
         elif model_type in ("mistral", "mixtral", "phi3"):
             attention_bias, o_proj_bias, mlp_bias = False, False, False
         elif qwen3_family or gemma:  # one switch for q/k/v and the output projection
@@ -645,6 +650,12 @@ def _sliding_window(
             raise UnsupportedModelError(f"sliding_window=None is not supported for {model_type}")
     if model_type in ("llama", "olmo2") or window is None:
         return None, ()
+    if (
+        model_type == "qwen2_moe"
+    ):  # no Qwen2-MoE checkpoint slides; transformers' rule for one is unlike Qwen2's
+        if d.get("use_sliding_window", False):
+            raise UnsupportedModelError("use_sliding_window is not supported for Qwen2-MoE")
+        return None, ()
     if model_type == "qwen3_moe":  # every layer, where use_sliding_window (transformers' Qwen3Moe)
         layers = tuple(range(num_layers)) if d.get("use_sliding_window", False) else ()
     elif model_type in ("gemma3_text", "gemma2"):  # layer_types, else all but each pattern-th layer
@@ -691,20 +702,26 @@ def _experts(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, A
     if model_type == "mixtral":  # every layer sparse; intermediate_size is an expert's
         experts, size, norm = int(d.get("num_local_experts", 8)), int(d["intermediate_size"]), True
         layers = tuple(range(num_layers))
-    elif model_type == "qwen3_moe":
-        experts, size = int(d.get("num_experts", 128)), int(d.get("moe_intermediate_size", 768))
+    elif model_type in ("qwen3_moe", "qwen2_moe"):  # transformers' defaults differ
+        qwen2 = model_type == "qwen2_moe"
+        experts = int(d.get("num_experts", 60 if qwen2 else 128))
+        size = int(d.get("moe_intermediate_size", 1408 if qwen2 else 768))
         norm = bool(d.get("norm_topk_prob", False))
         step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
     else:
         return {}
-    return {
+    per_token = {"mixtral": 2, "qwen2_moe": 4}.get(model_type, 8)
+    fields = {
         "num_experts": experts,
-        "experts_per_token": int(d.get("num_experts_per_tok", 2 if model_type == "mixtral" else 8)),
+        "experts_per_token": int(d.get("num_experts_per_tok", per_token)),
         "moe_intermediate_size": size,
         "norm_topk_prob": norm,
         "moe_layers": layers,
     }
+    if model_type == "qwen2_moe":
+        fields["shared_expert_size"] = int(d.get("shared_expert_intermediate_size", 5632))
+    return fields
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -124,6 +124,20 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "norm_topk_prob": True,
         },
     ),  # fmt: skip
+    # four experts of width 32, two per token (not renormalized), a shared expert of width 48
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        },
+    ),
     "mixtral": (
         "MixtralForCausalLM",
         {
@@ -184,7 +198,7 @@ def make_tiny_checkpoint(
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
     ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
-    olmo2, olmo3, qwen3_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
+    olmo2, olmo3, qwen3_moe, qwen2_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
     :func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys (e.g.
     ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
