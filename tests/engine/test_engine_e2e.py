@@ -72,6 +72,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("smollm3", 37, {"no_rope_layers": [0, 1]}),  # the first layer without RoPE
         ("olmo2", 37, {}),  # the blocks' outputs normalized, q/k norms across all heads
         ("olmo3", 37, {"sliding_window": 24}),
+        ("exaone4", 37, {"sliding_window": 24}),  # the global layer without RoPE
     ],
 )
 def test_greedy_matches_transformers(

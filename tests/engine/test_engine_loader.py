@@ -606,6 +606,35 @@ def test_config_qwen2_moe() -> None:
         ModelConfig.from_hf_dict({**QWEN15_MOE, "use_sliding_window": True})
 
 
+def test_config_exaone4() -> None:
+    """EXAONE 4.0: OLMo 2's blocks with q/k norms per head; with a window, three sliding layers in
+    four (a number, "LLLG", or layer_types) and the global ones without RoPE; without one (null),
+    every layer global and rotated."""
+    base = {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "hidden_size": 5120,
+            "intermediate_size": 27392, "num_hidden_layers": 8, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 102400, "sliding_window": 4096, "sliding_window_pattern": "LLLG"}  # fmt: skip
+    c = ModelConfig.from_hf_dict(base)
+    assert (c.sandwich_norms, c.input_norms, c.qk_norm, c.qk_norm_whole, c.norm_weight_float32) == (
+        True, False, True, False, False,
+    )  # fmt: skip
+    assert (c.sliding_window, c.sliding_window_layers, c.nope_layers) == (4096, (0, 1, 2, 4, 5, 6), (3, 7))
+    assert ModelConfig.from_hf_dict({**base, "sliding_window_pattern": 4}).sliding_window_layers == (
+        0,
+        1,
+        2,
+        4,
+        5,
+        6,
+    )
+    typed = ModelConfig.from_hf_dict({**base, "layer_types": ["full_attention"] + ["sliding_attention"] * 7})
+    assert (typed.sliding_window_layers, typed.nope_layers) == (tuple(range(1, 8)), (0,))
+    flat = ModelConfig.from_hf_dict({**base, "sliding_window": None})
+    assert (flat.sliding_window, flat.nope_layers) == (None, ())
+    assert expected_weight_shapes(c)["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    with pytest.raises(UnsupportedModelError, match="must be made of L and G"):
+        ModelConfig.from_hf_dict({**base, "sliding_window_pattern": "LLX"})
+
+
 GEMMA_3_1B: dict[str, Any] = {  # google/gemma-3-1b-it's config.json
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
@@ -930,7 +959,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Exaone4ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -1140,6 +1169,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, qwen3_moe, qwen2_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, exaone4, qwen3_moe, qwen2_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -142,6 +142,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "olmo3",
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
     ),
+    # EXAONE 4.0: OLMo 2's blocks, per-head q/k norms, a sliding layer and a global one without RoPE
+    "exaone4": ("exaone4", {}),
+    # without a window: every layer global, every layer rotated
+    "exaone4-global": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),
     "phi3-gqa": ("phi3", {}),  # q/k/v and gate/up stored fused in the checkpoint
     "phi3-sliding-mha": ("phi3", {"sliding_window": 8, "num_key_value_heads": 4}),
     # Phi-3.5's LongRoPE within its pretraining length: frequencies divided by short_factor, cos and

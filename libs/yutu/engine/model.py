@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, Granite, SmolLM3,
-OLMo 2 and 3; Qwen3-MoE, Mixtral) over a paged KV cache.
+OLMo 2 and 3, EXAONE 4; Qwen3-MoE, Qwen2-MoE, Mixtral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
 batch is flat: ``T`` tokens of several sequences laid end to end (see AttentionMetadata), so no

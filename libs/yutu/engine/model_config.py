@@ -23,7 +23,9 @@ attention scores in place of head_dim ** -0.5, and the logits divided), ``SmolLM
 (Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), ``Olmo2ForCausalLM`` (OLMo 2:
 each block's output normalized before the residual add and its input not, queries and keys
 normalized across all heads before their rotation), ``Olmo3ForCausalLM`` (OLMo 3: OLMo 2 with three
-sliding layers in four, whose rotation is never scaled), and three sparse mixtures of experts:
+sliding layers in four, whose rotation is never scaled), ``Exaone4ForCausalLM`` (EXAONE 4.0: OLMo
+2's blocks with q/k norms per head; three sliding layers in four, the fourth global and without
+RoPE), and three sparse mixtures of experts:
 ``Qwen3MoeForCausalLM`` (Qwen3's attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok``
 per token, in the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse),
 ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention, the same experts, and a
@@ -55,6 +57,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
@@ -277,6 +280,7 @@ class ModelConfig:
         gemma3, gemma2 = model_type == "gemma3_text", model_type == "gemma2"
         gemma = gemma3 or gemma2
         olmo = model_type in ("olmo2", "olmo3")
+        exaone4 = model_type == "exaone4"
         hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
@@ -331,14 +335,19 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=qwen3_family or gemma3 or olmo,
+            qk_norm=qwen3_family or gemma3 or olmo or exaone4,
             **(_olmo(d, model_type, rope_theta) if olmo else {}),
+            **(_POST_NORMS_ONLY if exaone4 else {}),  # and q/k norms per head
             rotary_dim=rotary_dim,
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
             **(_gemma3(d, hidden_size) if gemma3 else _gemma2(d, hidden_size) if gemma2 else {}),
             **(_granite(d) if model_type == "granite" else {}),
-            nope_layers=_nope_layers(d, num_layers) if model_type == "smollm3" else (),
+            nope_layers=_nope_layers(d, num_layers)
+            if model_type == "smollm3"
+            else _exaone4_nope(sliding_layers, num_layers)
+            if exaone4 and sliding_window is not None
+            else (),
             yutu_demo=bool(d.get("yutu_demo", False)),
         )
 
@@ -587,6 +596,32 @@ def _olmo3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return _rope(d)
 
 
+# EXAONE 4.0's blocks: OLMo 2's norms (each block's output normalized, its input not)
+_POST_NORMS_ONLY: dict[str, Any] = {"sandwich_norms": True, "input_norms": False}
+
+
+def _exaone4_nope(sliding: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """EXAONE 4.0's global layers, which attend without RoPE where the model has sliding ones."""
+    return tuple(i for i in range(num_layers) if i not in sliding)
+
+
+def _exaone4_layer_types(d: dict[str, Any], num_layers: int) -> list[str]:
+    """EXAONE 4.0's layer types: ``layer_types``, else ``sliding_window_pattern`` -- a number n (all
+    but each n-th layer sliding; 4 by default) or a string such as ``"LLLG"`` (L: sliding, G: global),
+    repeated over the layers."""
+    if d.get("layer_types") is not None:
+        return list(d["layer_types"])
+    pattern = d.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise UnsupportedModelError(f"sliding_window_pattern={pattern!r} must be made of L and G")
+        return [
+            "sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+            for i in range(num_layers)
+        ]
+    return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(num_layers)]
+
+
 def _nope_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: ``no_rope_layers`` (1 rotates, 0 does not), else every
     ``no_rope_layer_interval``-th (4; transformers' SmolLM3Config)."""
@@ -648,6 +683,8 @@ def _sliding_window(
         window = d.get("sliding_window", 4096)  # transformers' default in each of their configs
         if window is None:
             raise UnsupportedModelError(f"sliding_window=None is not supported for {model_type}")
+    if model_type == "exaone4":  # transformers' Exaone4Config default; null: no sliding layer
+        window = d.get("sliding_window", 4096)
     if model_type in ("llama", "olmo2") or window is None:
         return None, ()
     if (
@@ -666,6 +703,10 @@ def _sliding_window(
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
             ]
         layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif model_type == "exaone4":  # layer_types, else sliding_window_pattern (where a window is set)
+        layers = tuple(
+            i for i, t in enumerate(_exaone4_layer_types(d, num_layers)) if t == "sliding_attention"
+        )
     elif model_type == "olmo3":  # layer_types, else three sliding layers in four
         layer_types = d.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)

@@ -111,6 +111,18 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_theta": 500000.0,
         },
     ),
+    # EXAONE 4.0: OLMo 2's blocks, per-head q/k norms; layer 0 sliding (window 8), layer 1 global
+    # without RoPE
+    "exaone4": (
+        "Exaone4ForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "pad_token_id": None,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     # four experts of width 32, two per token
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -198,7 +210,7 @@ def make_tiny_checkpoint(
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
     ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
-    olmo2, olmo3, qwen3_moe, qwen2_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
+    olmo2, olmo3, exaone4, qwen3_moe, qwen2_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
     :func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys (e.g.
     ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
     ``rope_scaling={...}``, ``sliding_window=8``).
