@@ -67,6 +67,7 @@ def run_alone(ckpt: Path, requests: dict[str, tuple[list[int], SamplingParams]])
         ("gemma3_text", 37, {"sliding_window": 24}),
         ("gemma3", 37, {"sliding_window": 24}),  # the image-text checkpoint's language model
         ("mistral3", 37, {"sliding_window": 24}),  # Mistral Small 3.1's image-text checkpoint's
+        ("gemma", 37, {}),  # Gemma (1)
         ("gemma2", 37, {"sliding_window": 24}),  # soft-capped scores and logits
         ("granite", 37, {}),  # four multipliers
         ("smollm3", 37, {"no_rope_layers": [0, 1]}),  # the first layer without RoPE

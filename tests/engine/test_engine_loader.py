@@ -708,6 +708,27 @@ def test_config_gemma3() -> None:
             ModelConfig.from_hf_dict({**GEMMA_3_1B, **change})
 
 
+def test_config_gemma1() -> None:
+    """Gemma 2B / 7B (and CodeGemma): Llama's blocks with norms scaling by 1 + weight, GeGLU by the
+    tanh approximation (the hub's older configs say "gelu": Gemma's own is the approximation, as
+    transformers 4.x read it), embeddings times sqrt(hidden), head_dim 256, tied embeddings."""
+    base = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_size": 2048,
+            "intermediate_size": 16384, "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+            "vocab_size": 256000, "hidden_act": "gelu", "bos_token_id": 2, "eos_token_id": 1}  # fmt: skip
+    c = ModelConfig.from_hf_dict(base)
+    assert (c.hidden_act, c.norm_offset, c.embedding_scale, c.head_dim, c.tie_word_embeddings) == (
+        "gelu_pytorch_tanh", 1.0, 2048**0.5, 256, True,
+    )  # fmt: skip
+    assert (c.sandwich_norms, c.qk_norm, c.attention_scale, c.attn_logit_softcap) == (
+        False,
+        False,
+        None,
+        None,
+    )
+    newer = ModelConfig.from_hf_dict({**base, "hidden_activation": "gelu_pytorch_tanh"})
+    assert newer.hidden_act == "gelu_pytorch_tanh"
+
+
 GEMMA_2_2B: dict[str, Any] = {  # google/gemma-2-2b-it's config.json
     "architectures": ["Gemma2ForCausalLM"],
     "attention_bias": False,
@@ -959,7 +980,7 @@ def test_config_qwen3() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Exaone4ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM",
+            "GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma2ForCausalLM, GemmaForCausalLM, GraniteForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Exaone4ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM",
         ),
         ({"architectures": None, "model_type": "gpt2"}, "model_type='gpt2'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
@@ -1169,6 +1190,6 @@ def test_resolve_unreachable_hub_id() -> None:
 def test_tiny_config_rejects_unknown_arch() -> None:
     with pytest.raises(
         ValueError,
-        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3, olmo2, olmo3, exaone4, qwen3_moe, qwen2_moe, mixtral",
+        match="arch must be one of llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma, gemma2, granite, smollm3, olmo2, olmo3, exaone4, qwen3_moe, qwen2_moe, mixtral",
     ):
         tiny_hf_config("gpt2")

@@ -123,6 +123,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # Mistral Small 3.1 / 3.2's image-text checkpoint, saved by transformers: Mistral's language model
     # under language_model., a Pixtral vision tower and projector beside it (not loaded); a window too
     "mistral3-image-text-sliding": ("mistral3", {"sliding_window": 8}),
+    # Gemma (1): Llama's blocks, Gemma's norms (1 + weight), GeGLU and embedding scale; MQA as the 2B
+    "gemma-mqa": ("gemma", {"num_key_value_heads": 1}),
     # Gemma 2: soft-capped scores (0.5 here) and logits (2.0), layer 0 sliding (window 8), one RoPE
     "gemma2": ("gemma2", {}),
     # Google's 27B shape: the query scale of hidden / heads, MQA, no cap on the scores

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, Granite, SmolLM3,
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1-3, Granite, SmolLM3,
 OLMo 2 and 3, EXAONE 4; Qwen3-MoE, Qwen2-MoE, Mixtral) over a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, model. The
@@ -547,9 +547,10 @@ class LlamaForCausalLM(nn.Module):
             window = self.config.layer_sliding_window(i)
             if window not in plans:
                 plans[window] = build_attention_plan(meta, block_size, h.device, window, group_tokens)
-        # The native layer loop is Llama's: one norm per block input. Elsewhere (Gemma's sandwich
-        # norms) the kernels run attention and the MLP, torch the norms.
-        if self.ops is not None and not self.config.sandwich_norms:
+        # The native layer loop is Llama's: one norm per block input, the weight itself. Elsewhere
+        # (Gemma's sandwich norms, norms scaling by 1 + weight) the kernels run attention and the
+        # MLP, torch the norms.
+        if self.ops is not None and not self.config.sandwich_norms and not self.config.norm_offset:
             return self._forward_ops(self.ops, h, tables, kv_cache, meta, plans)
         for i, layer in enumerate(self.model.layers):
             layer_cache = kv_cache[:, i]  # (num_blocks, 2, bs, kvh, hd)

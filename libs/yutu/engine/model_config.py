@@ -15,7 +15,9 @@ output as well as its input, q/k norms, embeddings scaled by sqrt(hidden), five 
 six with a RoPE base of their own) and the language model of ``Gemma3ForConditionalGeneration``
 (Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
 loaded), likewise the language model of ``Mistral3ForConditionalGeneration`` (Mistral Small 3.1 and
-3.2: Mistral's), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms,
+3.2: Mistral's), ``GemmaForCausalLM`` (Gemma and CodeGemma: Llama's blocks with GELU-gated MLPs, RMSNorms scaling
+by 1 + weight, embeddings scaled by sqrt(hidden)), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms,
+MLPs and scales without its q/k norms,
 one RoPE for every layer, every other layer sliding, attention scores and the output logits
 soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
 four multipliers -- the embedding's output, each block's output before the residual add, the
@@ -53,6 +55,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",  # image-text (4B-27B): its language model only
     "Mistral3ForConditionalGeneration": "mistral",  # image-text (Mistral Small 3.1, 3.2): the same
     "Gemma2ForCausalLM": "gemma2",
+    "GemmaForCausalLM": "gemma",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
@@ -277,17 +280,21 @@ class ModelConfig:
         if architecture in IMAGE_TEXT_DEFAULTS:
             d = _language_model(d, architecture)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
-        gemma3, gemma2 = model_type == "gemma3_text", model_type == "gemma2"
-        gemma = gemma3 or gemma2
+        gemma3, gemma2, gemma1 = model_type == "gemma3_text", model_type == "gemma2", model_type == "gemma"
+        gemma = gemma3 or gemma2 or gemma1
         olmo = model_type in ("olmo2", "olmo3")
         exaone4 = model_type == "exaone4"
         hidden_act = (d.get("hidden_activation") if gemma else None) or d.get("hidden_act", "silu")
+        if (
+            gemma1 and hidden_act == "gelu"
+        ):  # Gemma's own is the tanh approximation (transformers 4.x's reading)
+            hidden_act = "gelu_pytorch_tanh"
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
         # Qwen3's config defaults head_dim to 128 (transformers' Qwen3Config), Gemma 3's to 256, not
         # hidden / heads.
-        default_head_dim = {"qwen3": 128, "gemma3_text": 256, "gemma2": 256}.get(
+        default_head_dim = {"qwen3": 128, "gemma3_text": 256, "gemma2": 256, "gemma": 256}.get(
             model_type, hidden_size // num_heads
         )
         head_dim = d.get("head_dim") or default_head_dim
@@ -342,6 +349,7 @@ class ModelConfig:
             **_experts(d, model_type, num_layers),
             hidden_act=str(hidden_act),
             **(_gemma3(d, hidden_size) if gemma3 else _gemma2(d, hidden_size) if gemma2 else {}),
+            **({"norm_offset": 1.0, "embedding_scale": hidden_size**0.5} if gemma1 else {}),
             **(_granite(d) if model_type == "granite" else {}),
             nope_layers=_nope_layers(d, num_layers)
             if model_type == "smollm3"

@@ -60,6 +60,11 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
             "pad_token_id": None,
         },
     ),
+    # Gemma (1) and CodeGemma: Llama's blocks with Gemma's GeGLU, norms and embedding scale
+    "gemma": (
+        "GemmaForCausalLM",
+        {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "pad_token_id": None},
+    ),
     # layer 0 sliding, layer 1 full; caps low enough that random weights' scores and logits bend
     "gemma2": (
         "Gemma2ForCausalLM",
@@ -209,7 +214,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """A tiny random HF checkpoint directory loadable by our loader and by transformers.
 
-    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma2, granite, smollm3,
+    ``arch`` in ``_ARCH`` (llama, qwen2, qwen3, mistral, phi3, gemma3_text, gemma, gemma2, granite, smollm3,
     olmo2, olmo3, exaone4, qwen3_moe, qwen2_moe, mixtral), or ``gemma3`` or ``mistral3`` (image-text checkpoints:
     :func:`make_tiny_image_text_checkpoint`); ``config_overrides`` are config.json keys (e.g.
     ``num_key_value_heads=1``, ``tie_word_embeddings=True``, ``attention_bias=True``,
