@@ -4,36 +4,40 @@
 projections carry a bias, where RoPE settings live, which layers use a sliding window). Everything
 downstream -- model, loader, engine -- reads plain fields.
 
-Supported: ``LlamaForCausalLM`` (Llama 2/3, with llama3 / linear RoPE scaling), ``Qwen2ForCausalLM``
-(q/k/v bias, optionally tied embeddings), ``Qwen3ForCausalLM`` (Qwen2's shape without the biases,
-each query and key head RMS-normalized before its rotation), ``MistralForCausalLM``
-(sliding-window attention), ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: Llama's shape
-with q/k/v and gate/up each stored as one fused tensor, a sliding window on every layer where set;
-LongRoPE served up to its pretraining length, Phi-4-mini's partial rotation), ``Gemma3ForCausalLM``
-(Gemma 3's text models: GELU-gated MLPs, RMSNorms scaling by 1 + weight, a norm on each block's
-output as well as its input, q/k norms, embeddings scaled by sqrt(hidden), five sliding layers in
-six with a RoPE base of their own) and the language model of ``Gemma3ForConditionalGeneration``
-(Gemma 3 4B-27B: the same text model inside an image-text checkpoint; its vision tower is not
-loaded), likewise the language model of ``Mistral3ForConditionalGeneration`` (Mistral Small 3.1 and
-3.2: Mistral's), ``GemmaForCausalLM`` (Gemma and CodeGemma: Llama's blocks with GELU-gated MLPs, RMSNorms scaling
-by 1 + weight, embeddings scaled by sqrt(hidden)), ``Gemma2ForCausalLM`` (Gemma 2: Gemma 3's norms,
-MLPs and scales without its q/k norms,
-one RoPE for every layer, every other layer sliding, attention scores and the output logits
-soft-capped: ``cap * tanh(x / cap)``), ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with
-four multipliers -- the embedding's output, each block's output before the residual add, the
-attention scores in place of head_dim ** -0.5, and the logits divided), ``SmolLM3ForCausalLM``
-(Llama's shape, every fourth layer without RoPE: ``no_rope_layers``), ``Olmo2ForCausalLM`` (OLMo 2:
-each block's output normalized before the residual add and its input not, queries and keys
-normalized across all heads before their rotation), ``Olmo3ForCausalLM`` (OLMo 3: OLMo 2 with three
-sliding layers in four, whose rotation is never scaled), ``Exaone4ForCausalLM`` (EXAONE 4.0: OLMo
-2's blocks with q/k norms per head; three sliding layers in four, the fourth global and without
-RoPE), and three sparse mixtures of experts:
-``Qwen3MoeForCausalLM`` (Qwen3's attention; ``num_experts`` SwiGLU experts, ``num_experts_per_tok``
-per token, in the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse),
-``Qwen2MoeForCausalLM`` (Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention, the same experts, and a
-shared expert every token goes through, weighted by a sigmoid gate of its own) and
-``MixtralForCausalLM`` (Mistral's attention; ``num_local_experts`` experts in every layer, the top
-ones' weights renormalized).
+Supported:
+
+- ``LlamaForCausalLM`` (Llama 2/3; RoPE scaled linearly, by llama3's rule or by YaRN, as any of
+  these may be); ``Qwen2ForCausalLM`` (q/k/v bias, optionally tied embeddings);
+  ``Qwen3ForCausalLM`` (Qwen2's shape without the biases, each query and key head RMS-normalized
+  before its rotation); ``MistralForCausalLM`` (sliding-window attention);
+- ``Phi3ForCausalLM`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini: Llama's shape with q/k/v and gate/up each
+  stored as one fused tensor, a sliding window on every layer where set; LongRoPE, by its short
+  factors up to its pretraining length or its long ones for a longer context, see
+  ``ModelConfig.for_context``; Phi-4-mini's partial rotation);
+- ``Gemma3ForCausalLM`` (Gemma 3's text models: GELU-gated MLPs, RMSNorms scaling by 1 + weight, a
+  norm on each block's output as well as its input, q/k norms, embeddings scaled by sqrt(hidden),
+  five sliding layers in six with a RoPE base of their own); ``GemmaForCausalLM`` (Gemma and
+  CodeGemma: Llama's blocks with Gemma's MLPs, norms and embedding scale); ``Gemma2ForCausalLM``
+  (Gemma 2: Gemma 3's norms, MLPs and scales without its q/k norms, one RoPE for every layer, every
+  other layer sliding, attention scores and the output logits soft-capped: ``cap * tanh(x / cap)``);
+- the language model of an image-text checkpoint, its vision tower not loaded:
+  ``Gemma3ForConditionalGeneration`` (Gemma 3 4B-27B: Gemma 3's text model) and
+  ``Mistral3ForConditionalGeneration`` (Mistral Small 3.1 and 3.2: Mistral's);
+- ``GraniteForCausalLM`` (IBM's Granite 3: Llama's shape with four multipliers -- the embedding's
+  output, each block's output before the residual add, the attention scores in place of
+  head_dim ** -0.5, and the logits divided); ``SmolLM3ForCausalLM`` (Llama's shape, every fourth
+  layer without RoPE: ``no_rope_layers``);
+- ``Olmo2ForCausalLM`` (OLMo 2: each block's output normalized before the residual add and its
+  input not, queries and keys normalized across all heads before their rotation);
+  ``Olmo3ForCausalLM`` (OLMo 3: OLMo 2 with three sliding layers in four, whose rotation is never
+  scaled); ``Exaone4ForCausalLM`` (EXAONE 4.0: OLMo 2's blocks with q/k norms per head; three
+  sliding layers in four, the fourth global and without RoPE);
+- three sparse mixtures of experts: ``Qwen3MoeForCausalLM`` (Qwen3's attention; ``num_experts``
+  SwiGLU experts, ``num_experts_per_tok`` per token, in the layers ``decoder_sparse_step`` and
+  ``mlp_only_layers`` leave sparse), ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's
+  attention, the same experts, and a shared expert every token goes through, weighted by a sigmoid
+  gate of its own) and ``MixtralForCausalLM`` (Mistral's attention; ``num_local_experts`` experts
+  in every layer, the top ones' weights renormalized).
 """
 
 from __future__ import annotations
