@@ -25,6 +25,14 @@ from yutu.engine.model import LlamaForCausalLM
 
 TINY_VOCAB = 512
 
+_QWEN_EXPERTS: dict[str, Any] = {  # Qwen's mixtures of experts, tiny
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
 _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}),
     "qwen2": (
@@ -129,31 +137,11 @@ _ARCH: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     # four experts of width 32, two per token
-    "qwen3_moe": (
-        "Qwen3MoeForCausalLM",
-        {
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "norm_topk_prob": True,
-        },
-    ),  # fmt: skip
-    # four experts of width 32, two per token (not renormalized), a shared expert of width 48
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {**_QWEN_EXPERTS, "norm_topk_prob": True}),
+    # the same, not renormalized, and a shared expert of width 48
     "qwen2_moe": (
         "Qwen2MoeForCausalLM",
-        {
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
-            "norm_topk_prob": False,
-        },
+        {**_QWEN_EXPERTS, "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
     ),
     "mixtral": (
         "MixtralForCausalLM",
