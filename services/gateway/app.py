@@ -32,6 +32,17 @@ _ROUTES = {
 
 
 _ROUTE_PATTERNS = {"/v1/models/": "/v1/models/{id}", "/v1/responses/": "/v1/responses/{id}"}  # by prefix
+_INPUT_ITEMS = "/input_items"
+
+
+def route_pattern(path: str) -> str:
+    """The metric's route label of a path not in _ROUTES: its pattern, or "other"."""
+    for prefix, name in _ROUTE_PATTERNS.items():
+        if path.startswith(prefix):
+            if name == "/v1/responses/{id}" and path.endswith(_INPUT_ITEMS):
+                return name + _INPUT_ITEMS
+            return name
+    return "other"
 
 
 class RequestCounter:
@@ -46,11 +57,7 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = (
-            path
-            if path in _ROUTES
-            else next((name for prefix, name in _ROUTE_PATTERNS.items() if path.startswith(prefix)), "other")
-        )
+        route = path if path in _ROUTES else route_pattern(path)
         status = "499"  # the client left before any answer
 
         async def send_counting(message: Message) -> None:

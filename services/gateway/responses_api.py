@@ -19,12 +19,16 @@ joins the assistant message before it (or the calls before it) as one of its ``t
 item's text is the ``reasoning_content`` of the assistant turn that follows it (chat templates
 that show a turn's thinking, Qwen3's, read it there).
 
+A response made with ``store`` (the default) is kept (services/gateway/response_store.py), and a
+request naming it as ``previous_response_id`` continues its conversation: the items it answered and
+its output come before the request's ``input`` (its ``instructions`` are not carried over, as on
+OpenAI). :func:`input_items` gives a request's input as the items that are kept.
+
 What is not served is refused by name (400): tools other than functions, images and files in the
-input, other item types, ``previous_response_id`` and ``conversation`` (this gateway stores no
-responses: send the whole conversation; every response says ``"store": false``), ``background``,
-``reasoning`` options, ``truncation: "auto"``, ``include`` other than
-``reasoning.encrypted_content`` (taken: the reasoning's text is in its item's ``content``, which
-goes back as it is; nothing is encrypted) and ``top_logprobs``.
+input, other item types, ``conversation`` (the Conversations API), ``background``, ``reasoning``
+options, ``truncation: "auto"``, ``include`` other than ``reasoning.encrypted_content`` (taken: the
+reasoning's text is in its item's ``content``, which goes back as it is; nothing is encrypted) and
+``top_logprobs``.
 """
 
 from __future__ import annotations
@@ -145,13 +149,13 @@ class ResponsesRequest(_Request):
     text: TextOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
+    store: bool | None = None  # None: True, as on OpenAI (kept unless the gateway keeps none)
+    previous_response_id: str | None = None  # a stored response this one continues
     parallel_tool_calls: bool | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     tools: list[Tool] | None = None
     truncation: str | None = None
     # refused when set (see the module docstring)
-    previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
     reasoning: Any = None
@@ -162,11 +166,11 @@ class ResponsesRequest(_Request):
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
-    if body.previous_response_id is not None or body.conversation is not None:
-        param = "previous_response_id" if body.previous_response_id is not None else "conversation"
+    if body.conversation is not None:
         raise invalid(
-            f"{param} is not supported: this gateway stores no responses; send the whole conversation in input",
-            param,
+            "conversation is not supported (there is no Conversations API here): continue a stored"
+            " response with previous_response_id, or send the whole conversation in input",
+            "conversation",
         )
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
@@ -205,24 +209,27 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
         )
 
 
-def _messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
-    """The chat messages of ``instructions`` and ``input`` (module docstring), and where each came
-    from (``instructions`` or ``input.<i>``, its first item); 400 naming the first item not served."""
+def _messages(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages of ``instructions``, the ``earlier`` turns' items (a previous response's)
+    and ``input`` (module docstring), and where each came from (``instructions``,
+    ``previous_response_id``, ``input`` or ``input.<i>``, its first item); 400 naming the first item
+    not served."""
     out: list[dict[str, Any]] = []
     origins: list[str] = []
     if body.instructions is not None:
         out.append({"role": "system", "content": body.instructions})
         origins.append("instructions")
+    items = [(raw, "previous_response_id") for raw in earlier]
     if isinstance(body.input, str):
-        out.append({"role": "user", "content": body.input})
-        origins.append("input")
-        return [ChatMessage.model_validate(m) for m in out], origins
-    if not body.input:
+        items.append(({"role": "user", "content": body.input}, "input"))
+    elif not body.input:
         raise invalid("input holds no message", "input")
+    else:
+        items.extend((raw, f"input.{i}") for i, raw in enumerate(body.input))
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     calls: dict[str, Any] | None = None  # the assistant message the next function_call joins
-    for i, raw in enumerate(body.input):
-        item = _item_of(raw, i)
+    for raw, where in items:
+        item = _item_of(raw, where)
         if isinstance(item, ReasoningItem):
             thought = (thought or "") + "".join(p.text or "" for p in (item.content or item.summary))
             calls = None
@@ -236,27 +243,27 @@ def _messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
             if calls is None:
                 calls = {"role": "assistant", "content": None}
                 out.append(calls)
-                origins.append(f"input.{i}")
+                origins.append(where)
             calls.setdefault("tool_calls", []).append(call)
         elif isinstance(item, FunctionCallOutputItem):
-            output = _text(item.output, "input_text", f"input.{i}.output")
+            output = _text(item.output, "input_text", f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-            origins.append(f"input.{i}")
+            origins.append(where)
             calls = None
         else:
             assert isinstance(item, InputMessage)
             if item.role not in _ROLES:
-                raise invalid(f"role {item.role!r} is not one of {', '.join(_ROLES)}", f"input.{i}.role")
+                raise invalid(f"role {item.role!r} is not one of {', '.join(_ROLES)}", f"{where}.role")
             wanted = "output_text" if item.role == "assistant" else "input_text"
-            out.append({"role": item.role, "content": _text(item.content, wanted, f"input.{i}.content")})
-            origins.append(f"input.{i}")
+            out.append({"role": item.role, "content": _text(item.content, wanted, f"{where}.content")})
+            origins.append(where)
             calls = out[-1] if item.role == "assistant" else None
         if thought is not None:
             if out[-1]["role"] != "assistant":
                 raise invalid(
                     "a reasoning item must come right before the assistant message or function call it"
                     " belongs to",
-                    f"input.{i}",
+                    where,
                 )
             out[-1]["reasoning_content"], thought = thought, None
     if thought is not None:
@@ -264,19 +271,40 @@ def _messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
     return [ChatMessage.model_validate(m) for m in out], origins
 
 
-def _item_of(raw: dict[str, Any], i: int) -> _Request:
-    """Input item ``i``, checked as its type says (a message when it says none)."""
+def _item_of(raw: dict[str, Any], where: str) -> _Request:
+    """The input item at ``where``, checked as its type says (a message when it says none)."""
     kind = raw.get("type", "message")
     model = _ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise invalid(
             f"input items of type {kind!r} are not supported: send {', '.join(_ITEMS)} items",
-            f"input.{i}.type",
+            f"{where}.type",
         )
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise validation_failed(exc.errors(), ["input", str(i)]) from None
+        raise validation_failed(exc.errors(), where.split(".")) from None
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as the items a stored response keeps (and ``input_items`` lists): text is a user
+    message, a message's text content one part, and every item has an ``id`` (its own, or a new
+    one). For a request :func:`chat_request` took."""
+    raw = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = []
+    for given in raw:
+        item = {"type": "message", **given}
+        if item["type"] == "message":
+            if isinstance(item["content"], str):
+                kind = "output_text" if item["role"] == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", f"{_ID_PREFIXES[item['type']]}_{uuid.uuid4().hex}")
+        items.append(item)
+    return items
 
 
 def _text(content: str | list[InputPart], wanted: str, where: str) -> str:
@@ -316,7 +344,8 @@ class ChatView:
     (for the errors of the chat path, see :func:`renamed`)."""
 
     request: ChatCompletionRequest
-    origins: list[str]  # per chat message: "instructions" or "input.<i>" (its first input item)
+    # per chat message: "instructions", "previous_response_id", "input" or "input.<i>" (its first item)
+    origins: list[str]
 
 
 def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
@@ -326,10 +355,11 @@ def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
     return choice
 
 
-def chat_request(body: ResponsesRequest) -> ChatView:
-    """The chat completion ``body`` asks for (its usage always reported, for the response's)."""
+def chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None = None) -> ChatView:
+    """The chat completion ``body`` asks for (its usage always reported, for the response's);
+    ``earlier``: the items of the turns before it (its previous response's context)."""
     _refuse_unsupported(body)
-    messages, origins = _messages(body)
+    messages, origins = _messages(body, earlier or [])
     tools = [
         {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
         for tool in body.tools or []
@@ -367,7 +397,7 @@ def renamed(err: ApiError, origins: list[str]) -> ApiError:
             origin = origins[int(index)]
             param = (
                 origin
-                if origin in ("instructions", "input")
+                if origin in ("instructions", "input", "previous_response_id")
                 else ".".join([origin, *([rest] if rest else [])])
             )
     return ApiError(message, err.status, err.type, param, err.code, err.headers)
@@ -394,9 +424,10 @@ def _shown_choice(choice: str | NamedFunction | None) -> str | dict[str, Any]:
 
 
 class Shell:
-    """The fields of a response object that do not depend on its output."""
+    """The fields of a response object that do not depend on its output; ``store``: whether it
+    is to be kept."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, store: bool = False) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         fmt = _format(body)
@@ -409,9 +440,9 @@ class Shell:
             "metadata": body.metadata or {},
             "model": model,
             "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": store,
             "temperature": body.temperature,
             "text": {
                 "format": {"type": "text"}
@@ -482,7 +513,9 @@ def response_object(
 class ResponseEvents:
     """A streamed chat completion's events, as the Responses API streams them (module docstring).
 
-    ``feed`` takes the chat stream's text as it comes and returns the Responses events it makes."""
+    ``feed`` takes the chat stream's text as it comes and returns the Responses events it makes;
+    the last one (``response.completed`` or ``.incomplete``) waits in :attr:`final` until
+    :meth:`completed` sends it, so that the response is kept before a client can name it."""
 
     def __init__(self, shell: Shell, count_tokens: Callable[[str], int]) -> None:
         self.shell = shell
@@ -496,6 +529,7 @@ class ResponseEvents:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.ended = False
+        self.final: dict[str, Any] | None = None  # the response made, once the chat stream ended
         self._pending = ""
 
     def _event(self, type_: str, **fields: Any) -> str:
@@ -613,5 +647,10 @@ class ResponseEvents:
             out += self._open("message")  # an answer with no text and no calls still has its message
         out += self._close(status)
         usage = _usage(self.usage, self.count_tokens("".join(self.reasoning)))
-        response = self.shell.response(status, self.output, usage)
-        return out + self._event(f"response.{status}", response=response)
+        self.final = self.shell.response(status, self.output, usage)
+        return out
+
+    def completed(self) -> str:
+        """The last event, carrying :attr:`final` (as it is now: ``store`` false if it could not be kept)."""
+        assert self.final is not None, "the chat stream has not ended"
+        return self._event(f"response.{self.final['status']}", response=self.final)

@@ -1,23 +1,27 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat completion it means
-(services/gateway/responses_api.py); GET /v1/responses/{id}: no response is stored (404)."""
+"""OpenAI's Responses API: ``POST /v1/responses``, over the chat completion it means
+(services/gateway/responses_api.py), and the stored responses (services/gateway/response_store.py):
+``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from services.gateway.auth import require_api_key
 from services.gateway.deps import GatewayDep
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, invalid
 from services.gateway.openapi import api_responses
+from services.gateway.response_store import ResponseStore, StoredResponse, owner_of
 from services.gateway.responses_api import (
     ResponseEvents,
     ResponsesRequest,
     Shell,
     chat_request,
+    input_items,
     renamed,
     response_object,
 )
@@ -27,13 +31,35 @@ from services.gateway.streaming import EventStream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
+Keep = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
-@router.post("/v1/responses", response_model=None, responses=api_responses(413, 429))
+
+@router.post("/v1/responses", response_model=None, responses=api_responses(413, 429, 503))
 async def create_response(body: ResponsesRequest, request: Request, gw: GatewayDep) -> Response:
-    """A model response to ``input`` (text and function calls in, text and function calls out);
-    ``"stream": true``: typed server-sent events."""
-    chat = chat_request(body)
-    shell = Shell(body, gw.model_name)
+    """A model response to ``input`` (text and function calls in, text and function calls out),
+    continuing ``previous_response_id``'s conversation when given; ``"stream": true``: typed
+    server-sent events. Kept for ``GET /v1/responses/{id}`` unless ``"store": false``."""
+    store = gw.responses
+    owner = _owner(gw, request)
+    earlier: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        earlier = (await _previous(store, body.previous_response_id, owner)).context()
+    chat = chat_request(body, earlier)
+    keep = store is not None and body.store is not False
+    shell = Shell(body, gw.model_name, store=keep)
+    items = [*earlier, *input_items(body)] if keep else []
+
+    async def kept(response: dict[str, Any]) -> dict[str, Any]:
+        """``response``, kept (``store`` false in it if it could not be: Redis is away)."""
+        if not keep:
+            return response
+        assert store is not None
+        try:
+            await store.save(StoredResponse(response, items, owner))
+        except ApiError:  # logged by the store; the answer is made, and says it was not kept
+            return {**response, "store": False}
+        return response
+
     try:
         answer = await create_chat_completion(chat.request, request, gw)
     except ApiError as err:
@@ -44,20 +70,46 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
 
     if isinstance(answer, EventStream):
         events = ResponseEvents(shell, count_tokens)
-        return answer.relay(lambda chat_events: _responses_events(events, chat_events))
+        return answer.relay(lambda chat_events: _responses_events(events, chat_events, kept))
     if answer.status_code != 200:  # 499: the client left
         return answer
-    made = response_object(shell, json.loads(bytes(answer.body)), count_tokens)
+    made = await kept(response_object(shell, json.loads(bytes(answer.body)), count_tokens))
     return JSONResponse(made, headers=routed_headers(answer.headers))
 
 
+def _owner(gw: GatewayDep, request: Request) -> str:
+    """Whom the request's stored responses belong to: its API key's, on a gateway with keys."""
+    return owner_of(request.headers.get("authorization")) if gw.settings.api_keys else ""
+
+
+async def _previous(store: ResponseStore | None, response_id: str, owner: str) -> StoredResponse:
+    if store is None:
+        raise invalid(
+            "previous_response_id needs stored responses, and this gateway keeps none (--responses-ttl"
+            " 0): send the whole conversation in input",
+            "previous_response_id",
+        )
+    previous = await store.load(response_id, owner)
+    if previous is None:
+        raise ApiError(
+            f"Previous response with id {response_id!r} not found: it was made with store false,"
+            " deleted, or is older than the gateway keeps responses (--responses-ttl)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return previous
+
+
 async def _responses_events(
-    events: ResponseEvents, chat_events: AsyncIterable[str | bytes]
+    events: ResponseEvents, chat_events: AsyncIterable[str | bytes], kept: Keep
 ) -> AsyncIterator[str]:
     try:
         yield events.start()
         async for data in chat_events:
             out = events.feed(data.decode() if isinstance(data, bytes) else data)
+            if events.final is not None:  # kept before the last event can name it to the client
+                events.final = await kept(events.final)
+                out += events.completed()
             if out:
                 yield out
     finally:  # the chat events' generator ends with this one (a client gone mid-stream included)
@@ -66,12 +118,72 @@ async def _responses_events(
             await close()
 
 
-@router.get("/v1/responses/{response_id}", response_model=None, responses=api_responses(404))
-async def get_response(response_id: str) -> Response:
-    """Responses are not stored here (every one says ``"store": false``): always 404."""
-    raise ApiError(
-        f"no response {response_id!r}: this gateway stores no responses (store is not supported)",
-        404,
-        "not_found_error",
-        "response_id",
+async def _stored(gw: GatewayDep, request: Request, response_id: str) -> StoredResponse:
+    store = gw.responses
+    found = None if store is None else await store.load(response_id, _owner(gw, request))
+    if found is None:
+        raise _not_found(store, response_id)
+    return found
+
+
+def _not_found(store: ResponseStore | None, response_id: str) -> ApiError:
+    why = "this gateway keeps none (--responses-ttl 0)" if store is None else (
+        "it was made with store false, deleted, or is older than the gateway keeps responses (--responses-ttl)"
+    )  # fmt: skip
+    return ApiError(
+        f"No response found with id {response_id!r}: {why}", 404, "not_found_error", "response_id"
+    )
+
+
+@router.get("/v1/responses/{response_id}", response_model=None, responses=api_responses(404, 503))
+async def get_response(response_id: str, request: Request, gw: GatewayDep, stream: bool = False) -> Response:
+    """A stored response, as it was answered."""
+    if stream:
+        raise invalid("streaming a stored response again is not supported: leave stream out", "stream")
+    return JSONResponse((await _stored(gw, request, response_id)).response)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None, responses=api_responses(404, 503))
+async def delete_response(response_id: str, request: Request, gw: GatewayDep) -> Response:
+    """Forget a stored response (a later turn that kept it in its conversation keeps its copy)."""
+    store = gw.responses
+    if store is None or not await store.delete(response_id, _owner(gw, request)):
+        raise _not_found(store, response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=None, responses=api_responses(404, 503))
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    gw: GatewayDep,
+    limit: int = 20,
+    order: str = "desc",
+    after: str | None = None,
+    before: str | None = None,
+) -> Response:
+    """The items a stored response answered, the earlier turns' included (a page of them, newest
+    first unless ``order=asc``; ``after`` / ``before``: an item id the page starts after / ends before)."""
+    if not 1 <= limit <= 100:
+        raise invalid(f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise invalid(f"order must be asc or desc, got {order!r}", "order")
+    items = (await _stored(gw, request, response_id)).items
+    if order == "desc":
+        items = items[::-1]
+    ids = [item["id"] for item in items]
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise invalid(f"{name}={cursor!r} is not an input item of {response_id!r}", name)
+    start = 0 if after is None else ids.index(after) + 1
+    end = len(items) if before is None else ids.index(before)
+    page = items[start:end][:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end,
+        }
     )

@@ -17,6 +17,7 @@ from typing import Any
 from yutu.engine.model_source import model_to_serve, served_model_name
 from yutu.engine.tokenizer import Tokenizer
 from yutu.errors import ErrorKind, YutuError
+from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 
@@ -24,6 +25,7 @@ from services.gateway.conductor_client import ConductorClient
 from services.gateway.memory import MemoryReleaser, rss_bytes
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefill_pool import PrefillPool
+from services.gateway.response_store import ResponseStore
 from services.gateway.routing import DisaggRouter, MixedRouter, Router
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenization import PromptTokenizer, default_threads
@@ -62,6 +64,7 @@ class GatewayService(Service):
         self._metrics: GatewayMetrics | None = None
         self._registry: Registry | None = None
         self._registration: Registration | None = None
+        self.responses: ResponseStore | None = None  # stored responses (None: --responses-ttl 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -82,6 +85,8 @@ class GatewayService(Service):
         self.model_name = served_name(s, model_dir)
         self._metrics = GatewayMetrics(self.metrics, self.model_name)
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
+        if s.responses_ttl_s > 0:
+            self.responses = ResponseStore(connect(s.redis_url), s.registry_prefix, s.responses_ttl_s)
         self._pool = WorkerPool(
             self._registry,
             self.model_name,
@@ -146,6 +151,8 @@ class GatewayService(Service):
                 await pool.close()
         if self._registry is not None:
             await self._registry.close()
+        if self.responses is not None:
+            await self.responses.close()
         if self._prompts is not None:
             self._prompts.close()
 

@@ -16,6 +16,7 @@ from services.gateway.limits import (
     RequestLimits,
 )
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
+from services.gateway.response_store import DEFAULT_TTL_S
 from services.gateway.tool_parsers import PARSERS
 
 
@@ -67,6 +68,9 @@ class GatewaySettings(ServiceSettings):
     )
     trust_request_chat_template: bool = False  # chat requests may bring their own template (vLLM's flag)
     reasoning_parser: str | None = None  # the model's thinking markers, split off the answer (reasoning.py)
+    responses_ttl_s: float = (
+        DEFAULT_TTL_S  # how long stored responses are kept; 0: none is (response_store.py)
+    )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -91,6 +95,10 @@ class GatewaySettings(ServiceSettings):
                 f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))},"
                 f" got {args.reasoning_parser!r}"
             )
+        if args.responses_ttl < 0:
+            raise ValueError(
+                f"--responses-ttl must be 0 (keep none) or more seconds, got {args.responses_ttl}"
+            )
         if args.failover_wait < 0:
             raise ValueError(
                 f"--failover-wait must be 0 (fail at once) or more seconds, got {args.failover_wait}"
@@ -114,6 +122,7 @@ class GatewaySettings(ServiceSettings):
             tool_call_parser=args.tool_call_parser or None,
             trust_request_chat_template=args.trust_request_chat_template,
             reasoning_parser=args.reasoning_parser or None,
+            responses_ttl_s=args.responses_ttl,
         )
 
 
@@ -168,6 +177,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " deepseek_r1 (DeepSeek R1 and its distillations, QwQ); chat responses then carry the thinking"
         " as reasoning (and reasoning_content) and only the answer as content; unset: the thinking is"
         " content, as the model wrote it",
+    )
+    own(
+        api,
+        "--responses-ttl",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="seconds a response made on /v1/responses with store (the API's default) is kept in Redis,"
+        " for previous_response_id (the next turn of a conversation, on any gateway of the deployment),"
+        " GET and DELETE /v1/responses/{id} and its input_items; each kept response holds its whole"
+        " conversation so far; 0: none is kept (every response says store false, previous_response_id"
+        " is a 400)",
     )
     own(
         api,

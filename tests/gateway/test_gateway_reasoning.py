@@ -248,6 +248,7 @@ def test_responses_put_the_thinking_in_a_reasoning_item(text_stack: Stack) -> No
     assert made["status"] == "completed" and made["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
     events = ResponseEvents(shell, count)
     text = events.start() + "".join(events.feed(streamed[i : i + 7]) for i in range(0, len(streamed), 7))
+    text += events.completed()
     payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in text.split("\n\n") if e]
     kinds = [p["type"] for p in payloads]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -343,6 +344,7 @@ def test_responses_of_thinking_text_and_a_call(text_stack: Stack) -> None:
     assert json.loads(fc["arguments"]) == {"city": "Oslo"} and made["tools"][0]["name"] == "weather"
     events = ResponseEvents(shell, lambda text: len(text.split()))
     text = events.start() + "".join(events.feed(streamed[i : i + 7]) for i in range(0, len(streamed), 7))
+    text += events.completed()
     payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in text.split("\n\n") if e]
     added = [p["item"]["type"] for p in payloads if p["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message", "function_call"]

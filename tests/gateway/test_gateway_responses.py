@@ -96,7 +96,7 @@ def test_a_response_holds_what_its_chat_completion_answers(
             ref["usage"]["prompt_tokens"], ref["usage"]["completion_tokens"], ref["usage"]["total_tokens"],
         )  # fmt: skip
         assert usage.output_tokens_details.reasoning_tokens == 0
-        assert response.store is False and response.instructions == instructions
+        assert response.store is True and response.instructions == instructions
     assert response.max_output_tokens == 40 and response.temperature == 0
 
 
@@ -251,7 +251,8 @@ def test_the_turn_after_a_call_is_the_chat_completions(stack: Stack, client: ope
             "not among tools",
         ),  # fmt: skip
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"conversation": "conv_1"}, "conversation", "Conversations API"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not found"),
         ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type", "file_search_call"),
         (
             {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
@@ -305,12 +306,6 @@ def test_what_is_not_served_is_refused_by_name(
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
     assert "max_completion_tokens" not in error["message"] and "messages" not in (error["param"] or "")
-
-
-def test_no_response_is_stored(stack: Stack) -> None:
-    reply = httpx.get(f"{stack.base_url}/v1/responses/resp_123", timeout=10)
-    assert reply.status_code == 404
-    assert "stores no responses" in reply.json()["error"]["message"]
 
 
 def test_errors_of_the_chat_path_take_the_responses_names() -> None:
