@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from engine_support import make_engine
 from yutu.engine import native
+from yutu.engine.attention import sdpa as reference
 from yutu.engine.engine import torch_threads
 from yutu.engine.loader import cpu_flags
 from yutu.engine.sampling import SamplingParams
@@ -60,6 +61,42 @@ def test_the_kernel_matches_sdpa(kernels: object, dtype: torch.dtype, head_dim: 
     assert error <= TOLERANCE[dtype]
     torch_error = (sdpa(q, k, v, first, last, scale).float() - want).abs().max().item()  # SDPA in `dtype`
     assert error <= max(torch_error, TOLERANCE[dtype] / 10)  # no further from it than torch is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_the_kernels_cap_the_scores_as_gemma_2_does(
+    kernels: object, dtype: torch.dtype, head_dim: int
+) -> None:
+    """With a softcap, decode and prefill against the engine's written-out reference in float32
+    (yutu.engine.attention.sdpa), on scores large enough that the cap changes the answer."""
+    gen = torch.Generator().manual_seed(head_dim)
+    n, kvh, groups, span, cap = 5, 2, 2, 40, 2.0
+    q = (4 * torch.randn(n, kvh, groups, head_dim, generator=gen)).to(dtype)
+    k = torch.randn(n, kvh, span, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kvh, span, head_dim, generator=gen).to(dtype)
+    first, last = torch.tensor([0, 0, 10, 3, 0]), torch.tensor([40, 1, 40, 20, 7])
+    scale = head_dim**-0.5
+    seen = (torch.arange(span)[None, :] >= first[:, None]) & (torch.arange(span)[None, :] < last[:, None])
+    want = reference(
+        q.float(), k.float(), v.float(), scale=scale, attn_mask=seen[:, None, None, :], softcap=cap
+    )
+    out = kernels.dense_decode_attention(q, k, v, first, last, scale, cap)  # type: ignore[attr-defined]
+    assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
+    uncapped = kernels.dense_decode_attention(q, k, v, first, last, scale)  # type: ignore[attr-defined]
+    assert (uncapped.float() - want).abs().max().item() > 100 * TOLERANCE[dtype]
+    m, rows = 37, 29  # a chunk of 29 rows after 8 cached positions
+    q = (4 * torch.randn(rows, kvh * groups, head_dim, generator=gen)).to(dtype)
+    k = torch.randn(m, kvh, head_dim, generator=gen).to(dtype)
+    v = torch.randn(m, kvh, head_dim, generator=gen).to(dtype)
+    want = reference(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+                     scale=scale, is_causal=True, enable_gqa=True, softcap=cap)[0].transpose(0, 1)  # fmt: skip
+    out = kernels.prefill_attention(q, k, v, scale, cap)  # type: ignore[attr-defined]
+    assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
+    uncapped = kernels.prefill_attention(q, k, v, scale)  # type: ignore[attr-defined]
+    assert (uncapped.float() - want).abs().max().item() > 100 * TOLERANCE[dtype]
+    with pytest.raises(RuntimeError, match="softcap"):
+        kernels.prefill_attention(q, k, v, scale, -1.0)  # type: ignore[attr-defined]
 
 
 def test_a_slot_with_no_keys_or_keys_past_the_buffer_is_refused(kernels: object) -> None:

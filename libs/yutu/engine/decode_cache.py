@@ -129,8 +129,8 @@ class DenseStep:
         One call over every slot: the G query heads sharing a KV head are that head's G query rows,
         so a slot is one (kvh, G, hd) x (kvh, span, hd) attention and no K/V is repeated. The call
         is the native kernel where the cache has it (``yutu.engine.native``), else torch's SDPA
-        with a mask (the reference; a test holds the two together); with ``softcap`` (Gemma 2's cap
-        on the scores) always the latter, written out (``yutu.engine.attention.sdpa``).
+        with a mask (the reference; a test holds the two together); ``softcap``: Gemma 2's cap on
+        the scores, in the kernel, or written out around torch's (``yutu.engine.attention.sdpa``).
         """
         c = self.cache
         n, kvh, hd = self.width, c.num_kv_heads, q.shape[2]
@@ -142,9 +142,9 @@ class DenseStep:
             qs[self.slots] = q[self.rows]
         k = c.k[layer][:n, :, : self.span]  # (width, kvh, span, hd), a view
         v = c.v[layer][:n, :, : self.span]
-        if c.kernels is not None and softcap is None:
+        if c.kernels is not None:
             o = c.kernels.dense_decode_attention(
-                qs.view(n, kvh, groups, hd), k, v, self._first(window), self.lens, scale
+                qs.view(n, kvh, groups, hd), k, v, self._first(window), self.lens, scale, softcap or 0.0
             )  # (width, kvh, G, hd)
         else:
             o = sdpa(

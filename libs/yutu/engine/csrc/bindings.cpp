@@ -6,12 +6,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("dense_decode_attention", &dense_decode_attention,
         "decode attention over dense slots: (n, kvh, G, hd) queries against (n, kvh, span, hd) keys and "
-        "values, keys first[i]..last[i]-1 of slot i",
-        arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), nogil);
+        "values, keys first[i]..last[i]-1 of slot i; softcap > 0: each score capped, softcap * tanh(score / softcap)",
+        arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), arg("softcap") = 0.0, nogil);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of (n, heads, hd) queries, at the last n of the m positions of (m, kvh, hd) keys "
-        "and values",
-        arg("q"), arg("k"), arg("v"), arg("scale"), nogil);
+        "and values; softcap > 0: each score capped, softcap * tanh(score / softcap)",
+        arg("q"), arg("k"), arg("v"), arg("scale"), arg("softcap") = 0.0, nogil);
   m.def("prefill_bf16_pairs", &prefill_bf16_pairs,
         "whether bfloat16 prefill attention multiplies bfloat16 pairs (AVX512-BF16 in this build)");
   m.def("spread_threads", &spread_threads,

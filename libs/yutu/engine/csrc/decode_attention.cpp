@@ -6,6 +6,8 @@
 // converting bfloat16 in small tiles (measured in loadtests/bench_engine.py). Here each (slot, KV
 // head) is two passes over its keys, in float32, with the result rounded to the cache's dtype once:
 //   scores[g, j] = scale * q[g] . k[j];   p = softmax_j(scores[g]);   out[g] = sum_j p[g, j] v[j]
+// With a softcap c > 0 (Gemma 2) each score is capped first, as transformers' eager attention caps
+// it: c * tanh(score / c).
 // Keys are read once per pass for all G query heads; a slot's keys are contiguous, so the reads
 // stream (the paged layout, one 4 KiB block of a layer per page, measured 2.4-3.5x slower).
 //
@@ -33,7 +35,7 @@ inline float dot(const float* a, const float* b, int64_t hd) {
 
 template <typename T, int64_t HD>  // HD: the head dim known at compile time, 0: hd at run time
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* first,
-            const int64_t* last, at::Tensor& out, float scale) {
+            const int64_t* last, at::Tensor& out, float scale, float softcap) {
   const int64_t n = q.size(0), kvh = q.size(1), groups = q.size(2);
   const int64_t hd = HD > 0 ? HD : q.size(3);
   const T* qp = q.data_ptr<T>();
@@ -65,6 +67,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t g = 0; g < groups; ++g) {
         float* s = sp + g * keys;
+        if (softcap > 0.f) softcap_scores(s, keys, softcap);
         const float top = *std::max_element(s, s + keys);
         float sum = 0.f;
         for (int64_t j = 0; j < keys; ++j) sum += (s[j] = std::exp(s[j] - top));
@@ -91,7 +94,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 }  // namespace
 
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& first, const at::Tensor& last, double scale) {
+                                  const at::Tensor& first, const at::Tensor& last, double scale,
+                                  double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D (n, kvh, G|span, hd)");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape: ", k.sizes(), " ", v.sizes());
@@ -110,14 +114,15 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
     TORCH_CHECK(0 <= f[i] && f[i] < l[i] && l[i] <= span, "slot ", i, ": keys ", f[i], "..", l[i],
                 " must be a non-empty range within 0..", span);
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const float s = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "dense_decode_attention", [&] {
     switch (q.size(3)) {
-      case 16: attend<scalar_t, 16>(q, k, v, f, l, out, s); break;
-      case 32: attend<scalar_t, 32>(q, k, v, f, l, out, s); break;
-      case 64: attend<scalar_t, 64>(q, k, v, f, l, out, s); break;
-      case 128: attend<scalar_t, 128>(q, k, v, f, l, out, s); break;
-      default: attend<scalar_t, 0>(q, k, v, f, l, out, s);
+      case 16: attend<scalar_t, 16>(q, k, v, f, l, out, s, c); break;
+      case 32: attend<scalar_t, 32>(q, k, v, f, l, out, s, c); break;
+      case 64: attend<scalar_t, 64>(q, k, v, f, l, out, s, c); break;
+      case 128: attend<scalar_t, 128>(q, k, v, f, l, out, s, c); break;
+      default: attend<scalar_t, 0>(q, k, v, f, l, out, s, c);
     }
   });
   return out;

@@ -3,12 +3,41 @@
 
 #include <torch/extension.h>
 
-// decode_attention.cpp: the dense decode cache's attention.
+#include <algorithm>
+
+// Gemma 2's cap on attention scores, in place: s[j] = cap * tanh(s[j] / cap) for j < n (cap > 0).
+// tanh as Eigen computes it for float (generic_fast_tanh_float): the argument clamped to +-7.9053,
+// then a 13/6 rational polynomial -- multiplies, adds and one divide, so the loop vectorizes where
+// std::tanh is a call a score (5x the uncapped prefill kernel's time); within 3.5e-7 of tanh
+// (float32, measured over -12..12). tests/engine/test_engine_native.py holds the capped kernels to
+// the attention written out with torch.tanh.
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap, bound = 7.90531110763549805f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = std::min(std::max(s[j] * inv, -bound), bound), x2 = x * x;
+    float p = -2.76076847742355e-16f;
+    p = p * x2 + 2.00018790482477e-13f;
+    p = p * x2 + -8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * x2 + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    s[j] = cap * (x * p / q);
+  }
+}
+
+// decode_attention.cpp: the dense decode cache's attention (softcap > 0: scores capped, Gemma 2).
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& first, const at::Tensor& last, double scale);
+                                  const at::Tensor& first, const at::Tensor& last, double scale,
+                                  double softcap);
 
 // prefill_attention.cpp: causal attention of a prompt chunk (the last n of m key positions).
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             double softcap);
 // Whether this build multiplies bfloat16 pairs (AVX512-BF16) for bfloat16 prefill attention.
 bool prefill_bf16_pairs();
 

@@ -8,6 +8,8 @@
 // kTile query positions (their G query heads together: 4 rows share every key and value read):
 //   pass 1  scores[r, j] = scale * q[r] . k[j]   a register of keys at a time, keys transposed to float32
 //   softmax over j <= the row's last key       exps in their own loop, which vectorizes
+//                                              (scores first capped, c * tanh(score / c), with a
+//                                              softcap c > 0: Gemma 2's, as transformers caps them)
 //   pass 2  out[r] = sum_j p[r, j] v[j] / sum_j p[r, j]   in float32, rounded once to q's dtype
 // Keys and values are converted to float32 once per call (transposed keys, padded to a register).
 // A register is 16 floats with AVX-512, 8 without (the portable build: a 16-float vector type
@@ -95,7 +97,8 @@ inline void round16(const float*, uint16_t*) {}
 // HD: the head dim known at compile time, 0: hd at run time. Dot: T is bfloat16, HD a multiple of
 // 16, and both passes run on bfloat16 pairs (vdpbf16ps; see the top of the file).
 template <typename T, int64_t HD, bool Dot = false>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale) {
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale,
+            float softcap) {
   static_assert(!Dot || (kBf16Dot && std::is_same_v<T, at::BFloat16> && HD > 0 && HD % 16 == 0));
   const int64_t n = q.size(0), heads = q.size(1), m = k.size(0), kvh = k.size(1);
   const int64_t groups = heads / kvh, hd = HD > 0 ? HD : q.size(2);
@@ -212,6 +215,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores.data() + r * m_pad;
         const int64_t kr = keys[r];
+        if (softcap > 0.f) softcap_scores(sr, kr, softcap);
         const float top = *std::max_element(sr, sr + kr);
         for (int64_t j = 0; j < kr; ++j) sr[j] = std::exp(sr[j] - top);
         float sum = 0.f;
@@ -282,11 +286,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
 
 // A head dim known at compile time: bfloat16 pairs where the CPU multiplies them (Dot).
 template <typename T, int64_t HD>
-void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale) {
+void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale,
+               float softcap) {
   if constexpr (kBf16Dot && std::is_same_v<T, at::BFloat16>) {
-    attend<T, HD, true>(q, k, v, out, scale);
+    attend<T, HD, true>(q, k, v, out, scale, softcap);
   } else {
-    attend<T, HD>(q, k, v, out, scale);
+    attend<T, HD>(q, k, v, out, scale, softcap);
   }
 }
 
@@ -294,7 +299,8 @@ void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
 
 bool prefill_bf16_pairs() { return kBf16Dot; }
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D (n, heads, hd), (m, kvh, hd)");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape: ", k.sizes(), " ", v.sizes());
@@ -307,13 +313,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head dim must be at most ", kMaxHeadDim, ", got ", q.size(2));
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
-  const float s = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     switch (q.size(2)) {
-      case 32: attend_hd<scalar_t, 32>(q, k, v, out, s); break;
-      case 64: attend_hd<scalar_t, 64>(q, k, v, out, s); break;
-      case 128: attend_hd<scalar_t, 128>(q, k, v, out, s); break;
-      default: attend<scalar_t, 0>(q, k, v, out, s);
+      case 32: attend_hd<scalar_t, 32>(q, k, v, out, s, c); break;
+      case 64: attend_hd<scalar_t, 64>(q, k, v, out, s, c); break;
+      case 128: attend_hd<scalar_t, 128>(q, k, v, out, s, c); break;
+      default: attend<scalar_t, 0>(q, k, v, out, s, c);
     }
   });
   return out;
