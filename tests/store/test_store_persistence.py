@@ -1,4 +1,5 @@
-"""Group commit of the master's metadata: background commits coalesce with acknowledged ones."""
+"""Group commit of the master's metadata: background commits coalesce with acknowledged ones; the
+write itself against a real Redis."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from yutu.errors import YutuError
+from yutu.launcher import free_port
 
 from services.store_master import persistence
-from services.store_master.persistence import Persister
+from services.store_master.persistence import MetadataStore, Persister
 
 
 class FakeStore:
@@ -140,3 +143,50 @@ async def test_a_background_commit_due_during_a_write_follows_it() -> None:
         await asyncio.sleep(0.02)
     assert store.writes == [({"a": b"1"}, {}), ({"b": b"2"}, {})] and not persister.dirty
     await persister.close()
+
+
+# -- MetadataStore.write against a real Redis ---------------------------------------------------
+
+
+RECORDS = {"obj-1": b"\x93\x01\x02\x03", "obj-\u00e9": b"\x00" * 40, "obj-3": b"x"}
+
+
+async def test_a_write_sets_and_deletes_what_redis_py_commands_would(
+    redis_url: str, registry_prefix: str
+) -> None:
+    """The held connection's write (hiredis-packed commands, one send) against the plain client's
+    HSET and HDEL of the same records (the reference), deletes and both hashes included."""
+    client = aioredis.from_url(redis_url)
+    ours, plain = MetadataStore(client, f"{registry_prefix}-a"), MetadataStore(client, f"{registry_prefix}-b")
+    try:
+        await ours.write(RECORDS, {"seg-0": b"S"})
+        await client.hset(plain.objects_key, mapping=RECORDS)  # type: ignore[arg-type]
+        await client.hset(plain.segments_key, mapping={"seg-0": b"S"})  # type: ignore[arg-type]
+        await ours.write({"obj-1": None, "obj-3": b"y", "obj-none": None}, {})
+        await client.hdel(plain.objects_key, "obj-1", "obj-none")
+        await client.hset(plain.objects_key, "obj-3", b"y")
+        for key in ("objects_key", "segments_key"):
+            assert await client.hgetall(getattr(ours, key)) == await client.hgetall(getattr(plain, key))
+        assert await client.hgetall(ours.objects_key) == {"obj-\u00e9".encode(): b"\x00" * 40, b"obj-3": b"y"}
+    finally:
+        await client.delete(ours.objects_key, ours.segments_key, plain.objects_key, plain.segments_key)
+        await client.aclose()
+
+
+async def test_a_write_whose_connection_was_dropped_goes_again(redis_url: str, registry_prefix: str) -> None:
+    client = aioredis.from_url(redis_url)
+    store = MetadataStore(client, registry_prefix)
+    try:
+        await store.write({"a": b"1"}, {})
+        killer = aioredis.from_url(redis_url)
+        assert await killer.execute_command("CLIENT", "KILL", "TYPE", "normal") >= 1  # all but itself
+        await killer.aclose()
+        await store.write({"b": b"2"}, {})
+        assert await client.hgetall(store.objects_key) == {b"a": b"1", b"b": b"2"}
+    finally:
+        await client.delete(store.objects_key)
+        await client.aclose()
+    away = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(RedisConnectionError):
+        await MetadataStore(away, registry_prefix).write({"a": b"1"}, {})
+    await away.aclose()
