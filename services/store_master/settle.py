@@ -15,17 +15,21 @@ How durable, per operation (:class:`Durability`):
   a master that crashes and recovers from Redis never serves an object whose bytes were
   overwritten.
 - ``BEHIND``: a put_end that made a new object readable and released nothing. Its record is
-  written and its KV event published within ``WRITE_BEHIND_S`` (one Redis write and one event
-  batch for every put finished in that window) instead of before the reply: the put costs no Redis
-  round trip, and the master's CPU, the bottleneck of a stream of small puts, is not spent once
-  per put on them. A
-  graceful stop writes what is pending (``Persister.close``), and any ``NOW`` operation's commit
-  writes it too. What it relaxes: if the master process *crashes* (SIGKILL, power), the puts
-  acknowledged in its last ``WRITE_BEHIND_S`` are not known after the restart -- a get answers
-  NOT_FOUND and the space counts as free, as for an object that was evicted: this is a cache, the
-  writer puts it again on its next miss. Such a lost put is never served wrong: the restarted
-  master has no record of it at all. (Redis itself, with ``appendfsync everysec``, may lose up to
-  a second of writes on a crash of its own.)
+  written within ``WRITE_BEHIND_S`` and its KV event published within ``EVENTS_BEHIND_S`` (one
+  Redis write for every put finished in the first window, one event batch for those of the second)
+  instead of before the reply: the put costs no Redis round trip, and the master's CPU, the
+  bottleneck of a stream of small puts, is not spent once per put on them. A graceful stop writes
+  what is pending (``Persister.close``), and any ``NOW`` operation's commit writes it too. What it
+  relaxes: if the master process *crashes* (SIGKILL, power), the puts acknowledged in its last
+  ``WRITE_BEHIND_S`` are not known after the restart -- a get answers NOT_FOUND and the space counts
+  as free, as for an object that was evicted: this is a cache, the writer puts it again on its next
+  miss. Such a lost put is never served wrong: the restarted master has no record of it at all.
+  Redis itself, with ``appendfsync everysec``, may lose up to a second of writes on a crash of its
+  own, so the window is well inside what the deployment can lose anyway; each write takes the
+  master's loop for a while and wakes Redis on a core a put may be waiting for (a 64 KiB put that
+  starts then takes 3-4x its median), so fewer, larger writes keep a stream of puts' tail down:
+  with 20 ms, one put in ~70 of the bench's back-to-back stream met a write, one in ~350 with
+  100 ms.
 - ``SOON``: a put_start's allocation, committed in the background within
   ``BACKGROUND_COMMIT_DELAY_S`` unless its put_end (whose commit writes the record's current value)
   comes first. If the master dies before that write, the restarted master does not know the put,
@@ -52,14 +56,16 @@ from services.store_master.tasks import TaskDispatcher
 # record's then-current value) comes first: one Redis write per put instead of two.
 BACKGROUND_COMMIT_DELAY_S = 0.05
 # The most a BEHIND put_end's record lags its reply (the bound on what a master crash can lose).
-WRITE_BEHIND_S = 0.02
+WRITE_BEHIND_S = 0.1
+# The most a BEHIND put_end's KV event lags its reply (how stale the conductor's view of the pool is).
+EVENTS_BEHIND_S = 0.02
 
 
 class Durability(enum.Enum):
     """When an operation's metadata reaches Redis (see the module docstring)."""
 
     NOW = "now"  # before the reply
-    BEHIND = "behind"  # within WRITE_BEHIND_S; events at once (put_end that released nothing)
+    BEHIND = "behind"  # within WRITE_BEHIND_S, events within EVENTS_BEHIND_S (put_end that released nothing)
     SOON = "soon"  # within BACKGROUND_COMMIT_DELAY_S unless it evicted or made tasks (put_start)
 
 
@@ -80,7 +86,7 @@ class Settler:
         self.persister = persister
         self.events = events
         self.tasks = tasks
-        self._behind: list[KVEvent] = []  # events of BEHIND operations, published within WRITE_BEHIND_S
+        self._behind: list[KVEvent] = []  # events of BEHIND operations, published within EVENTS_BEHIND_S
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()
 
@@ -105,7 +111,7 @@ class Settler:
                 extend_joined(self._behind, effects.events)
                 if self._flush_timer is None:
                     self._flush_timer = asyncio.get_running_loop().call_later(
-                        WRITE_BEHIND_S, self.flush_events
+                        EVENTS_BEHIND_S, self.flush_events
                     )
             else:  # after what is still held, so events keep their order
                 events, self._behind = self._behind + effects.events, []

@@ -58,7 +58,7 @@ async def test_admin_endpoints_registry_and_event_replay(store_cluster: Cluster)
     assert set(m.endpoints) == {"rpc", "rpc_stream", "kv_events", "kv_events_replay", "admin"}
     assert n.meta == {"segment": "n0", "size": 2 << 20, "disk_capacity": 0} and "transfer" in n.endpoints
 
-    # put_ends' events are published in one batch per write-behind window (settle.WRITE_BEHIND_S),
+    # put_ends' events are published in one batch per write-behind window (settle.EVENTS_BEHIND_S),
     # the puts of a window in one BlockStored
     everything: list[tuple[int, list[bytes]]] = []
     for _ in range(100):

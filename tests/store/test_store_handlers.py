@@ -17,7 +17,7 @@ from services.store_master.eager import run_eager
 from services.store_master.handlers import Handlers
 from services.store_master.replies import describe
 from services.store_master.room import Room
-from services.store_master.settle import WRITE_BEHIND_S, Settler
+from services.store_master.settle import EVENTS_BEHIND_S, Settler
 from services.store_master.state import MasterState, StatePolicy
 from services.store_master.tasks import TaskDispatcher
 
@@ -169,6 +169,6 @@ async def test_put_end_events_go_out_in_one_batch_per_window_and_before_any_late
     call(handlers, p.BatchPutEnd(["00cc"], [p.unwrap(slot).put_id]))
     await settler.close()  # at shutdown: published at once, not lost
     assert [type(e).__name__ for e in events.batches[-1]] == ["BlockStored"] and len(events.batches) == 2
-    await asyncio.sleep(WRITE_BEHIND_S * 2)  # the window's timer was cancelled: nothing more
+    await asyncio.sleep(EVENTS_BEHIND_S * 2)  # the window's timer was cancelled: nothing more
     assert len(events.batches) == 2
     state.check()
