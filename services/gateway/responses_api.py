@@ -24,11 +24,17 @@ request naming it as ``previous_response_id`` continues its conversation: the it
 its output come before the request's ``input`` (its ``instructions`` are not carried over, as on
 OpenAI). :func:`input_items` gives a request's input as the items that are kept.
 
+The answer's tokens' logprobs come with ``include: ["message.output_text.logprobs"]`` (or
+``top_logprobs`` above 0, the alternatives a token): the chat completion's, in the ``output_text``
+part and on each ``output_text.delta`` event, for answers that are all text (no function tools
+that may be called, no reasoning parser splitting the thinking off: the chat completion's logprobs
+cover every token it generated).
+
 What is not served is refused by name (400): tools other than functions, images and files in the
 input, other item types, ``conversation`` (the Conversations API), ``background``, ``reasoning``
 options, ``truncation: "auto"``, ``include`` other than ``reasoning.encrypted_content`` (taken: the
 reasoning's text is in its item's ``content``, which goes back as it is; nothing is encrypted) and
-``top_logprobs``.
+``message.output_text.logprobs``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
+from yutu.engine.sampling import MAX_LOGPROBS
 
 from services.gateway.errors import ApiError, invalid, validation_failed
 from services.gateway.schemas import (
@@ -59,6 +66,8 @@ CHAT_NAMES = {
     "response_format": "text.format",
 }
 _ROLES = ("system", "developer", "user", "assistant")
+LOGPROBS = "message.output_text.logprobs"  # the include that asks for the answer's logprobs
+_INCLUDES = ("reasoning.encrypted_content", LOGPROBS)
 
 
 class InputPart(_Request):
@@ -160,9 +169,15 @@ class ResponsesRequest(_Request):
     background: bool | None = None
     reasoning: Any = None
     # "reasoning.encrypted_content" is taken: a reasoning item here carries its text in content
-    # (encrypted_content stays null), and that text goes back as input as it is; the rest refused
+    # (encrypted_content stays null), and that text goes back as input as it is;
+    # "message.output_text.logprobs": the answer's logprobs; the rest refused
     include: list[str] | None = None
-    top_logprobs: Int | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # above 0: logprobs, with alternatives
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer's logprobs are asked for (the include, or top_logprobs above 0)."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
@@ -198,14 +213,16 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             "truncation",
         )
     for i, what in enumerate(body.include or []):
-        if what != "reasoning.encrypted_content":
+        if what not in _INCLUDES:
             raise invalid(
-                f"include {what!r} is not supported on /v1/responses (only reasoning.encrypted_content)",
+                f"include {what!r} is not supported on /v1/responses (only {' and '.join(_INCLUDES)})",
                 f"include.{i}",
             )
-    if body.top_logprobs:
+    if body.logprobs and body.tools and body.tool_choice != "none":
         raise invalid(
-            "top_logprobs is not supported on /v1/responses: use /v1/chat/completions", "top_logprobs"
+            "logprobs are served on /v1/responses for answers that are all text: with function tools,"
+            ' only with tool_choice "none" (or use /v1/chat/completions, whose logprobs cover the calls)',
+            "include" if LOGPROBS in (body.include or []) else "top_logprobs",
         )
 
 
@@ -377,6 +394,8 @@ def chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None = 
         "tools": tools or None,
         "tool_choice": _tool_choice(body),
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "logprobs": body.logprobs,
+        "top_logprobs": body.top_logprobs if body.logprobs else None,
     }
     try:
         return ChatView(ChatCompletionRequest.model_validate(fields), origins)
@@ -503,6 +522,7 @@ def response_object(
         output.append(_item("reasoning", reasoning, "completed"))
     if message.get("content") is not None or not (output or calls):
         output.append(_item("message", message.get("content") or "", status))
+        output[-1]["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
     for call in calls:
         output.append(
             _function_call(call["id"], call["function"]["name"], call["function"]["arguments"], status)
@@ -525,6 +545,7 @@ class ResponseEvents:
         self.kind: str | None = None  # the open item's kind
         self.item: dict[str, Any] = {}
         self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []  # the open message's tokens' (when asked for)
         self.reasoning: list[str] = []
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -547,7 +568,7 @@ class ResponseEvents:
         return {"item_id": self.item["id"], "output_index": len(self.output), "content_index": 0}
 
     def _open(self, kind: str) -> str:
-        self.kind, self.text = kind, []
+        self.kind, self.text, self.logprobs = kind, [], []
         self.item = _item(kind, "", "in_progress")
         self.item["content"] = []
         return self._event(
@@ -577,18 +598,20 @@ class ResponseEvents:
             self.output.append(item)
             self.kind = None
             return out
-        item = {**self.item, "status": status, "content": [_part(self.kind, text)]}
+        part = _part(self.kind, text)
         if self.kind == "reasoning":
             out = self._event("response.reasoning_text.done", **self._where(), text=text)
         else:
-            out = self._event("response.output_text.done", **self._where(), text=text, logprobs=[])
-        out += self._event("response.content_part.done", **self._where(), part=_part(self.kind, text))
+            part["logprobs"] = self.logprobs
+            out = self._event("response.output_text.done", **self._where(), text=text, logprobs=self.logprobs)
+        item = {**self.item, "status": status, "content": [part]}
+        out += self._event("response.content_part.done", **self._where(), part=part)
         out += self._event("response.output_item.done", output_index=len(self.output), item=item)
         self.output.append(item)
         self.kind = None
         return out
 
-    def _delta(self, kind: str, text: str) -> str:
+    def _delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> str:
         out = ""
         if self.kind != kind:
             out += self._close("completed") + self._open(kind)
@@ -596,8 +619,10 @@ class ResponseEvents:
         if kind == "reasoning":
             self.reasoning.append(text)
             return out + self._event("response.reasoning_text.delta", **self._where(), delta=text)
-        # output_text's events carry the text's logprobs: none, as none can be asked for here
-        return out + self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+        self.logprobs += logprobs or []  # the delta's tokens' (none unless asked for)
+        return out + self._event(
+            "response.output_text.delta", **self._where(), delta=text, logprobs=logprobs or []
+        )
 
     def feed(self, data: str) -> str:
         """The Responses events of the chat stream's text ``data`` (whole events are taken; a
@@ -621,8 +646,9 @@ class ResponseEvents:
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
                 out += self._delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self._delta("message", delta["content"])
+            logprobs = (choice.get("logprobs") or {}).get("content")
+            if delta.get("content") or (logprobs and not delta.get("tool_calls")):
+                out += self._delta("message", delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:  # a call's id and name come with its first delta
                 function = call.get("function") or {}
                 if call.get("id"):

@@ -17,6 +17,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.openapi import api_responses
 from services.gateway.response_store import ResponseStore, StoredResponse, owner_of
 from services.gateway.responses_api import (
+    LOGPROBS,
     ResponseEvents,
     ResponsesRequest,
     Shell,
@@ -45,6 +46,13 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
     if body.previous_response_id is not None:
         earlier = (await _previous(store, body.previous_response_id, owner)).context()
     chat = chat_request(body, earlier)
+    if body.logprobs and gw.settings.reasoning_parser:
+        raise invalid(
+            "logprobs are served on /v1/responses for answers that are all text, and this gateway splits a"
+            " reasoning model's thinking off its answer (--reasoning-parser): use /v1/chat/completions,"
+            " whose logprobs cover the thinking too",
+            "include" if LOGPROBS in (body.include or []) else "top_logprobs",
+        )
     keep = store is not None and body.store is not False
     shell = Shell(body, gw.model_name, store=keep)
     items = [*earlier, *input_items(body)] if keep else []

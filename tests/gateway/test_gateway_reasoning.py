@@ -224,6 +224,14 @@ def test_thinking_comes_back_apart_from_the_answer(text_stack: Stack) -> None:
     assert len(streamed_logprobs) == tokens_each  # the thinking's too, with the answer's first delta
 
 
+def test_responses_refuse_logprobs_where_the_thinking_is_split_off(text_stack: Stack) -> None:
+    """The chat completion's logprobs cover the thinking too; a Responses answer's text does not."""
+    body = {"model": MODEL_NAME, "input": "Weather in Oslo?", "max_output_tokens": 4, "top_logprobs": 1}
+    reply = httpx.post(f"{text_stack.url}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_logprobs"
+    assert "--reasoning-parser" in reply.json()["error"]["message"]
+
+
 def test_responses_put_the_thinking_in_a_reasoning_item(text_stack: Stack) -> None:
     """/v1/responses' view of a thinking answer (services/gateway/responses_api.py), made from the
     thinking gateway's real chat answers: a reasoning item, then the message, whole and streamed

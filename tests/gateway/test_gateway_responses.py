@@ -295,6 +295,13 @@ def test_the_turn_after_a_call_is_the_chat_completions(stack: Stack, client: ope
         ),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "name and a schema"),
         ({"temperature": 3}, "temperature", ""),
+        ({"top_logprobs": 21}, "top_logprobs", "20"),
+        (
+            {"include": ["message.output_text.logprobs"], "tools": [{"type": "function", "name": "f"}]},
+            "include",
+            'tool_choice "none"',
+        ),
+        ({"top_logprobs": 2, "tools": [{"type": "function", "name": "f"}]}, "top_logprobs", "all text"),
     ],
 )
 def test_what_is_not_served_is_refused_by_name(
@@ -306,6 +313,36 @@ def test_what_is_not_served_is_refused_by_name(
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
     assert "max_completion_tokens" not in error["message"] and "messages" not in (error["param"] or "")
+
+
+def test_logprobs_are_the_chat_completions(stack: Stack, client: openai.OpenAI) -> None:
+    """The answer's tokens' logprobs, as the chat completion of the same request gives them (greedy:
+    the same tokens), in the output_text part; streamed, each delta carries its tokens' and the
+    done event all of them. top_logprobs above 0 asks for them too; nothing asked, none come."""
+    ref = chat(stack, [{"role": "user", "content": "Once upon a time"}], 12, logprobs=True, top_logprobs=2)
+    want = ref["choices"][0]["logprobs"]["content"]
+    assert len(want) == ref["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in want)
+    for asked in ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, {"top_logprobs": 2}):
+        response = client.responses.create(model=MODEL_NAME, input="Once upon a time", max_output_tokens=12,
+                                           temperature=0, **asked)  # fmt: skip
+        (part,) = response.output[0].content  # type: ignore[union-attr]
+        got = [lp.model_dump() for lp in part.logprobs or []]  # type: ignore[union-attr]
+        assert [t["token"] for t in got] == [t["token"] for t in want]
+        assert [t["logprob"] for t in got] == pytest.approx([t["logprob"] for t in want], abs=1e-4)
+        assert [[a["token"] for a in t["top_logprobs"]] for t in got] == [
+            [a["token"] for a in t["top_logprobs"]] for t in want
+        ]
+    events = list(client.responses.create(model=MODEL_NAME, input="Once upon a time", max_output_tokens=12,
+                                          temperature=0, stream=True, top_logprobs=2))  # fmt: skip
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp.token for d in deltas for lp in d.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == [lp.token for lp in done.logprobs] == [t["token"] for t in want]
+    assert [lp.token for lp in events[-1].response.output[0].content[0].logprobs] == streamed
+    plain = client.responses.create(
+        model=MODEL_NAME, input="Once upon a time", max_output_tokens=4, temperature=0
+    )
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
 
 
 def test_errors_of_the_chat_path_take_the_responses_names() -> None:
