@@ -445,13 +445,15 @@ def _reference_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (n, nh, hd)
 
 
-@pytest.mark.parametrize("window", [None, 5, 16])
+@pytest.mark.parametrize("window", [None, 5, 16, 64])
 @pytest.mark.parametrize("group_tokens", [None, 1, 40])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_attention_matches_dense_reference(
     window: int | None, group_tokens: int | None, block_size: int
 ) -> None:
-    """Mixed chunks and decode steps over shuffled blocks; decode groups of every size."""
+    """Mixed chunks and decode steps over shuffled blocks; decode groups of every size; on torch's
+    operations and on the native kernels (which take the prefill chunks a window does not cut: all
+    of them with no window or one of 64, those of up to 16 keys with 16)."""
     gen = torch.Generator().manual_seed(0)
     nh, kvh, hd, num_blocks = 6, 2, 8, 64
     chunks_and_contexts = [(1, 37), (5, 5), (1, 3), (12, 30), (1, 17), (1, 1), (3, 50)]
@@ -486,6 +488,9 @@ def test_paged_attention_matches_dense_reference(
     torch.testing.assert_close(
         paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, 0.3, sliding_window=window), out
     )
+    ops = native.load()
+    native_out = paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, 0.3, plan=plan, ops=ops)
+    torch.testing.assert_close(native_out, torch.cat(expected), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])

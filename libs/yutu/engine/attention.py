@@ -256,7 +256,8 @@ def paged_attention(
     (write_kv_cache). Caches: (num_blocks, block_size, num_kv_heads, head_dim). Returns
     (T, num_heads, head_dim). ``plan`` (from build_attention_plan) saves rebuilding the index tensors
     in every layer; when given, its sliding window is used. ``ops``: the native kernels, which
-    attend the prefill chunks when there is no sliding window (torch's SDPA is the reference).
+    attend the prefill chunks a sliding window does not cut (no window, or a context no longer than
+    it: Gemma 2's and Mistral 7B v0.1's 4,096 over shorter prompts); torch's SDPA is the reference.
     ``softcap``: Gemma 2's cap on the scores (see :func:`sdpa`; the native kernel caps them too).
     """
     block_size = k_cache_layer.shape[1]
@@ -270,7 +271,8 @@ def paged_attention(
         n_keys = span.context_len - span.key_start
         k = k_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
         v = v_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
-        if ops is not None and plan.sliding_window is None:  # rows at the keys' end
+        uncut = plan.sliding_window is None or span.context_len <= plan.sliding_window  # plain causal
+        if ops is not None and uncut:  # rows at the keys' end
             out[span.q_start : span.q_end] = ops.prefill_attention(
                 q[span.q_start : span.q_end], k, v, scale, softcap or 0.0
             )
