@@ -137,7 +137,8 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}, True, 1e-5),
         (torch.float32, {}, False, 1e-5),  # Hugging Face's separate projections: rotary on torch's code
         # bfloat16: the prefill attention kernel rounds once where SDPA rounds its tiles (logits of
-        # magnitude 2-4 here, where a bfloat16 step is 0.016-0.031)
+        # magnitude 2-7 here, where a bfloat16 step is 0.016-0.031): held to be no further from the
+        # float32 model's logits than torch's operations are, give or take atol
         (torch.bfloat16, {}, True, 4e-2),
         (torch.float16, {"num_key_value_heads": 1}, True, 2e-2),
         (torch.float32, {"arch": "qwen3"}, True, 1e-5),  # q/k norms, then the in-place rotation
@@ -151,7 +152,7 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
         (torch.float32, {"arch": "gemma3_text"}, True, 1e-5),  # the kernels in attention and the MLP only
         (torch.bfloat16, {"arch": "gemma3_text"}, True, 4e-2),
         (torch.float32, {"arch": "gemma"}, True, 1e-5),  # norms by 1 + weight: torch's, off the native loop
-        (torch.float32, {"arch": "gemma2"}, True, 1e-5),  # soft-capped attention on torch's code either way
+        (torch.float32, {"arch": "gemma2"}, True, 1e-5),  # soft-capped attention, capped in the kernels
         (torch.float32, {"arch": "granite"}, True, 1e-5),  # each block's output scaled before the fused add
         (torch.bfloat16, {"arch": "granite"}, True, 4e-2),
         (torch.float32, {"arch": "smollm3"}, True, 1e-5),  # the native rotation by identity tables (NoPE)
@@ -162,18 +163,23 @@ def test_the_engine_on_the_native_ops_decodes_as_on_torchs(ckpt: Path, ops: obje
 def test_the_model_on_the_native_ops_computes_what_it_does_without(
     tmp_path: Path, ops: object, dtype: torch.dtype, overrides: dict[str, Any], fused: bool, atol: float
 ) -> None:
-    """A prefill, a decode and a batch of both, with and without ``model.ops``: the same logits."""
+    """A prefill, a decode and a batch of both, with and without ``model.ops``: the same logits (in
+    float32; in 16-bit dtypes, as close to the float32 model's as torch's operations come)."""
     overrides = dict(overrides)
     model_dir = make_tiny_checkpoint(tmp_path, overrides.pop("arch", "llama"), seed=6, **overrides)
     ids = prompt(30, seed=24)
     out = {}
-    for with_ops in (False, True):
-        model, _ = load_model(model_dir, torch.device("cpu"), dtype)
+    for with_ops, run_dtype in ((False, dtype), (True, dtype), (None, torch.float32)):
+        model, _ = load_model(model_dir, torch.device("cpu"), run_dtype)
         if fused:
             fuse_projections(model)
         model.ops = ops if with_ops else None  # type: ignore[assignment]
-        out[with_ops] = prefill_decode_mixed_logits(model, ids)
-    assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
+        out[with_ops] = prefill_decode_mixed_logits(model, ids).float()
+    if dtype is torch.float32:
+        assert torch.allclose(out[True], out[False], atol=atol, rtol=0), (out[True] - out[False]).abs().max()
+    else:
+        native_error, torch_error = ((out[k] - out[None]).abs().max().item() for k in (True, False))
+        assert native_error <= torch_error + atol, (native_error, torch_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -149,6 +149,30 @@ def test_the_prefill_kernel_matches_sdpa(
     assert error <= max(torch_error, TOLERANCE[dtype] / 5)  # no further from it than torch is
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "m", "window", "head_dim"), [(300, 300, 64, 32), (100, 900, 200, 64), (33, 80, 7, 48),
+                                                            (50, 50, 1, 128), (40, 300, 16, 64)])  # fmt: skip
+def test_the_prefill_kernel_attends_a_sliding_window(
+    kernels: object, dtype: torch.dtype, n: int, m: int, window: int, head_dim: int
+) -> None:
+    """Each row its last ``window`` keys (windows shorter than a tile, than a block of keys, of one
+    key; chunks after a prefix), against torch's SDPA with that mask in float32."""
+    gen = torch.Generator().manual_seed(n + m + window)
+    q = torch.randn(n, 8, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(m, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
+    scale = head_dim**-0.5
+    pos, keys = torch.arange(m - n, m)[:, None], torch.arange(m)[None, :]
+    seen = (keys <= pos) & (keys > pos - window)  # (n, m)
+    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                          v.float().transpose(0, 1)[None], attn_mask=seen, scale=scale,
+                                          enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+    out = kernels.prefill_attention(q, k, v, scale, 0.0, window)  # type: ignore[attr-defined]
+    assert (out.float() - want).abs().max().item() <= TOLERANCE[dtype]
+    if window < m:  # the window changed the answer
+        uncut = kernels.prefill_attention(q, k, v, scale)  # type: ignore[attr-defined]
+        assert (uncut.float() - want).abs().max().item() > 0.1
+
+
 def test_the_prefill_kernel_uses_bfloat16_pairs_where_the_cpu_multiplies_them(kernels: object) -> None:
     """The build's -march=native turns the pair products on exactly where the CPU has AVX512-BF16."""
     assert kernels.prefill_bf16_pairs() == ("avx512_bf16" in cpu_flags())  # type: ignore[attr-defined]

@@ -256,8 +256,7 @@ def paged_attention(
     (write_kv_cache). Caches: (num_blocks, block_size, num_kv_heads, head_dim). Returns
     (T, num_heads, head_dim). ``plan`` (from build_attention_plan) saves rebuilding the index tensors
     in every layer; when given, its sliding window is used. ``ops``: the native kernels, which
-    attend the prefill chunks a sliding window does not cut (no window, or a context no longer than
-    it: Gemma 2's and Mistral 7B v0.1's 4,096 over shorter prompts); torch's SDPA is the reference.
+    attend the prefill chunks (with the window, if any, in the kernel); torch's SDPA is the reference.
     ``softcap``: Gemma 2's cap on the scores (see :func:`sdpa`; the native kernel caps them too).
     """
     block_size = k_cache_layer.shape[1]
@@ -271,10 +270,9 @@ def paged_attention(
         n_keys = span.context_len - span.key_start
         k = k_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
         v = v_cache_layer[span.block_ids].view(-1, num_kv_heads, head_dim)[:n_keys]  # (n_keys, kvh, hd)
-        uncut = plan.sliding_window is None or span.context_len <= plan.sliding_window  # plain causal
-        if ops is not None and uncut:  # rows at the keys' end
+        if ops is not None:  # rows at the keys' end (those before the window's first block not gathered)
             out[span.q_start : span.q_end] = ops.prefill_attention(
-                q[span.q_start : span.q_end], k, v, scale, softcap or 0.0
+                q[span.q_start : span.q_end], k, v, scale, softcap or 0.0, plan.sliding_window or 0
             )
             continue
         qs = q[span.q_start : span.q_end].transpose(0, 1)[None]  # (1, nh, n, hd)

@@ -4,7 +4,7 @@
   (:mod:`yutu.engine.decode_cache`); torch's SDPA computes the same and stays the reference.
 - ``prefill_attention`` (``csrc/prefill_attention.cpp``): causal attention of a prompt chunk over
   its cached prefix and itself (:func:`yutu.engine.attention.paged_attention`'s prefill spans
-  without a sliding window); torch's SDPA is the reference.
+  with its sliding window, if any); torch's SDPA is the reference.
 - ``write_kv_``, ``fill_slots_``, ``fill_whole_`` (``csrc/kv_copy.cpp``): a step's keys and values
   into the paged cache, its new positions into the dense decode cache's slots, and a sequence new
   to that cache's whole context into its slot; torch's indexed assignment and gather are the

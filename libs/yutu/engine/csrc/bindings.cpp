@@ -10,8 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("q"), arg("k"), arg("v"), arg("first"), arg("last"), arg("scale"), arg("softcap") = 0.0, nogil);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of (n, heads, hd) queries, at the last n of the m positions of (m, kvh, hd) keys "
-        "and values; softcap > 0: each score capped, softcap * tanh(score / softcap)",
-        arg("q"), arg("k"), arg("v"), arg("scale"), arg("softcap") = 0.0, nogil);
+        "and values; softcap > 0: each score capped, softcap * tanh(score / softcap); window > 0: each row"
+        " attends its last window keys",
+        arg("q"), arg("k"), arg("v"), arg("scale"), arg("softcap") = 0.0, arg("window") = 0, nogil);
   m.def("prefill_bf16_pairs", &prefill_bf16_pairs,
         "whether bfloat16 prefill attention multiplies bfloat16 pairs (AVX512-BF16 in this build)");
   m.def("spread_threads", &spread_threads,

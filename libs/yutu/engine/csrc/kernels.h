@@ -37,7 +37,7 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& k, cons
 
 // prefill_attention.cpp: causal attention of a prompt chunk (the last n of m key positions).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             double softcap);
+                             double softcap, int64_t window);
 // Whether this build multiplies bfloat16 pairs (AVX512-BF16) for bfloat16 prefill attention.
 bool prefill_bf16_pairs();
 

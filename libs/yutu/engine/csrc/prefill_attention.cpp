@@ -1,8 +1,9 @@
 // Causal attention of one sequence's prompt chunk over its keys, on CPU (paged_attention's prefill
-// spans without a sliding window, yutu/engine/attention.py).
+// spans, yutu/engine/attention.py).
 //
 // The chunk's n query rows sit at the last n of the m key positions (a cached prefix, then the
-// chunk): row a attends keys 0 .. m-n+a. torch's SDPA is the reference (and what runs with kernel
+// chunk): row a attends keys 0 .. m-n+a, or with a sliding window W > 0 the last W of them,
+// m-n+a-W+1 .. m-n+a (a tile's scores and weighted values start at its first row's first key). torch's SDPA is the reference (and what runs with kernel
 // "torch"); its CPU flash kernel is written for wide heads, and at the small head dims of small
 // models (32 here) spends most of its time outside the products. Here, per KV head and tile of
 // kTile query positions (their G query heads together: 4 rows share every key and value read):
@@ -98,7 +99,7 @@ inline void round16(const float*, uint16_t*) {}
 // 16, and both passes run on bfloat16 pairs (vdpbf16ps; see the top of the file).
 template <typename T, int64_t HD, bool Dot = false>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale,
-            float softcap) {
+            float softcap, int64_t window) {
   static_assert(!Dot || (kBf16Dot && std::is_same_v<T, at::BFloat16> && HD > 0 && HD % 16 == 0));
   const int64_t n = q.size(0), heads = q.size(1), m = k.size(0), kvh = k.size(1);
   const int64_t groups = heads / kvh, hd = HD > 0 ? HD : q.size(2);
@@ -147,7 +148,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
     const int64_t rows_max = kTile * groups;
     std::vector<float> qf(rows_max * hd), scores(rows_max * m_pad);
     std::vector<uint16_t> qb(Dot ? rows_max * hd : 0), pb(Dot ? rows_max * m_pad : 0);  // Dot: bfloat16
-    std::vector<int64_t> keys(rows_max);
+    std::vector<int64_t> keys(rows_max), firsts(rows_max);  // each row's keys: firsts[r] .. keys[r]-1
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / tiles, turn = item % tiles;
       const int64_t tile = turn % 2 == 0 ? turn / 2 : tiles - 1 - turn / 2;
@@ -165,7 +166,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
           for (int64_t d = 0; d < hd; ++d) qf[r * hd + d] = static_cast<float>(qr[d]) * scale;
         }
         keys[r] = offset + a0 + r / groups + 1;
+        firsts[r] = window > 0 ? std::max<int64_t>(0, keys[r] - window) : 0;
       }
+      const int64_t start = firsts[0] / kKeys * kKeys;  // the tile's first block of keys any row sees
       // Pass 1: scores, four rows at a time against kKeys keys (four accumulators in registers).
       for (int64_t r = 0; r < rows; r += 4) {
         const int64_t nr = std::min<int64_t>(4, rows - r);
@@ -179,7 +182,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
           s_rows[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
           if constexpr (Dot) qrow[i] = qb.data() + (r + std::min(i, nr - 1)) * hd;
         }
-        for (int64_t j = 0; j < span_pad; j += kKeys) {
+        for (int64_t j = start; j < span_pad; j += kKeys) {
           fvec s0 = {}, s1 = {}, s2 = {}, s3 = {};
           if constexpr (Dot) {
             const uint16_t* kbb = kb.data() + h * hd * m_pad + j * hd;  // the block: hd / 2 pairs x 16
@@ -214,12 +217,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
       std::vector<float> inv(rows);
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores.data() + r * m_pad;
-        const int64_t kr = keys[r];
-        if (softcap > 0.f) softcap_scores(sr, kr, softcap);
-        const float top = *std::max_element(sr, sr + kr);
-        for (int64_t j = 0; j < kr; ++j) sr[j] = std::exp(sr[j] - top);
+        const int64_t kr = keys[r], k0r = firsts[r];
+        if (softcap > 0.f) softcap_scores(sr + k0r, kr - k0r, softcap);
+        const float top = *std::max_element(sr + k0r, sr + kr);
+        for (int64_t j = k0r; j < kr; ++j) sr[j] = std::exp(sr[j] - top);
         float sum = 0.f;
-        for (int64_t j = 0; j < kr; ++j) sum += sr[j];
+        for (int64_t j = k0r; j < kr; ++j) sum += sr[j];
+        std::fill(sr, sr + k0r, 0.f);  // before the window (never computed past the tile's start)
         std::fill(sr + kr, sr + span_pad, 0.f);
         inv[r] = 1.f / sum;
         if constexpr (Dot) {
@@ -231,6 +235,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         const int64_t nr = std::min<int64_t>(4, rows - r);
         int64_t last = 0;
         for (int64_t i = 0; i < nr; ++i) last = std::max(last, keys[r + i]);
+        const int64_t first = firsts[r] / 2 * 2;  // the four rows' first key (even: Dot takes pairs)
         float o[4][HD > 0 ? HD : kMaxHeadDim] = {};
         const float* p[4];
         for (int64_t i = 0; i < 4; ++i) p[i] = scores.data() + (r + std::min(i, nr - 1)) * m_pad;
@@ -240,7 +245,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
           const uint16_t* pw[4];
           for (int64_t i = 0; i < 4; ++i) pw[i] = pb.data() + (r + std::min(i, nr - 1)) * m_pad;
           const uint16_t* vbh = vb.data() + h * m_even * HD;
-          for (int64_t j = 0; j < last; j += 2) {  // a key past `last` weighs 0 (a zero key at m)
+          for (int64_t j = first; j < last; j += 2) {  // a key past `last` weighs 0 (a zero key at m)
             const uint16_t* vj = vbh + j * HD;  // keys j, j + 1: HD pairs
             i32x16 vv[kV];
             for (int64_t c = 0; c < kV; ++c) vv[c] = load32bf(vj + 2 * kLanes * c);
@@ -254,7 +259,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
         } else if constexpr (HD > 0 && HD % kLanes == 0) {  // the row sums in registers, kLanes of hd each
           constexpr int64_t kV = HD / kLanes;
           fvec a[4][kV] = {};
-          for (int64_t j = 0; j < last; ++j) {
+          for (int64_t j = first; j < last; ++j) {
             const float* vj = vfh + j * HD;
             fvec vv[kV];
             for (int64_t c = 0; c < kV; ++c) vv[c] = loadv(vj + kLanes * c);
@@ -266,7 +271,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
           for (int64_t i = 0; i < 4; ++i)
             for (int64_t c = 0; c < kV; ++c) storev(o[i] + kLanes * c, a[i][c]);
         } else {
-          for (int64_t j = 0; j < last; ++j) {
+          for (int64_t j = first; j < last; ++j) {
             const float* vj = vfh + j * hd;
             for (int64_t i = 0; i < 4; ++i) {
               const float w = p[i][j];
@@ -287,11 +292,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::T
 // A head dim known at compile time: bfloat16 pairs where the CPU multiplies them (Dot).
 template <typename T, int64_t HD>
 void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale,
-               float softcap) {
+               float softcap, int64_t window) {
   if constexpr (kBf16Dot && std::is_same_v<T, at::BFloat16>) {
-    attend<T, HD, true>(q, k, v, out, scale, softcap);
+    attend<T, HD, true>(q, k, v, out, scale, softcap, window);
   } else {
-    attend<T, HD>(q, k, v, out, scale, softcap);
+    attend<T, HD>(q, k, v, out, scale, softcap, window);
   }
 }
 
@@ -300,7 +305,7 @@ void attend_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
 bool prefill_bf16_pairs() { return kBf16Dot; }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             double softcap) {
+                             double softcap, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D (n, heads, hd), (m, kvh, hd)");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape: ", k.sizes(), " ", v.sizes());
@@ -314,13 +319,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   const float s = static_cast<float>(scale), c = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     switch (q.size(2)) {
-      case 32: attend_hd<scalar_t, 32>(q, k, v, out, s, c); break;
-      case 64: attend_hd<scalar_t, 64>(q, k, v, out, s, c); break;
-      case 128: attend_hd<scalar_t, 128>(q, k, v, out, s, c); break;
-      default: attend<scalar_t, 0>(q, k, v, out, s, c);
+      case 32: attend_hd<scalar_t, 32>(q, k, v, out, s, c, window); break;
+      case 64: attend_hd<scalar_t, 64>(q, k, v, out, s, c, window); break;
+      case 128: attend_hd<scalar_t, 128>(q, k, v, out, s, c, window); break;
+      default: attend<scalar_t, 0>(q, k, v, out, s, c, window);
     }
   });
   return out;
