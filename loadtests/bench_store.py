@@ -31,6 +31,11 @@ Mooncake per row and judges issue #10's targets against it (see there).
 On a shared machine ``--rounds N`` alternates the Mooncake peer and the store N times and reports
 every figure as its median over the rounds, so a change in the machine's load hits both sides.
 
+TCP congestion control: the store's data connections use Reno unless told otherwise
+(``yutu.transfer.tcp_wire.DEFAULT_CONGESTION`` says why), and so do the socket baselines, as the
+bound of the store's transport; ``--tcp-congestion system`` measures both on the host's default.
+The Mooncake peer's sockets always keep the host's default: what its users get.
+
 Cold and warm gets: every get row without a suffix is *cold* -- the client has no lease cache, so
 each get asks the master for replicas (one RPC) and then moves the bytes. Rows marked ``warm`` come
 from a second client with ``lease_cache=True`` that took the leases of every key untimed just
@@ -90,6 +95,12 @@ from store_baselines import (  # noqa: E402  (this script's folder is on sys.pat
 from yutu.launcher import ProcessGroup, free_port, python_module, start_redis  # noqa: E402
 from yutu.store.client import StoreClient, StoreClientConfig  # noqa: E402
 from yutu.transfer.tcp_client import default_lanes  # noqa: E402
+from yutu.transfer.tcp_wire import (  # noqa: E402
+    DEFAULT_CONGESTION,
+    check_congestion,
+    host_congestion,
+    parse_congestion,
+)
 
 SIZES = [64 * KiB, 1 * MiB, 4 * MiB]
 
@@ -101,10 +112,15 @@ class Store:
     """redis-server, a store master and a store node, children of this process (they die with it,
     see :class:`yutu.launcher.ProcessGroup`; logs in ``workdir``); stopped by ``close``."""
 
-    def __init__(self, workdir: Path, node_bytes: int, master_spin_us: int | None = None) -> None:
-        """``master_spin_us``: the master's ``--spin-us`` (None: its default)."""
+    def __init__(
+        self, workdir: Path, node_bytes: int, master_spin_us: int | None = None,
+        tcp_congestion: str | None = DEFAULT_CONGESTION,
+    ) -> None:  # fmt: skip
+        """``master_spin_us``: the master's ``--spin-us`` (None: its default); ``tcp_congestion``: the
+        node's ``--tcp-congestion`` (None: the host's default)."""
         self.workdir = workdir
         self.master_spin_us = master_spin_us
+        self.tcp_congestion = tcp_congestion
         self.group = ProcessGroup(log_dir=workdir)
         self.redis_url = f"redis://127.0.0.1:{free_port()}/0"
         self.prefix = "bench"
@@ -124,7 +140,8 @@ class Store:
         self.group.wait_ready(30)  # the node mounts its segment at the master
         self.group.spawn("node", python_module("services.store_node.main", *common, "--admin-port",
                                                str(node_admin), "--instance-id", "bench-node", "--segment-size",
-                                               str(self.node_bytes)),
+                                               str(self.node_bytes), "--tcp-congestion",
+                                               self.tcp_congestion or "system"),
                          ready_url=f"http://127.0.0.1:{node_admin}/ready", env=env)  # fmt: skip
         self.group.wait_ready(30)
 
@@ -235,12 +252,13 @@ async def bench_store_size(
 
 
 async def run_store(
-    store: Store, working_set: int, seconds: float, reserve_bytes: int, spin_us: int
+    store: Store, working_set: int, seconds: float, reserve_bytes: int, spin_us: int, congestion: str | None
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for transport, transports in (("tcp", ("tcp",)), ("shm", ("shm", "tcp"))):
         config = StoreClientConfig(store.redis_url, prefix=store.prefix, staging_bytes=BATCH * 4 * MiB + MiB,
-                                   transports=transports, reserve_bytes=reserve_bytes, spin_us=spin_us)  # fmt: skip
+                                   transports=transports, reserve_bytes=reserve_bytes, spin_us=spin_us,
+                                   tcp_congestion=congestion)  # fmt: skip
         warm_config = dataclasses.replace(config, lease_cache=True, staging_bytes=MiB)
         async with StoreClient(config) as client, StoreClient(warm_config) as warm:
             src = client.register_buffer("src", working_set)
@@ -390,7 +408,16 @@ def main() -> int:
     parser.add_argument("--master-spin-us", type=int, default=None,
                         help="the store master's --spin-us: how long its stream RPC polls after a reply while "
                         "calls come back to back (default: the master's own default; 0 measures it asleep)")  # fmt: skip
+    parser.add_argument("--tcp-congestion", default=DEFAULT_CONGESTION or "system",
+                        help="TCP congestion control of the store's data connections and of the socket "
+                        "baselines ('system': the host's default; the Mooncake peer always keeps the host's; "
+                        "default %(default)s, the store's own default)")  # fmt: skip
     args = parser.parse_args()
+    congestion = parse_congestion(args.tcp_congestion)
+    try:
+        check_congestion(congestion)
+    except ValueError as exc:
+        parser.error(str(exc))
     mooncake = (
         None
         if args.mooncake == "off"
@@ -409,7 +436,10 @@ def main() -> int:
     # a short --seconds several sizes' working sets are still held when the next one is put. The
     # master evicts past 90% usage -- the objects a get is about to read, as they are the least
     # recently used -- so the node gets ten working sets: no eviction ever runs during a bench.
-    store = Store(workdir, node_bytes=10 * working_set, master_spin_us=args.master_spin_us)
+    store = Store(workdir, node_bytes=10 * working_set, master_spin_us=args.master_spin_us,
+                  tcp_congestion=congestion)  # fmt: skip
+    print(f"data connections' TCP congestion control: {args.tcp_congestion} (the host's default, which "
+          f"Mooncake's sockets keep: {host_congestion()})", flush=True)  # fmt: skip
     try:
         store.start()
         print(f"services up in {time.perf_counter() - started:.1f}s; baselines...", flush=True)
@@ -423,7 +453,7 @@ def main() -> int:
             py = bench_redis(r_py, size, working_set, args.seconds)
             baselines[str(size)] = {
                 "memcpy": bench_memcpy(size, working_set, args.seconds),
-                "socket": bench_socket(size, working_set, args.seconds),
+                "socket": bench_socket(size, working_set, args.seconds, congestion),
                 "redis-hiredis": hi,
                 "redis-py": py,
                 "redis": {op: {**max(hi[op], py[op], key=lambda b: b["gbps"]),
@@ -443,12 +473,14 @@ def main() -> int:
             # the loopback's bound for batches, each round between the peer and the store: a busy
             # host moves it as much as it moves them (the report takes the median over the rounds)
             lanes.append({size: bench_socket_streams(size, working_set, args.seconds,
-                                                     default_lanes(StoreClientConfig.tcp_connections))
+                                                     default_lanes(StoreClientConfig.tcp_connections), congestion)
                           for size in SIZES if size >= MiB})  # fmt: skip
             print("store...", flush=True)
             # the client runs on uvloop, like every Yutu service (yutu.service.run_main)
             stores.append(
-                uvloop.run(run_store(store, working_set, args.seconds, args.reserve_bytes, args.spin_us))
+                uvloop.run(
+                    run_store(store, working_set, args.seconds, args.reserve_bytes, args.spin_us, congestion)
+                )
             )
         for size, bound in median_of(lanes).items():
             baselines[str(size)]["socket-lanes"] = {**bound, "streams": lanes[-1][size]["streams"]}
@@ -463,6 +495,7 @@ def main() -> int:
     res["reserve_bytes"] = args.reserve_bytes
     res["spin_us"] = args.spin_us
     res["master_spin_us"] = args.master_spin_us
+    res["tcp_congestion"] = args.tcp_congestion
     res["targets"] = targets(res)
     if "mooncake" in res:
         res["mooncake_targets"] = compare(res, SIZES)

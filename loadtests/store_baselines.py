@@ -1,7 +1,8 @@
 """Baselines for loadtests/bench_store.py, each measured in the same run as the store.
 
 memcpy and a raw loopback TCP stream of blocks of the object size (and as many streams side by side
-as the TCP client's lanes, the bound of a batch spread over them), Redis SET/GET of the same values
+as the TCP client's lanes, the bound of a batch spread over them; their sockets take the congestion
+control the store's data connections use, ``yutu.transfer.tcp_wire.tune_socket``), Redis SET/GET of the same values
 (redis-py's sync client, single and 32 per pipeline), and the protocol's fixed costs ("design
 floors"): a bare TCP and a bare ZeroMQ round trip, and a Redis write of one metadata record. Every measurement
 cycles over a working set past the CPU caches.
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import redis
 from yutu.launcher import free_port
+from yutu.transfer.tcp_wire import tune_socket
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
@@ -55,10 +57,14 @@ def bench_memcpy(size: int, working_set: int, seconds: float) -> dict[str, float
     return summary(lat, moved, sum(lat))
 
 
-def _streams_sender(port: int, size: int, working_set: int, total: int, streams: int) -> None:
+def _streams_sender(
+    port: int, size: int, working_set: int, total: int, streams: int, congestion: str | None
+) -> None:
     buf = memoryview(np.frombuffer(os.urandom(MiB), np.uint8).repeat(working_set // MiB).data)
     part = working_set // streams // size * size  # each stream cycles over its own part
     conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    for c in conns:
+        tune_socket(c, congestion)
 
     def send(k: int) -> None:
         base, blocks = k * part, part // size
@@ -75,17 +81,19 @@ def _streams_sender(port: int, size: int, working_set: int, total: int, streams:
         c.close()
 
 
-def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float]:
-    """One loopback TCP stream between two processes, ``size`` bytes per send/receive."""
+def bench_socket(size: int, working_set: int, seconds: float, congestion: str | None) -> dict[str, float]:
+    """One loopback TCP stream between two processes, ``size`` bytes per send/receive, with the TCP
+    congestion control ``congestion`` (None: the host's default)."""
     total = int(3.0e9 * seconds) // size * size  # about `seconds` at 3 GB/s
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         sender = mp.get_context("spawn").Process(
-            target=_streams_sender, args=(listener.getsockname()[1], size, working_set, total, 1)
+            target=_streams_sender, args=(listener.getsockname()[1], size, working_set, total, 1, congestion)
         )
         sender.start()
         conn, _ = listener.accept()
+    tune_socket(conn, congestion)
     buf = memoryview(bytearray(working_set))
     blocks = working_set // size
     lat: list[float] = []
@@ -106,7 +114,9 @@ def bench_socket(size: int, working_set: int, seconds: float) -> dict[str, float
     return summary(lat, total, elapsed)
 
 
-def bench_socket_streams(size: int, working_set: int, seconds: float, streams: int) -> dict[str, float]:
+def bench_socket_streams(
+    size: int, working_set: int, seconds: float, streams: int, congestion: str | None
+) -> dict[str, float]:
     """``streams`` loopback TCP streams side by side between two processes (a thread per stream on
     each side, ``size`` bytes per send/receive, each over its own part of the working set): what the
     loopback moves when a batch is spread over that many connections, as the TCP client's lanes do.
@@ -116,10 +126,13 @@ def bench_socket_streams(size: int, working_set: int, seconds: float, streams: i
         listener.bind(("127.0.0.1", 0))
         listener.listen(streams)
         sender = mp.get_context("spawn").Process(
-            target=_streams_sender, args=(listener.getsockname()[1], size, working_set, total, streams)
+            target=_streams_sender,
+            args=(listener.getsockname()[1], size, working_set, total, streams, congestion),
         )
         sender.start()
         conns = [listener.accept()[0] for _ in range(streams)]
+    for c in conns:
+        tune_socket(c, congestion)
     buf = memoryview(bytearray(working_set))
     part = working_set // streams // size * size
 

@@ -10,6 +10,7 @@ from functools import partial
 from yutu.config import ServiceSettings, add_common_options, option
 from yutu.service import HttpServer, admin_app, run_main, serve
 from yutu.store.types import parse_size
+from yutu.transfer.tcp_wire import DEFAULT_CONGESTION, parse_congestion
 
 from services.store_node.settings import NodeSettings
 
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(g, "--transfer-port", default=0, type=int, help="TCP port of the transfer data server; 0: any")
     own(g, "--transports", default="shm,tcp", help="comma-separated transports to serve: shm, tcp")
     own(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
+    own(g, "--tcp-congestion", default=DEFAULT_CONGESTION or "system",
+        help="TCP congestion control of the data connections: Reno sends a read at once, where a pacing"
+        " default (BBR) spaces it out with timers; 'system' keeps the host's default")  # fmt: skip
     own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
     own(g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master")
     own(g, "--prefault", default=True, type=bool,
@@ -43,6 +47,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         transfer_port=args.transfer_port,
         transports=tuple(t.strip() for t in args.transports.split(",") if t.strip()),
         tcp_connections=args.tcp_connections,
+        tcp_congestion=parse_congestion(args.tcp_congestion),
         admin_port=args.admin_port,
         heartbeat_interval_s=args.heartbeat_interval,
         disk_dir=args.disk_dir,

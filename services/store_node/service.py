@@ -77,6 +77,7 @@ class StoreNodeService(Service):
             s.tcp_connections,
             transports=s.transports,
             advertise_host=host,
+            tcp_congestion=s.tcp_congestion,
         )
         await asyncio.to_thread(reclaim_stale_regions)  # files of nodes killed outright
         self.region = self.engine.register_region(REGION_NAME, s.segment_size)
@@ -197,6 +198,7 @@ class StoreNodeService(Service):
             if self.engine is None or self.engine.endpoint is None
             else list(self.engine.endpoint),
             "transports": list(s.transports),
+            "tcp_congestion": s.tcp_congestion or "system",
             "mounted": self.mounted,
             "master": None if self.master is None else self.master.endpoint,
             "disk_dir": s.disk_dir,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from yutu.config import ServiceSettings
+from yutu.transfer.tcp_wire import check_congestion
 
 REGION_NAME = "dram"  # the registered region a node contributes
 
@@ -18,12 +19,14 @@ class NodeSettings(ServiceSettings):
     transports: tuple[str, ...]  # transports served, e.g. ("shm", "tcp")
     tcp_connections: int
     admin_port: int
+    tcp_congestion: str | None  # the data connections' TCP congestion control; None: the host's
     heartbeat_interval_s: float
     disk_dir: str | None = None  # disk tier directory; None: no disk tier
     disk_capacity: int = 0
     prefault: bool = True  # fault the segment's pages in at start (Region.populate)
 
     def __post_init__(self) -> None:
+        check_congestion(self.tcp_congestion)
         if self.segment_size <= 0:
             raise ValueError(f"--segment-size must be positive, got {self.segment_size}")
         if self.heartbeat_interval_s <= 0:

@@ -108,7 +108,7 @@ class WorkerService(Service):
         self._registry = Registry(self._redis, s.registry_prefix)
         self._transfer = TransferEngine(
             s.instance_id, SegmentDirectory(self._redis, s.registry_prefix), s.host, s.transfer_port,
-            advertise_host=s.advertise_host, tcp_spin_us=s.busy_poll_us,
+            advertise_host=s.advertise_host, tcp_spin_us=s.busy_poll_us, tcp_congestion=s.tcp_congestion,
         )  # fmt: skip
         self._region = KVRegion(self._transfer)
         config = EngineConfig(
@@ -471,6 +471,7 @@ class WorkerService(Service):
                 "torch_threads": engine.torch_threads,
                 "prefill_threads": engine.prefill_threads,
                 "busy_poll_us": self.settings.busy_poll_us,
+                "tcp_congestion": self.settings.tcp_congestion or "system",
                 "engine_core": self.settings.engine_core,
                 "engine_pid": self._loop_engine.pid,
                 "engine_gc_frozen_objects": engine.gc_frozen_objects,  # None: the engine is on a thread

@@ -25,6 +25,7 @@ from yutu.config import (
     add_model_options,
     option,
 )
+from yutu.transfer.tcp_wire import DEFAULT_CONGESTION, check_congestion, parse_congestion
 
 ROLES = ("mixed", "prefill", "decode")
 SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
@@ -71,6 +72,8 @@ class WorkerSettings(ServiceSettings):
     write_behind_defer_s: float  # how long write-behind may wait while this instance prefills
     transfer_port: int  # the transfer engine's TCP data server (peers read the KV cache there)
     busy_poll_us: int  # wait this long awake for a store master's reply or a small TCP transfer's
+    # the KV data connections' TCP congestion control (yutu.transfer.tcp_wire); None: the host's default
+    tcp_congestion: str | None = DEFAULT_CONGESTION
 
     @property
     def kind(self) -> str:
@@ -97,6 +100,7 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"--write-behind-defer must be 0 or more, got {args.write_behind_defer}")
         if args.busy_poll_us < 0:
             raise ValueError(f"--busy-poll-us must be 0 or more, got {args.busy_poll_us}")
+        check_congestion(parse_congestion(args.tcp_congestion))
         return cls(
             **ServiceSettings.common(args, SCOPES[role]),
             role=role,
@@ -125,6 +129,7 @@ class WorkerSettings(ServiceSettings):
             write_behind_defer_s=args.write_behind_defer,
             transfer_port=args.transfer_port,
             busy_poll_us=args.busy_poll_us,
+            tcp_congestion=parse_congestion(args.tcp_congestion),
         )
 
 
@@ -270,5 +275,12 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
         help="after a request to the store master, or a KV transfer over TCP of up to 2 MiB, wait for"
         " the answer awake (polling) for up to this many microseconds before sleeping: on a VM being"
         " woken costs ~50 us a round trip; polling costs that CPU (0: sleep at once)",
+    )
+    own(
+        net,
+        "--tcp-congestion",
+        default=DEFAULT_CONGESTION or "system",
+        help="TCP congestion control of the KV data connections: Reno sends a KV burst at once, where a"
+        " pacing default (BBR) spaces it out with timers; 'system' keeps the host's default",
     )
     add_common_options(parser)

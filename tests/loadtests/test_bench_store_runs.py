@@ -72,6 +72,8 @@ def test_a_short_bench_store_run_reports_every_measurement(tmp_path: Path) -> No
         assert t["met"] == (t["ratio"] >= t["need"]) and t["reachable"] == (t["bound"] >= t["need"])
         assert f"[{'PASS' if t['met'] else 'MISS'}] {t['target']}: {t['ratio']:.2f}" in proc.stdout
     assert "mooncake" not in res and "Mooncake peer" not in proc.stdout  # --mooncake off
+    assert res["tcp_congestion"] == "reno"  # the store's default, on the socket baselines too
+    assert "data connections' TCP congestion control: reno" in proc.stdout
 
 
 @pytest.mark.skipif(

@@ -47,8 +47,9 @@ def worker(checkpoint: Path, redis_url: str, request: pytest.FixtureRequest) -> 
         [sys.executable, "-m", "services.worker.main", "--model", str(checkpoint), "--redis-url", redis_url,
          "--registry-prefix", prefix, "--instance-id", "w-test", "--num-kv-blocks", "128", "--block-size", "4",
          "--torch-threads", "1", "--dtype", "float32", "--log-level", "warning", "--engine-core", request.param,
-         # the thread core's worker also sleeps at once on its transfers (yutu.busypoll): same tokens
-         *(["--busy-poll-us", "0"] if request.param == "thread" else [])],
+         # the thread core's worker also sleeps at once on its transfers (yutu.busypoll) and keeps the
+         # host's congestion control on its data connections: same tokens
+         *(["--busy-poll-us", "0", "--tcp-congestion", "system"] if request.param == "thread" else [])],
     )  # fmt: skip
     try:
         record = asyncio.run(_wait_registered(redis_url, prefix, proc))
@@ -296,6 +297,7 @@ async def test_admin_endpoints_and_registry_meta(
     assert info["model"] == checkpoint.name and info["block_size"] == 4 and info["demo"] is False
     assert info["engine_core"] == worker["core"] and info["torch_threads"] == 1
     assert info["busy_poll_us"] == (0 if worker["core"] == "thread" else SPIN_US)
+    assert info["tcp_congestion"] == ("system" if worker["core"] == "thread" else "reno")
     assert (info["engine_pid"] is not None) == (worker["core"] == "process")
     registry = Registry.from_url(redis_url, worker["prefix"])
     record = await registry.get("worker", "w-test")

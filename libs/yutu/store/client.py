@@ -48,6 +48,7 @@ from yutu.store.staging import Space, Staging
 from yutu.store.types import PutOptions, ReplicaDescriptor, validate_key
 from yutu.transfer import Region, SegmentDirectory, TransferEngine
 from yutu.transfer.segment import local_host_id
+from yutu.transfer.tcp_wire import DEFAULT_CONGESTION
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class StoreClientConfig:
     # answer awake for up to this long before sleeping (yutu.busypoll); 0: sleep at once. The TCP
     # part applies to the client's own transfer engine; a shared one has its own setting.
     spin_us: int = SPIN_US
+    # TCP congestion control of the client's own transfer engine's data connections (None: the
+    # host's default; yutu.transfer.tcp_wire.DEFAULT_CONGESTION says why Reno)
+    tcp_congestion: str | None = DEFAULT_CONGESTION
 
 
 class StoreClient:
@@ -131,6 +135,7 @@ class StoreClient:
                 c.transfer_timeout_s,
                 transports=c.transports,
                 tcp_spin_us=c.spin_us,
+                tcp_congestion=c.tcp_congestion,
             )
             self.engine = engine
             self._staging = Staging(engine.register_region(STAGING_REGION, c.staging_bytes))

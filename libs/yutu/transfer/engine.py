@@ -42,7 +42,7 @@ from yutu.transfer.segment import RegionDescriptor, SegmentDescriptor, local_hos
 from yutu.transfer.shm import ShmItem, ShmTransport
 from yutu.transfer.tcp_client import INLINE_BYTES, PeerAddress, TcpClient, TcpItem
 from yutu.transfer.tcp_server import DataServer
-from yutu.transfer.tcp_wire import WireOp
+from yutu.transfer.tcp_wire import DEFAULT_CONGESTION, WireOp, check_congestion
 from yutu.transfer.transport import (
     COMPLETED,
     DEFAULT_TRANSPORTS,
@@ -79,6 +79,7 @@ class TransferEngine:
         shm_dir: str | None = None,
         tcp_inline_bytes: int = INLINE_BYTES,
         tcp_spin_us: int = SPIN_US,
+        tcp_congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
         """``host``/``port``: where the TCP data server listens (port 0: any free port).
         ``tcp_connections``: pooled connections per peer. ``default_timeout_s``: batch deadline when
@@ -89,11 +90,16 @@ class TransferEngine:
         files are created (default ``/dev/shm``). ``tcp_inline_bytes``: TCP batches up to this size
         run on the event loop instead of worker threads when a pooled connection is idle (0: never;
         see ``yutu.transfer.tcp_inline``); ``tcp_spin_us``: how long such a batch waits for a reply
-        awake before sleeping (``yutu.busypoll``; 0: sleep at once)."""
+        awake before sleeping (``yutu.busypoll``; 0: sleep at once). ``tcp_congestion``: the TCP
+        congestion control of its data connections, both ways (default Reno, see
+        ``tcp_wire.DEFAULT_CONGESTION``; None: the host's default); ``ValueError`` if this process may
+        not use it."""
         if not isinstance(segment_name, str) or not segment_name or len(segment_name.encode()) > 255:
             raise ValueError(f"segment_name must be a non-empty str of <= 255 bytes, got {segment_name!r}")
         if default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
+        check_congestion(tcp_congestion)
+        self.tcp_congestion = tcp_congestion
         self.segment_name = segment_name
         self.directory = directory
         self.transports = validate_transports(transports)
@@ -108,6 +114,7 @@ class TransferEngine:
             tcp_slice_bytes,
             inline_bytes=min(tcp_inline_bytes, tcp_slice_bytes),
             spin_s=tcp_spin_us / 1e6,
+            congestion=tcp_congestion,
         )
         self._shm = ShmTransport()
         self._server: DataServer | None = None
@@ -126,8 +133,9 @@ class TransferEngine:
         self._started = True
         if "tcp" in self.transports:
             self._server = DataServer(
-                self._host, self._port, self.segment_name, self._incarnation, self._regions.get
-            )
+                self._host, self._port, self.segment_name, self._incarnation, self._regions.get,
+                self.tcp_congestion,
+            )  # fmt: skip
             self._server.start()
         try:
             await self.directory.claim(self.descriptor())

@@ -46,6 +46,7 @@ from yutu.transfer.request import TransferStatus
 from yutu.transfer.tcp_inline import PIPELINE_WINDOW, run_inline
 from yutu.transfer.tcp_server import DRAIN_LIMIT
 from yutu.transfer.tcp_wire import (
+    DEFAULT_CONGESTION,
     REPLY,
     ProtocolError,
     Slice,
@@ -102,9 +103,12 @@ def _recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> Non
 class PeerConnections:
     """A bounded pool of handshaken connections to one peer incarnation. Thread-safe."""
 
-    def __init__(self, peer: PeerAddress, max_connections: int) -> None:
+    def __init__(
+        self, peer: PeerAddress, max_connections: int, congestion: str | None = DEFAULT_CONGESTION
+    ) -> None:
         self.peer = peer
         self._max = max_connections
+        self._congestion = congestion
         self._idle: deque[socket.socket] = deque()
         self._busy: set[socket.socket] = set()
         self._open = 0
@@ -187,7 +191,7 @@ class PeerConnections:
                 f"cannot connect to segment {peer.segment!r} at {peer.host}:{peer.port}: {exc}"
             ) from exc
         try:
-            tune_socket(sock)
+            tune_socket(sock, self._congestion)
             sock.settimeout(_remaining(deadline))
             sock.sendall(encode_request(WireOp.HELLO, 0, peer.segment.encode("utf-8"), peer.incarnation, 0))
             status, msg_len, _, _ = decode_reply_header(recv_exact(sock, REPLY.size))
@@ -216,12 +220,15 @@ class TcpClient:
         lanes: int | None = None,
         inline_bytes: int = INLINE_BYTES,
         spin_s: float = SPIN_US / 1e6,
+        congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
         """``connections`` bounds the pool per peer; ``lanes`` (default: min(connections, CPUs)) is how
         many of them one batch drives in parallel: more streams than cores only add contention.
         ``inline_bytes``: batches up to this many bytes run on the event loop when a pooled
         connection is idle (0: never; at most ``slice_bytes``). ``spin_s``: how long such a batch
-        polls, awake, for a reply that is not there yet before the loop sleeps (``yutu.busypoll``)."""
+        polls, awake, for a reply that is not there yet before the loop sleeps (``yutu.busypoll``).
+        ``congestion``: the connections' TCP congestion control (``tcp_wire.DEFAULT_CONGESTION``; None:
+        the host's default)."""
         if (
             connections < 1
             or not 4096 <= slice_bytes <= DRAIN_LIMIT
@@ -238,6 +245,7 @@ class TcpClient:
         self.connections = connections
         self.lanes = max(1, min(connections, lanes)) if lanes else default_lanes(connections)
         self.slice_bytes = slice_bytes
+        self.congestion = congestion
         self._pools: dict[PeerAddress, PeerConnections] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -297,7 +305,7 @@ class TcpClient:
         with self._lock:
             pool = self._pools.get(peer)
             if pool is None:
-                pool = self._pools[peer] = PeerConnections(peer, self.connections)
+                pool = self._pools[peer] = PeerConnections(peer, self.connections, self.congestion)
             return pool
 
     def _run_lane(self, peer: PeerAddress, work: _Work, deadline: float, progress: Progress) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from yutu.transfer.errors import RegionError
 from yutu.transfer.region import Region
 from yutu.transfer.tcp_wire import (
+    DEFAULT_CONGESTION,
     RANGE,
     REQUEST,
     ProtocolError,
@@ -56,7 +57,11 @@ class DataServer:
         segment_name: str,
         incarnation: int,
         resolve_region: Callable[[str], Region | None],
+        congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
+        """``congestion``: the TCP congestion control of the connections it accepts (None: the host's
+        default; ``tcp_wire.DEFAULT_CONGESTION``)."""
+        self._congestion = congestion
         self._segment = segment_name.encode("utf-8")
         self._incarnation = incarnation
         self._resolve = resolve_region
@@ -104,7 +109,7 @@ class DataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            tune_socket(conn)
+            tune_socket(conn, self._congestion)
             self._serve_requests(conn)
         except (OSError, ProtocolError) as exc:  # ConnectionError is an OSError
             log.debug("data connection ended: %s", exc)
