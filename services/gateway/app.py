@@ -32,15 +32,17 @@ _ROUTES = {
 
 
 _ROUTE_PATTERNS = {"/v1/models/": "/v1/models/{id}", "/v1/responses/": "/v1/responses/{id}"}  # by prefix
-_INPUT_ITEMS = "/input_items"
+_RESPONSE_ACTIONS = ("/input_items", "/cancel")  # /v1/responses/{id}/...
 
 
 def route_pattern(path: str) -> str:
     """The metric's route label of a path not in _ROUTES: its pattern, or "other"."""
     for prefix, name in _ROUTE_PATTERNS.items():
         if path.startswith(prefix):
-            if name == "/v1/responses/{id}" and path.endswith(_INPUT_ITEMS):
-                return name + _INPUT_ITEMS
+            if name == "/v1/responses/{id}":
+                for action in _RESPONSE_ACTIONS:
+                    if path.endswith(action):
+                        return name + action
             return name
     return "other"
 

@@ -7,6 +7,11 @@ A response made with ``store`` (the API's default) is kept for ``--responses-ttl
 Keeping the earlier turns in each record makes a chain of any length one read, and a turn stays
 usable for as long as it is kept itself, whatever became of the ones before it.
 
+A background response's record is written when it is queued and rewritten as it runs; while it
+runs it names the gateway running it (``runner``), and ``{key}:cancel`` is the flag a cancel on
+any gateway raises for it (services/gateway/background.py). Records change with optimistic
+transactions (``WATCH``), so a cancel and the runner's last write never undo one another.
+
 Every gateway of a deployment shares the Redis, so a conversation may move between gateways from
 one turn to the next. A record belongs to the API key that made it (its SHA-256; "" on a gateway
 without keys): with another key it is not there (404), as it would be on OpenAI for another project.
@@ -17,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 from yutu.errors import ErrorKind
 
 from services.gateway.errors import ApiError
@@ -29,6 +35,7 @@ from services.gateway.errors import ApiError
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0
+RUNNING = frozenset({"queued", "in_progress"})  # a background response's statuses until it ends
 
 
 def owner_of(authorization: str | None) -> str:
@@ -46,6 +53,11 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as it was answered
     items: list[dict[str, Any]]  # the input items it answered, earlier turns' first, each with an id
     owner: str
+    runner: str | None = None  # the instance id of the gateway running it (a background response)
+
+    @property
+    def running(self) -> bool:
+        return self.response["status"] in RUNNING
 
     def context(self) -> list[dict[str, Any]]:
         """The input items of the turn after it: its items and its output. A reasoning item the
@@ -69,9 +81,47 @@ class ResponseStore:
         return f"{self.prefix}:response:{response_id}"
 
     async def save(self, stored: StoredResponse) -> None:
-        record = {"response": stored.response, "items": stored.items, "owner": stored.owner}
         try:
-            await self.redis.set(self.key(stored.response["id"]), json.dumps(record), px=self.ttl_ms)
+            await self.redis.set(self.key(stored.response["id"]), _record(stored), px=self.ttl_ms)
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from None
+
+    async def change(
+        self, response_id: str, owner: str, update: Callable[[StoredResponse], StoredResponse | None]
+    ) -> StoredResponse | None:
+        """``update`` applied to ``owner``'s response ``response_id`` as one transaction: it gets the
+        record as it is and returns the new one (kept for the TTL from now), or None to leave it.
+        Returns the record as it is after; None when there is none."""
+        key = self.key(response_id)
+        try:
+            async with self.redis.pipeline() as pipe:
+                while True:
+                    try:
+                        await pipe.watch(key)
+                        current = _decoded(await pipe.get(key), owner)
+                        new = None if current is None else update(current)
+                        if new is None:
+                            await pipe.unwatch()
+                            return current
+                        pipe.multi()
+                        pipe.set(key, _record(new), px=self.ttl_ms)
+                        await pipe.execute()
+                        return new
+                    except WatchError:  # written meanwhile: look again
+                        continue
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from None
+
+    async def request_cancel(self, response_id: str) -> None:
+        """Raise the flag the gateway running ``response_id`` looks for."""
+        try:
+            await self.redis.set(self.key(response_id) + ":cancel", b"1", px=self.ttl_ms)
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from None
+
+    async def cancel_requested(self, response_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(self.key(response_id) + ":cancel"))
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
 
@@ -81,12 +131,7 @@ class ResponseStore:
             raw = await self.redis.get(self.key(response_id))
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
-        if raw is None:
-            return None
-        record = json.loads(raw)
-        if record["owner"] != owner:
-            return None
-        return StoredResponse(record["response"], record["items"], owner)
+        return _decoded(raw, owner)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """Delete ``owner``'s response ``response_id``; False when there is none."""
@@ -99,6 +144,22 @@ class ResponseStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _record(stored: StoredResponse) -> str:
+    return json.dumps(
+        {"response": stored.response, "items": stored.items, "owner": stored.owner, "runner": stored.runner}
+    )
+
+
+def _decoded(raw: bytes | str | None, owner: str) -> StoredResponse | None:
+    """A record's response if it is ``owner``'s."""
+    if raw is None:
+        return None
+    record = json.loads(raw)
+    if record["owner"] != owner:
+        return None
+    return StoredResponse(record["response"], record["items"], owner, record.get("runner"))
 
 
 def _unavailable(exc: Exception) -> ApiError:

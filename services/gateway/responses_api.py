@@ -31,8 +31,7 @@ that may be called, no reasoning parser splitting the thinking off: the chat com
 cover every token it generated).
 
 What is not served is refused by name (400): tools other than functions, images and files in the
-input, other item types, ``conversation`` (the Conversations API), ``background``, ``reasoning``
-options, ``truncation: "auto"``, ``include`` other than ``reasoning.encrypted_content`` (taken: the
+input, other item types, ``conversation`` (the Conversations API), ``reasoning`` options, ``truncation: "auto"``, ``include`` other than ``reasoning.encrypted_content`` (taken: the
 reasoning's text is in its item's ``content``, which goes back as it is; nothing is encrypted) and
 ``message.output_text.logprobs``.
 """
@@ -204,9 +203,8 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             )
         if choice.name is None:
             raise invalid("tool_choice names no function", "tool_choice.name")
-    for name, value in (("background", body.background), ("reasoning", body.reasoning)):
-        if value:
-            raise invalid(f"{name} is not supported on /v1/responses", name)
+    if body.reasoning:
+        raise invalid("reasoning is not supported on /v1/responses", "reasoning")
     if body.truncation not in (None, "disabled"):
         raise invalid(
             f'truncation {body.truncation!r} is not supported: only "disabled" (a too long input is refused)',
@@ -451,7 +449,7 @@ class Shell:
         self.created_at = int(time.time())
         fmt = _format(body)
         self.fields: dict[str, Any] = {
-            "background": False,
+            "background": bool(body.background),
             "error": None,
             "incomplete_details": None,
             "instructions": body.instructions,
@@ -476,11 +474,17 @@ class Shell:
         }
 
     def response(
-        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        error: dict[str, str] | None = None,
     ) -> dict[str, Any]:
+        """The response object with this status (``error``: why a ``failed`` one failed)."""
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                **self.fields, "incomplete_details": incomplete, "output": output, "usage": usage}  # fmt: skip
+                **self.fields, "error": error, "incomplete_details": incomplete, "output": output,
+                "usage": usage}  # fmt: skip
 
 
 def _status(finish_reason: str | None) -> str:
@@ -551,6 +555,7 @@ class ResponseEvents:
         self.usage: dict[str, Any] | None = None
         self.ended = False
         self.final: dict[str, Any] | None = None  # the response made, once the chat stream ended
+        self.error: dict[str, str] | None = None  # why the chat stream failed, when it did
         self._pending = ""
 
     def _event(self, type_: str, **fields: Any) -> str:
@@ -639,6 +644,7 @@ class ResponseEvents:
         if "error" in chunk:
             self.ended = True
             err = chunk["error"]
+            self.error = {"code": "server_error", "message": err["message"]}
             return self._event("error", code=err.get("code") or err.get("type"), message=err["message"],
                                param=err.get("param"))  # fmt: skip
         out = ""

@@ -1,6 +1,7 @@
 """OpenAI's Responses API: ``POST /v1/responses``, over the chat completion it means
-(services/gateway/responses_api.py), and the stored responses (services/gateway/response_store.py):
-``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``."""
+(services/gateway/responses_api.py), the stored responses (services/gateway/response_store.py):
+``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, and background
+responses (services/gateway/background.py): ``POST /v1/responses/{id}/cancel``."""
 
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
     server-sent events. Kept for ``GET /v1/responses/{id}`` unless ``"store": false``."""
     store = gw.responses
     owner = _owner(gw, request)
+    if body.background:
+        _check_background(body, store)
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        earlier = (await _previous(store, body.previous_response_id, owner)).context()
-    chat = chat_request(body, earlier)
+        earlier = (await _previous(gw, body.previous_response_id, owner)).context()
+    # a background response is made from the chat completion's stream, read by the gateway itself
+    chat = chat_request(body.model_copy(update={"stream": True}) if body.background else body, earlier)
     if body.logprobs and gw.settings.reasoning_parser:
         raise invalid(
             "logprobs are served on /v1/responses for answers that are all text, and this gateway splits a"
@@ -76,6 +80,9 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
     def count_tokens(text: str) -> int:  # the reasoning's, encoded again (the chat answer has text)
         return len(gw.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
+    if body.background:
+        assert isinstance(answer, EventStream) and gw.background is not None
+        return await gw.background.start(shell, items, owner, answer, count_tokens)
     if isinstance(answer, EventStream):
         events = ResponseEvents(shell, count_tokens)
         return answer.relay(lambda chat_events: _responses_events(events, chat_events, kept))
@@ -90,7 +97,24 @@ def _owner(gw: GatewayDep, request: Request) -> str:
     return owner_of(request.headers.get("authorization")) if gw.settings.api_keys else ""
 
 
-async def _previous(store: ResponseStore | None, response_id: str, owner: str) -> StoredResponse:
+def _check_background(body: ResponsesRequest, store: ResponseStore | None) -> None:
+    if store is None:
+        raise invalid(
+            "background responses are stored responses, and this gateway keeps none (--responses-ttl 0)",
+            "background",
+        )
+    if body.store is False:
+        raise invalid("background responses are stored: leave store out, or set it true", "store")
+    if body.stream:
+        raise invalid(
+            "stream with background is not supported: poll GET /v1/responses/{id} until the response"
+            " has ended, or stream without background",
+            "stream",
+        )
+
+
+async def _previous(gw: GatewayDep, response_id: str, owner: str) -> StoredResponse:
+    store = gw.responses
     if store is None:
         raise invalid(
             "previous_response_id needs stored responses, and this gateway keeps none (--responses-ttl"
@@ -104,6 +128,14 @@ async def _previous(store: ResponseStore | None, response_id: str, owner: str) -
             " deleted, or is older than the gateway keeps responses (--responses-ttl)",
             param="previous_response_id",
             code="previous_response_not_found",
+        )
+    assert gw.background is not None
+    previous = await gw.background.settled(previous)
+    if previous.running:
+        raise invalid(
+            f"Previous response {response_id!r} is {previous.response['status']}: continue it once it has"
+            " ended (GET /v1/responses/{id})",
+            "previous_response_id",
         )
     return previous
 
@@ -131,7 +163,8 @@ async def _stored(gw: GatewayDep, request: Request, response_id: str) -> StoredR
     found = None if store is None else await store.load(response_id, _owner(gw, request))
     if found is None:
         raise _not_found(store, response_id)
-    return found
+    assert gw.background is not None
+    return await gw.background.settled(found)
 
 
 def _not_found(store: ResponseStore | None, response_id: str) -> ApiError:
@@ -153,11 +186,25 @@ async def get_response(response_id: str, request: Request, gw: GatewayDep, strea
 
 @router.delete("/v1/responses/{response_id}", response_model=None, responses=api_responses(404, 503))
 async def delete_response(response_id: str, request: Request, gw: GatewayDep) -> Response:
-    """Forget a stored response (a later turn that kept it in its conversation keeps its copy)."""
+    """Forget a stored response (a later turn that kept it in its conversation keeps its copy); a
+    background response still running is cancelled."""
     store = gw.responses
+    found = await _stored(gw, request, response_id)
+    if found.running:
+        assert gw.background is not None
+        await gw.background.stop(response_id)
     if store is None or not await store.delete(response_id, _owner(gw, request)):
         raise _not_found(store, response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=None, responses=api_responses(404, 503))
+async def cancel_response(response_id: str, request: Request, gw: GatewayDep) -> Response:
+    """Cancel a background response that is queued or in progress (one already cancelled is
+    answered as it is); the response, cancelled."""
+    found = await _stored(gw, request, response_id)  # a 404 on a gateway that keeps none
+    assert gw.background is not None
+    return JSONResponse((await gw.background.cancel(found)).response)
 
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=None, responses=api_responses(404, 503))

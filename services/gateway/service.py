@@ -21,6 +21,7 @@ from yutu.redis_conn import connect
 from yutu.registry import Registration, Registry, ServiceRecord
 from yutu.service import Service
 
+from services.gateway.background import BackgroundResponses
 from services.gateway.conductor_client import ConductorClient
 from services.gateway.memory import MemoryReleaser, rss_bytes
 from services.gateway.metrics import GatewayMetrics
@@ -65,6 +66,7 @@ class GatewayService(Service):
         self._registry: Registry | None = None
         self._registration: Registration | None = None
         self.responses: ResponseStore | None = None  # stored responses (None: --responses-ttl 0)
+        self.background: BackgroundResponses | None = None  # with stored responses
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -87,6 +89,7 @@ class GatewayService(Service):
         self._registry = Registry.from_url(s.redis_url, s.registry_prefix)
         if s.responses_ttl_s > 0:
             self.responses = ResponseStore(connect(s.redis_url), s.registry_prefix, s.responses_ttl_s)
+            self.background = BackgroundResponses(self.responses, s.instance_id, self._registry)
         self._pool = WorkerPool(
             self._registry,
             self.model_name,
@@ -146,6 +149,8 @@ class GatewayService(Service):
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
+        if self.background is not None:  # what still runs fails, written while Redis is there
+            await self.background.close()
         for pool in (self._pool, self._decodes, self._prefills, self._conductor):
             if pool is not None:
                 await pool.close()
@@ -191,6 +196,7 @@ class GatewayService(Service):
             "limits": asdict(self.settings.limits),
             "tokenizer": None if self._prompts is None else self._prompts.info(),
             "memory": {"rss_bytes": rss_bytes(), "trims": self.memory.trims},
+            "background_responses": None if self.background is None else self.background.info(),
         }
 
     # -- what the routes use -----------------------------------------------------------------------

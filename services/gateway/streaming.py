@@ -54,6 +54,10 @@ class EventStream(StreamingResponse):
         finally:
             self._on_close()
 
+    def close_generation(self) -> None:
+        """End the generation, for a stream read by the gateway itself (never sent as a response)."""
+        self._on_close()
+
     def relay(self, transform: Callable[[AsyncIterable[str | bytes]], AsyncIterable[str]]) -> EventStream:
         """These events rewritten by ``transform`` (another API's shape of them), with the same
         routing headers, ending the generation the same way."""

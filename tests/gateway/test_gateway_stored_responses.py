@@ -287,4 +287,5 @@ def test_input_items_and_the_context_of_the_next_turn() -> None:
 def test_the_metrics_name_the_stored_response_routes() -> None:
     assert route_pattern("/v1/responses/resp_1") == "/v1/responses/{id}"
     assert route_pattern("/v1/responses/resp_1/input_items") == "/v1/responses/{id}/input_items"
+    assert route_pattern("/v1/responses/resp_1/cancel") == "/v1/responses/{id}/cancel"
     assert route_pattern("/v1/nothing") == "other"
