@@ -1,16 +1,20 @@
 """Background responses: ``"background": true`` on ``POST /v1/responses``.
 
-The request is answered at once with the response ``queued``, and the response is made detached
-from it: ``GET /v1/responses/{id}`` follows it through ``in_progress`` to how it ended
-(``completed``, ``incomplete``, ``failed``, ``cancelled``), and ``POST /v1/responses/{id}/cancel``
-stops it. Background responses are stored responses (services/gateway/response_store.py): they
+The request is answered at once with the response ``queued`` (with ``stream``: its events, as they
+are made), and the response is made detached from it: ``GET /v1/responses/{id}`` follows it through
+``in_progress`` to how it ended (``completed``, ``incomplete``, ``failed``, ``cancelled``), ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` streams its events from after sequence number N
+(a client whose stream dropped picks it up there; without N, from the start), and ``POST
+/v1/responses/{id}/cancel`` stops it. Background responses are stored responses (services/gateway/response_store.py): they
 need ``store`` and a gateway that keeps responses.
 
 The route starts the chat completion as a stream, so checking, admission and placement happen in
 the request (a bad or refused request is still an HTTP error, not a failed response), then hands
 the stream to a task of this gateway's :class:`BackgroundResponses`, which makes the response from
 it as the streaming route does (``ResponseEvents``) and writes it to the record, which names this
-gateway (its instance id) while it runs. Any gateway of the deployment answers for it:
+gateway (its instance id) while it runs. Every event it makes is kept in Redis as it comes, and a
+stream of the response reads them there (waiting in ``XREAD`` for the next), so any gateway serves
+it, during the response or after, and every client reads the same events. Any gateway of the deployment answers for it:
 
 - **cancel** marks the record ``cancelled`` at once (a response that ended meanwhile stays as it
   ended) and raises its cancel flag; the gateway running it stops the generation (the workers
@@ -20,30 +24,33 @@ gateway (its instance id) while it runs. Any gateway of the deployment answers f
   so a cancel or a delete is never undone by it.
 - a gateway that stops (Ctrl-C, SIGTERM) fails what it still runs (``failed``, ``server_error``);
   a gateway that died is found out when its registry record has expired: the gateway asked next
-  about a response it ran reports it ``failed`` (and writes so).
+  about a response it ran reports it ``failed`` (and writes so; a stream of it ends with that).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisError
-from starlette.responses import JSONResponse
 from yutu.registry import Registry
 
 from services.gateway.errors import ApiError, invalid
 from services.gateway.response_store import ResponseStore, StoredResponse
 from services.gateway.responses_api import ResponseEvents, Shell
-from services.gateway.routing import routed_headers
 from services.gateway.streaming import EventStream
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.2  # how often a running background response looks for its cancel flag
+READ_BLOCK_MS = 500  # how long a stream waits in Redis for the next event before looking at the record
+LAST_EVENTS = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+)
 GATEWAY_KIND = "gateway"
 
 
@@ -60,9 +67,9 @@ class BackgroundResponses:
     async def start(
         self, shell: Shell, items: list[dict[str, Any]], owner: str, answer: EventStream,
         count_tokens: Callable[[str], int],
-    ) -> JSONResponse:  # fmt: skip
+    ) -> StoredResponse:  # fmt: skip
         """Keep the response ``queued`` and make it from ``answer`` (the chat completion's stream,
-        its generation started) in a task; the answer to the request that asked for it."""
+        its generation started) in a task; the response as it is kept now."""
         queued = StoredResponse(shell.response("queued", [], None), items, owner, self.instance_id)
         try:
             await self.store.save(queued)
@@ -75,29 +82,36 @@ class BackgroundResponses:
         self.tasks[shell.id] = task
         task.add_done_callback(lambda _: self.tasks.pop(shell.id, None))
         task.add_done_callback(lambda _: answer.close_generation())  # also if cancelled before it ran
-        return JSONResponse(queued.response, headers=routed_headers(answer.headers))
+        return queued
 
     async def _run(
         self, queued: StoredResponse, shell: Shell, answer: EventStream, count_tokens: Callable[[str], int]
     ) -> None:
+        """Make the response: its record written as it starts and as it ends, its events kept as
+        they come (for :meth:`stream`), the last one once the record says how it ended."""
         rid, owner = shell.id, queued.owner
-        events = ResponseEvents(shell, count_tokens)
+        made: list[tuple[int, str]] = []
+        events = ResponseEvents(shell, count_tokens, made)
         chat_events = answer.body_iterator
         watch = asyncio.create_task(self._watch(rid, asyncio.current_task()))
         ended: dict[str, Any] | None = None
         try:
+            events.start("queued")
             await self._write(rid, owner, shell.response("in_progress", [], None))
+            await self._keep(rid, made)
             async for data in chat_events:
                 events.feed(data if isinstance(data, str) else bytes(data).decode())
                 if events.ended:
                     break
+                await self._keep(rid, made)
             ended = events.final or shell.response(
                 "failed", events.output, None,
                 events.error or {"code": "server_error", "message": "the generation ended without an answer"},
             )  # fmt: skip
         except asyncio.CancelledError:
-            if rid in self._cancelled:  # the record says cancelled already
+            if rid in self._cancelled:  # the record says cancelled already (as the canceller wrote it)
                 self._cancelled.discard(rid)
+                ended = shell.response("cancelled", [], None)
                 return
             ended = shell.response("failed", events.output, None, _stopped(self.instance_id))
             raise
@@ -108,11 +122,16 @@ class BackgroundResponses:
                 await close()
             answer.close_generation()
             if ended is not None:
-                await self._write(rid, owner, ended, last=True)
+                after = await self._write(rid, owner, ended, last=True)
+                if after is not None:  # not deleted: its last event says what the record says
+                    events.ended_with(after.response)
+                    await self._keep(rid, made)
 
-    async def _write(self, rid: str, owner: str, response: dict[str, Any], last: bool = False) -> None:
-        """The record says ``response`` now, unless it has ended (cancelled) or is gone (deleted);
-        a Redis that cannot be reached is logged (a reader finds the response running)."""
+    async def _write(
+        self, rid: str, owner: str, response: dict[str, Any], last: bool = False
+    ) -> StoredResponse | None:
+        """The record says ``response`` now, unless it has ended (cancelled) or is gone (deleted):
+        the record as it is after. A Redis that cannot be reached is logged (None)."""
 
         def update(stored: StoredResponse) -> StoredResponse | None:
             if not stored.running:
@@ -120,11 +139,49 @@ class BackgroundResponses:
             return replace(stored, response=response, runner=None if last else stored.runner)
 
         try:
-            await self.store.change(rid, owner, update)
+            return await self.store.change(rid, owner, update)
         except ApiError as exc:
             log.warning(
                 "background response %s: could not write that it is %s: %s", rid, response["status"], exc
             )
+            return None
+
+    async def _keep(self, rid: str, made: list[tuple[int, str]]) -> None:
+        """The events made since the last call, kept for the clients that stream the response."""
+        if not made:
+            return
+        try:
+            await self.store.append_events(rid, made)
+        except ApiError as exc:
+            log.warning("background response %s: could not keep %d events: %s", rid, len(made), exc)
+        made.clear()
+
+    async def stream(self, stored: StoredResponse, after: int) -> AsyncIterator[str]:
+        """The events of a background response after sequence number ``after`` (-1: all of them),
+        as they are made, until its last one. One whose gateway died before it sent a last event
+        ends with one saying how it ended (as its record does)."""
+        rid = stored.response["id"]
+        try:
+            while True:
+                got = await self.store.read_events(rid, after, READ_BLOCK_MS)
+                if not got:
+                    now = await self.store.load(rid, stored.owner)
+                    if now is None:
+                        return  # deleted
+                    now = await self.settled(now)
+                    if now.running:
+                        continue
+                    got = await self.store.read_events(rid, after, None)  # its last events, if they came
+                    if not any(_is_last(text) for _, text in got):
+                        got.append((after + len(got) + 1, _event(f"response.{now.response['status']}",
+                                                                 after + len(got) + 1, response=now.response)))  # fmt: skip
+                for sequence, text in got:
+                    yield text
+                    after = sequence
+                    if _is_last(text):
+                        return
+        except ApiError as err:  # Redis away mid-stream: said as the stream's error event
+            yield _event("error", after + 1, code="server_error", message=err.message, param=None)
 
     async def _watch(self, rid: str, task: asyncio.Task[Any] | None) -> None:
         """Stop ``task`` once a cancel is asked for, on any gateway."""
@@ -194,6 +251,17 @@ class BackgroundResponses:
 
     def info(self) -> dict[str, Any]:
         return {"running": sorted(self.tasks)}
+
+
+def _event(type_: str, sequence: int, **fields: Any) -> str:
+    payload = {"type": type_, "sequence_number": sequence, **fields}
+    return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+
+
+def _is_last(text: str) -> bool:
+    """Whether a response's event ends its stream (its status's, or an error)."""
+    kind = text.partition("\n")[0].removeprefix("event: ")
+    return kind in LAST_EVENTS
 
 
 def _cancellable(stored: StoredResponse) -> StoredResponse:

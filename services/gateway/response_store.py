@@ -9,7 +9,9 @@ usable for as long as it is kept itself, whatever became of the ones before it.
 
 A background response's record is written when it is queued and rewritten as it runs; while it
 runs it names the gateway running it (``runner``), and ``{key}:cancel`` is the flag a cancel on
-any gateway raises for it (services/gateway/background.py). Records change with optimistic
+any gateway raises for it (services/gateway/background.py); its events, as a stream of it sends them,
+are kept under ``{key}:events`` (a Redis stream, the entry of event N with id ``0-{N+1}``) for the
+clients that stream it, from its start or from where they were. Records change with optimistic
 transactions (``WATCH``), so a cancel and the runner's last write never undo one another.
 
 Every gateway of a deployment shares the Redis, so a conversation may move between gateways from
@@ -119,6 +121,32 @@ class ResponseStore:
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
 
+    async def append_events(self, response_id: str, events: list[tuple[int, str]]) -> None:
+        """Keep a background response's events (sequence number, the event as sent), in order."""
+        key = self.key(response_id) + ":events"
+        pipe = self.redis.pipeline(transaction=False)
+        for sequence, text in events:
+            pipe.xadd(key, {"e": text}, id=f"0-{sequence + 1}")
+        pipe.pexpire(key, self.ttl_ms)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from None
+
+    async def read_events(self, response_id: str, after: int, block_ms: int | None) -> list[tuple[int, str]]:
+        """A background response's events after sequence number ``after``, waiting up to
+        ``block_ms`` for one when there is none yet (None: not waiting)."""
+        key = self.key(response_id) + ":events"
+        try:
+            got: Any = await self.redis.xread({key: f"0-{after + 1}"}, block=block_ms)  # [(key, entries)]
+        except (RedisError, OSError) as exc:
+            raise _unavailable(exc) from None
+        return [
+            (int(entry_id.decode().partition("-")[2]) - 1, fields[b"e"].decode())
+            for _, entries in got
+            for entry_id, fields in entries
+        ]
+
     async def cancel_requested(self, response_id: str) -> bool:
         try:
             return bool(await self.redis.exists(self.key(response_id) + ":cancel"))
@@ -137,8 +165,9 @@ class ResponseStore:
         """Delete ``owner``'s response ``response_id``; False when there is none."""
         if await self.load(response_id, owner) is None:
             return False
+        key = self.key(response_id)
         try:
-            return bool(await self.redis.delete(self.key(response_id)))
+            return bool(await self.redis.delete(key, key + ":events"))
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
 

@@ -541,7 +541,12 @@ class ResponseEvents:
     the last one (``response.completed`` or ``.incomplete``) waits in :attr:`final` until
     :meth:`completed` sends it, so that the response is kept before a client can name it."""
 
-    def __init__(self, shell: Shell, count_tokens: Callable[[str], int]) -> None:
+    def __init__(
+        self, shell: Shell, count_tokens: Callable[[str], int], log: list[tuple[int, str]] | None = None
+    ) -> None:
+        """``log``: where each event goes too, with its sequence number, as it is made (a background
+        response's events are kept for the clients that stream them)."""
+        self.log = log
         self.shell = shell
         self.count_tokens = count_tokens
         self.sequence = 0
@@ -560,13 +565,17 @@ class ResponseEvents:
 
     def _event(self, type_: str, **fields: Any) -> str:
         payload = {"type": type_, "sequence_number": self.sequence, **fields}
+        text = f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+        if self.log is not None:
+            self.log.append((self.sequence, text))
         self.sequence += 1
-        return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+        return text
 
-    def start(self) -> str:
-        shell = self.shell.response("in_progress", [], None)
-        return self._event("response.created", response=shell) + self._event(
-            "response.in_progress", response=shell
+    def start(self, created: str = "in_progress") -> str:
+        """The first events: ``response.created`` (the response ``created``: queued, for a
+        background one) and ``response.in_progress``."""
+        return self._event("response.created", response=self.shell.response(created, [], None)) + self._event(
+            "response.in_progress", response=self.shell.response("in_progress", [], None)
         )
 
     def _where(self) -> dict[str, Any]:
@@ -685,4 +694,8 @@ class ResponseEvents:
     def completed(self) -> str:
         """The last event, carrying :attr:`final` (as it is now: ``store`` false if it could not be kept)."""
         assert self.final is not None, "the chat stream has not ended"
-        return self._event(f"response.{self.final['status']}", response=self.final)
+        return self.ended_with(self.final)
+
+    def ended_with(self, response: dict[str, Any]) -> str:
+        """The last event of a response that ended as ``response`` says (its status names it)."""
+        return self._event(f"response.{response['status']}", response=response)

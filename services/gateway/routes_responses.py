@@ -82,7 +82,10 @@ async def create_response(body: ResponsesRequest, request: Request, gw: GatewayD
 
     if body.background:
         assert isinstance(answer, EventStream) and gw.background is not None
-        return await gw.background.start(shell, items, owner, answer, count_tokens)
+        queued = await gw.background.start(shell, items, owner, answer, count_tokens)
+        if body.stream:  # its events as they are kept: the same a later GET ?stream=true reads
+            return EventStream(gw.background.stream(queued, -1), _nothing, routed_headers(answer.headers))
+        return JSONResponse(queued.response, headers=routed_headers(answer.headers))
     if isinstance(answer, EventStream):
         events = ResponseEvents(shell, count_tokens)
         return answer.relay(lambda chat_events: _responses_events(events, chat_events, kept))
@@ -105,12 +108,10 @@ def _check_background(body: ResponsesRequest, store: ResponseStore | None) -> No
         )
     if body.store is False:
         raise invalid("background responses are stored: leave store out, or set it true", "store")
-    if body.stream:
-        raise invalid(
-            "stream with background is not supported: poll GET /v1/responses/{id} until the response"
-            " has ended, or stream without background",
-            "stream",
-        )
+
+
+def _nothing() -> None:
+    """What ends a stream of kept events: nothing (the response goes on without its reader)."""
 
 
 async def _previous(gw: GatewayDep, response_id: str, owner: str) -> StoredResponse:
@@ -177,11 +178,26 @@ def _not_found(store: ResponseStore | None, response_id: str) -> ApiError:
 
 
 @router.get("/v1/responses/{response_id}", response_model=None, responses=api_responses(404, 503))
-async def get_response(response_id: str, request: Request, gw: GatewayDep, stream: bool = False) -> Response:
-    """A stored response, as it was answered."""
-    if stream:
-        raise invalid("streaming a stored response again is not supported: leave stream out", "stream")
-    return JSONResponse((await _stored(gw, request, response_id)).response)
+async def get_response(
+    response_id: str,
+    request: Request,
+    gw: GatewayDep,
+    stream: bool = False,
+    starting_after: int | None = None,
+) -> Response:
+    """A stored response, as it was answered (a background one: as it is now); ``stream=true``: a
+    background response's events, from its first or from after ``starting_after``, until its last."""
+    if starting_after is not None and (not stream or starting_after < 0):
+        raise invalid("starting_after is a sequence number (0 or more) to stream from, with stream=true",
+                      "starting_after")  # fmt: skip
+    found = await _stored(gw, request, response_id)
+    if not stream:
+        return JSONResponse(found.response)
+    if not found.response.get("background"):
+        raise invalid("only background responses can be streamed again: leave stream out", "stream")
+    assert gw.background is not None
+    after = -1 if starting_after is None else starting_after
+    return EventStream(gw.background.stream(found, after), _nothing, {})
 
 
 @router.delete("/v1/responses/{response_id}", response_model=None, responses=api_responses(404, 503))

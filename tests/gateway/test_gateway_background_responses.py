@@ -82,6 +82,12 @@ def test_a_background_response_equals_the_foreground_one(stack: Stack) -> None:
     )
     then = client.responses.create(previous_response_id=made.id, **{**asked, "input": "and then?"})  # type: ignore[arg-type]
     assert then.usage is not None and then.usage.input_tokens > got.usage.input_tokens  # its turn was kept
+    streamed = list(client.responses.create(background=True, stream=True, **asked))  # type: ignore[call-overload]
+    assert streamed[0].type == "response.created" and streamed[0].response.status == "queued"
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    assert streamed[-1].type == "response.incomplete" and streamed[-1].response.output_text == ref.output_text
+    resumed = list(client.responses.retrieve(streamed[-1].response.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in streamed[3:]]
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a response that is incomplete"):
         client.responses.cancel(made.id)
     with pytest.raises(openai.BadRequestError, match="background true"):
@@ -210,6 +216,15 @@ async def test_a_gateway_that_died_leaves_it_failed(
                 assert got["status"] == "failed" and runner["runner"] in got["error"]["message"]
                 cancel = await http.post(f"/v1/responses/{made['id']}/cancel")
                 assert cancel.status_code == 400 and "failed" in cancel.json()["error"]["message"]
+                streamed = sse(
+                    (await http.get(f"/v1/responses/{made['id']}", params={"stream": "true"})).text
+                )
+                assert [e["type"] for e in streamed] == [
+                    "response.created",
+                    "response.in_progress",
+                    "response.failed",
+                ]
+                assert streamed[-1]["response"] == got and streamed[-1]["sequence_number"] == 2
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -221,10 +236,9 @@ async def test_what_background_needs_is_asked_for(
 ) -> None:
     async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            for extra, param in (({"store": False}, "store"), ({"stream": True}, "stream")):
-                body = {"model": MODEL_NAME, "input": "hi", "background": True, **extra}
-                reply = await http.post("/v1/responses", json=body)
-                assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+            body = {"model": MODEL_NAME, "input": "hi", "background": True, "store": False}
+            reply = await http.post("/v1/responses", json=body)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "store"
             assert fake_worker.requests.empty()
     settings = gateway_settings(tiny_model, redis_url, registry_prefix, responses_ttl_s=0)
     async with running_gateway(settings, connected_workers=0) as (url, gw):
@@ -235,3 +249,76 @@ async def test_what_background_needs_is_asked_for(
             )
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "background"
             assert (await http.post("/v1/responses/resp_1/cancel")).status_code == 404
+
+
+def sse(text: str) -> list[dict[str, Any]]:
+    """The payloads of a Responses stream's events, in order."""
+    return [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n") if "data: " in block]
+
+
+async def read_until(lines: Any, seen: list[dict[str, Any]], kind: str) -> None:
+    """Read the event stream's lines into ``seen`` until an event of type ``kind`` has come."""
+    async for line in lines:
+        if line.startswith("data: "):
+            seen.append(json.loads(line[6:]))
+            if seen[-1]["type"] == kind:
+                return
+    raise AssertionError(f"the stream ended before a {kind} event: {[e['type'] for e in seen]}")
+
+
+async def test_its_events_stream_as_made_and_again_from_where_a_client_was(
+    tiny_model: Path, redis_url: str, registry_prefix: str, fake_worker: FakeWorker
+) -> None:
+    """background and stream: the events as they are made; GET ?stream=true&starting_after=N on
+    another gateway, mid-response: the same events after N, the same end; a cancel ends a stream
+    with response.cancelled."""
+    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, gw), \
+            running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (other_url, _):  # fmt: skip
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http, \
+                httpx.AsyncClient(base_url=other_url, timeout=30) as there:  # fmt: skip
+            body = {
+                "model": MODEL_NAME,
+                "input": "hi",
+                "background": True,
+                "stream": True,
+                "max_output_tokens": 3,
+            }
+            async with http.stream("POST", "/v1/responses", json=body) as posted:
+                assert posted.status_code == 200 and posted.headers["content-type"].startswith(
+                    "text/event-stream"
+                )
+                lines, seen = posted.aiter_lines(), []
+                ident, req = await fake_worker.next_request()
+                await read_until(lines, seen, "response.in_progress")
+                assert seen[0]["type"] == "response.created" and seen[0]["response"]["status"] == "queued"
+                rid = seen[0]["response"]["id"]
+                await fake_worker.send(ident, TokenDelta(req.request_id, [376], num_prompt_tokens=9))
+                await read_until(lines, seen, "response.output_text.delta")
+                mark = seen[-1]["sequence_number"]
+                async with there.stream("GET", f"/v1/responses/{rid}",
+                                        params={"stream": "true", "starting_after": mark}) as resumed:  # fmt: skip
+                    await fake_worker.send(ident, TokenDelta(req.request_id, [377, 378], finish_reason="length",
+                                                             num_prompt_tokens=9))  # fmt: skip
+                    await read_until(lines, seen, "response.incomplete")
+                    rest = sse((await resumed.aread()).decode())
+            assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+            assert rest == seen[mark + 1 :]
+            assert seen[-1]["response"] == (await http.get(f"/v1/responses/{rid}")).json()
+            text = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+            assert text == gw.tokenizer.decode([376, 377, 378])
+            whole = sse((await there.get(f"/v1/responses/{rid}", params={"stream": "true"})).text)
+            assert whole == seen  # kept whole: streamed again from the start, after it ended
+
+            made, ident, req = await started(http, fake_worker, max_output_tokens=50)
+            async with there.stream(
+                "GET", f"/v1/responses/{made['id']}", params={"stream": "true"}
+            ) as watched:
+                lines, seen = watched.aiter_lines(), []
+                await read_until(lines, seen, "response.in_progress")
+                assert (await http.post(f"/v1/responses/{made['id']}/cancel")).status_code == 200
+                await read_until(lines, seen, "response.cancelled")
+            assert seen[-1]["response"]["status"] == "cancelled"
+            await fake_worker.wait_abort(req.request_id)
+            for params in ({"starting_after": 1}, {"stream": "true", "starting_after": -1}):
+                reply = await http.get(f"/v1/responses/{rid}", params=params)
+                assert reply.status_code == 400 and reply.json()["error"]["param"] == "starting_after"
