@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.2  # how often a running background response looks for its cancel flag
 READ_BLOCK_MS = 500  # how long a stream waits in Redis for the next event before looking at the record
+# the events a kept stream ends with (an error event comes before a response.failed)
 LAST_EVENTS = frozenset(
-    {"response.completed", "response.incomplete", "response.failed", "response.cancelled", "error"}
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 )
 GATEWAY_KIND = "gateway"
 
@@ -259,7 +260,7 @@ def _event(type_: str, sequence: int, **fields: Any) -> str:
 
 
 def _is_last(text: str) -> bool:
-    """Whether a response's event ends its stream (its status's, or an error)."""
+    """Whether a kept event ends its response's stream (the one of the status it ended with)."""
     kind = text.partition("\n")[0].removeprefix("event: ")
     return kind in LAST_EVENTS
 

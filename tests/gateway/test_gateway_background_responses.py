@@ -31,7 +31,7 @@ from gateway_support import (
     running_gateway,
     start_gateway,
 )
-from yutu.protocol.generate import GenerateRequest, TokenDelta
+from yutu.protocol.generate import GenerateRequest, RequestFailed, TokenDelta
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")
 
@@ -322,3 +322,23 @@ async def test_its_events_stream_as_made_and_again_from_where_a_client_was(
             for params in ({"starting_after": 1}, {"stream": "true", "starting_after": -1}):
                 reply = await http.get(f"/v1/responses/{rid}", params=params)
                 assert reply.status_code == 400 and reply.json()["error"]["param"] == "starting_after"
+
+
+async def test_a_generation_that_fails_ends_it_failed(
+    tiny_model: Path, redis_url: str, registry_prefix: str, fake_worker: FakeWorker
+) -> None:
+    """The worker fails it mid-answer: failed with the worker's reason; its stream ends with the
+    error event, then response.failed carrying what the record says."""
+    async with running_gateway(gateway_settings(tiny_model, redis_url, registry_prefix)) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            made, ident, req = await started(http, fake_worker, max_output_tokens=50)
+            await fake_worker.send(ident, TokenDelta(req.request_id, [376], num_prompt_tokens=9))
+            await fake_worker.send(
+                ident, RequestFailed(req.request_id, "internal_error", "engine step failed")
+            )
+            done = await until_status(http, made["id"])
+            assert done["status"] == "failed" and done["error"]["code"] == "server_error"
+            assert "engine step failed" in done["error"]["message"]
+            streamed = sse((await http.get(f"/v1/responses/{made['id']}", params={"stream": "true"})).text)
+            assert [e["type"] for e in streamed][-2:] == ["error", "response.failed"]
+            assert streamed[-1]["response"] == done
