@@ -30,7 +30,6 @@ it, during the response or after, and every client reads the same events. Any ga
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -41,7 +40,7 @@ from yutu.registry import Registry
 
 from services.gateway.errors import ApiError, invalid
 from services.gateway.response_store import ResponseStore, StoredResponse
-from services.gateway.responses_api import ResponseEvents, Shell
+from services.gateway.responses_api import ResponseEvents, Shell, response_event
 from services.gateway.streaming import EventStream
 
 log = logging.getLogger(__name__)
@@ -174,15 +173,16 @@ class BackgroundResponses:
                         continue
                     got = await self.store.read_events(rid, after, None)  # its last events, if they came
                     if not any(_is_last(text) for _, text in got):
-                        got.append((after + len(got) + 1, _event(f"response.{now.response['status']}",
-                                                                 after + len(got) + 1, response=now.response)))  # fmt: skip
+                        last = after + len(got) + 1
+                        got.append((last, response_event(f"response.{now.response['status']}", last,
+                                                         response=now.response)))  # fmt: skip
                 for sequence, text in got:
                     yield text
                     after = sequence
                     if _is_last(text):
                         return
         except ApiError as err:  # Redis away mid-stream: said as the stream's error event
-            yield _event("error", after + 1, code="server_error", message=err.message, param=None)
+            yield response_event("error", after + 1, code="server_error", message=err.message, param=None)
 
     async def _watch(self, rid: str, task: asyncio.Task[Any] | None) -> None:
         """Stop ``task`` once a cancel is asked for, on any gateway."""
@@ -252,11 +252,6 @@ class BackgroundResponses:
 
     def info(self) -> dict[str, Any]:
         return {"running": sorted(self.tasks)}
-
-
-def _event(type_: str, sequence: int, **fields: Any) -> str:
-    payload = {"type": type_, "sequence_number": sequence, **fields}
-    return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
 
 
 def _is_last(text: str) -> bool:

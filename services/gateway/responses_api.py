@@ -534,6 +534,12 @@ def response_object(
     return shell.response(status, output, _usage(completion.get("usage"), count_tokens(reasoning or "")))
 
 
+def response_event(type_: str, sequence: int, **fields: Any) -> str:
+    """One server-sent event of a Responses stream: its type, its ``sequence_number``, its fields."""
+    payload = {"type": type_, "sequence_number": sequence, **fields}
+    return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+
+
 class ResponseEvents:
     """A streamed chat completion's events, as the Responses API streams them (module docstring).
 
@@ -564,8 +570,7 @@ class ResponseEvents:
         self._pending = ""
 
     def _event(self, type_: str, **fields: Any) -> str:
-        payload = {"type": type_, "sequence_number": self.sequence, **fields}
-        text = f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+        text = response_event(type_, self.sequence, **fields)
         if self.log is not None:
             self.log.append((self.sequence, text))
         self.sequence += 1
