@@ -98,6 +98,7 @@ from yutu.transfer.tcp_client import default_lanes  # noqa: E402
 from yutu.transfer.tcp_wire import (  # noqa: E402
     DEFAULT_CONGESTION,
     check_congestion,
+    congestion_flag,
     host_congestion,
     parse_congestion,
 )
@@ -141,7 +142,7 @@ class Store:
         self.group.spawn("node", python_module("services.store_node.main", *common, "--admin-port",
                                                str(node_admin), "--instance-id", "bench-node", "--segment-size",
                                                str(self.node_bytes), "--tcp-congestion",
-                                               self.tcp_congestion or "system"),
+                                               congestion_flag(self.tcp_congestion)),
                          ready_url=f"http://127.0.0.1:{node_admin}/ready", env=env)  # fmt: skip
         self.group.wait_ready(30)
 
@@ -408,7 +409,7 @@ def main() -> int:
     parser.add_argument("--master-spin-us", type=int, default=None,
                         help="the store master's --spin-us: how long its stream RPC polls after a reply while "
                         "calls come back to back (default: the master's own default; 0 measures it asleep)")  # fmt: skip
-    parser.add_argument("--tcp-congestion", default=DEFAULT_CONGESTION or "system",
+    parser.add_argument("--tcp-congestion", default=congestion_flag(DEFAULT_CONGESTION),
                         help="TCP congestion control of the store's data connections and of the socket "
                         "baselines ('system': the host's default; the Mooncake peer always keeps the host's; "
                         "default %(default)s, the store's own default)")  # fmt: skip

@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +83,15 @@ class ResponseStore:
     def key(self, response_id: str) -> str:
         return f"{self.prefix}:response:{response_id}"
 
+    def _events_key(self, response_id: str) -> str:
+        return self.key(response_id) + ":events"
+
+    def _cancel_key(self, response_id: str) -> str:
+        return self.key(response_id) + ":cancel"
+
     async def save(self, stored: StoredResponse) -> None:
-        try:
+        with _reachable():
             await self.redis.set(self.key(stored.response["id"]), _record(stored), px=self.ttl_ms)
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
 
     async def change(
         self, response_id: str, owner: str, update: Callable[[StoredResponse], StoredResponse | None]
@@ -95,7 +100,7 @@ class ResponseStore:
         record as it is and returns the new one (kept for the TTL from now), or None to leave it.
         Returns the record as it is after; None when there is none."""
         key = self.key(response_id)
-        try:
+        with _reachable():
             async with self.redis.pipeline() as pipe:
                 while True:
                     try:
@@ -111,65 +116,51 @@ class ResponseStore:
                         return new
                     except WatchError:  # written meanwhile: look again
                         continue
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
 
     async def request_cancel(self, response_id: str) -> None:
         """Raise the flag the gateway running ``response_id`` looks for."""
-        try:
-            await self.redis.set(self.key(response_id) + ":cancel", b"1", px=self.ttl_ms)
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
+        with _reachable():
+            await self.redis.set(self._cancel_key(response_id), b"1", px=self.ttl_ms)
+
+    async def cancel_requested(self, response_id: str) -> bool:
+        with _reachable():
+            return bool(await self.redis.exists(self._cancel_key(response_id)))
 
     async def append_events(self, response_id: str, events: list[tuple[int, str]]) -> None:
         """Keep a background response's events (sequence number, the event as sent), in order."""
-        key = self.key(response_id) + ":events"
+        key = self._events_key(response_id)
         pipe = self.redis.pipeline(transaction=False)
         for sequence, text in events:
             pipe.xadd(key, {"e": text}, id=f"0-{sequence + 1}")
         pipe.pexpire(key, self.ttl_ms)
-        try:
+        with _reachable():
             await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
 
     async def read_events(self, response_id: str, after: int, block_ms: int | None) -> list[tuple[int, str]]:
         """A background response's events after sequence number ``after``, waiting up to
         ``block_ms`` for one when there is none yet (None: not waiting)."""
-        key = self.key(response_id) + ":events"
-        try:
-            got: Any = await self.redis.xread({key: f"0-{after + 1}"}, block=block_ms)  # [(key, entries)]
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
+        with _reachable():
+            got: Any = await self.redis.xread(  # [(key, entries)]
+                {self._events_key(response_id): f"0-{after + 1}"}, block=block_ms
+            )
         return [
             (int(entry_id.decode().partition("-")[2]) - 1, fields[b"e"].decode())
             for _, entries in got
             for entry_id, fields in entries
         ]
 
-    async def cancel_requested(self, response_id: str) -> bool:
-        try:
-            return bool(await self.redis.exists(self.key(response_id) + ":cancel"))
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
-
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response ``response_id`` of ``owner``; None when there is none (or it is another's)."""
-        try:
+        with _reachable():
             raw = await self.redis.get(self.key(response_id))
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
         return _decoded(raw, owner)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """Delete ``owner``'s response ``response_id``; False when there is none."""
         if await self.load(response_id, owner) is None:
             return False
-        key = self.key(response_id)
-        try:
-            return bool(await self.redis.delete(key, key + ":events"))
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
+        with _reachable():
+            return bool(await self.redis.delete(self.key(response_id), self._events_key(response_id)))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -191,8 +182,13 @@ def _decoded(raw: bytes | str | None, owner: str) -> StoredResponse | None:
     return StoredResponse(record["response"], record["items"], owner, record.get("runner"))
 
 
-def _unavailable(exc: Exception) -> ApiError:
-    log.warning("the response store (Redis) failed: %s", exc)
-    return ApiError.of_kind(
-        ErrorKind.UNAVAILABLE, f"stored responses are unavailable: Redis did not answer ({exc}); retry"
-    )
+@contextmanager
+def _reachable() -> Iterator[None]:
+    """Redis calls whose failure is the 503 the routes answer (logged)."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        log.warning("the response store (Redis) failed: %s", exc)
+        raise ApiError.of_kind(
+            ErrorKind.UNAVAILABLE, f"stored responses are unavailable: Redis did not answer ({exc}); retry"
+        ) from None

@@ -10,7 +10,7 @@ from functools import partial
 from yutu.config import ServiceSettings, add_common_options, option
 from yutu.service import HttpServer, admin_app, run_main, serve
 from yutu.store.types import parse_size
-from yutu.transfer.tcp_wire import DEFAULT_CONGESTION, parse_congestion
+from yutu.transfer.tcp_wire import CONGESTION_HELP, DEFAULT_CONGESTION, congestion_flag, parse_congestion
 
 from services.store_node.settings import NodeSettings
 
@@ -26,9 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own(g, "--transfer-port", default=0, type=int, help="TCP port of the transfer data server; 0: any")
     own(g, "--transports", default="shm,tcp", help="comma-separated transports to serve: shm, tcp")
     own(g, "--tcp-connections", default=4, type=int, help="TCP connections per peer")
-    own(g, "--tcp-congestion", default=DEFAULT_CONGESTION or "system",
-        help="TCP congestion control of the data connections: Reno sends a read at once, where a pacing"
-        " default (BBR) spaces it out with timers; 'system' keeps the host's default")  # fmt: skip
+    own(g, "--tcp-congestion", default=congestion_flag(DEFAULT_CONGESTION), help=CONGESTION_HELP)
     own(g, "--admin-port", default=0, type=int, help="admin REST port; 0 picks a free port")
     own(g, "--heartbeat-interval", default=1.0, type=float, help="seconds between heartbeats to the master")
     own(g, "--prefault", default=True, type=bool,

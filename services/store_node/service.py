@@ -30,6 +30,7 @@ from yutu.store.mount import UNREACHABLE, MountedSegment
 from yutu.supervise import cancel_and_wait
 from yutu.transfer import Region, SegmentDirectory, TransferEngine
 from yutu.transfer.region import reclaim_stale_regions
+from yutu.transfer.tcp_wire import congestion_flag
 
 from services.store_node.disk import DiskTierFiles
 from services.store_node.settings import REGION_NAME, NodeSettings
@@ -198,7 +199,7 @@ class StoreNodeService(Service):
             if self.engine is None or self.engine.endpoint is None
             else list(self.engine.endpoint),
             "transports": list(s.transports),
-            "tcp_congestion": s.tcp_congestion or "system",
+            "tcp_congestion": congestion_flag(s.tcp_congestion),
             "mounted": self.mounted,
             "master": None if self.master is None else self.master.endpoint,
             "disk_dir": s.disk_dir,

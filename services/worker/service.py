@@ -52,6 +52,7 @@ from yutu.rpc import RpcClient
 from yutu.service import Service
 from yutu.store.client import StoreClient, StoreClientConfig
 from yutu.transfer import SegmentDirectory, TransferEngine
+from yutu.transfer.tcp_wire import congestion_flag
 from yutu.worker.kv_region import KVRegion
 from yutu.worker.write_behind import WriteBehind
 
@@ -471,7 +472,7 @@ class WorkerService(Service):
                 "torch_threads": engine.torch_threads,
                 "prefill_threads": engine.prefill_threads,
                 "busy_poll_us": self.settings.busy_poll_us,
-                "tcp_congestion": self.settings.tcp_congestion or "system",
+                "tcp_congestion": congestion_flag(self.settings.tcp_congestion),
                 "engine_core": self.settings.engine_core,
                 "engine_pid": self._loop_engine.pid,
                 "engine_gc_frozen_objects": engine.gc_frozen_objects,  # None: the engine is on a thread

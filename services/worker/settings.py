@@ -25,7 +25,13 @@ from yutu.config import (
     add_model_options,
     option,
 )
-from yutu.transfer.tcp_wire import DEFAULT_CONGESTION, check_congestion, parse_congestion
+from yutu.transfer.tcp_wire import (
+    CONGESTION_HELP,
+    DEFAULT_CONGESTION,
+    check_congestion,
+    congestion_flag,
+    parse_congestion,
+)
 
 ROLES = ("mixed", "prefill", "decode")
 SCOPES = {"mixed": "worker", "prefill": "prefill", "decode": "decode"}  # role -> registry kind, env scope
@@ -279,8 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser, role: str = "mixed") -> None:
     own(
         net,
         "--tcp-congestion",
-        default=DEFAULT_CONGESTION or "system",
-        help="TCP congestion control of the KV data connections: Reno sends a KV burst at once, where a"
-        " pacing default (BBR) spaces it out with timers; 'system' keeps the host's default",
+        default=congestion_flag(DEFAULT_CONGESTION),
+        help=CONGESTION_HELP,
     )
     add_common_options(parser)

@@ -273,9 +273,20 @@ def tune_socket(sock: socket.socket, congestion: str | None = DEFAULT_CONGESTION
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode("ascii"))
 
 
+CONGESTION_HELP = (
+    "TCP congestion control of the KV data connections: Reno sends a burst at once, where a pacing"
+    " default (BBR) spaces it out with timers; 'system' keeps the host's default"
+)
+
+
 def parse_congestion(value: str) -> str | None:
     """``--tcp-congestion``'s value: an algorithm's name, or ``system`` (None: the host's default)."""
     return None if value == "system" else value
+
+
+def congestion_flag(congestion: str | None) -> str:
+    """``congestion`` as ``--tcp-congestion`` names it (the inverse of :func:`parse_congestion`)."""
+    return "system" if congestion is None else congestion
 
 
 def check_congestion(congestion: str | None) -> None:
